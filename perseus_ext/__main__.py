@@ -1,0 +1,3 @@
+from perseus_ext.cli import main
+
+raise SystemExit(main())

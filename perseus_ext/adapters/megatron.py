@@ -1,0 +1,492 @@
+"""Megatron integration: `--perseus` flags and per-computation clocks in megatron-core's schedules.
+
+The adapter is thin: all planning, profiling, clock control and straggler handling live in
+`perseus_ext.runtime.PerseusRuntime` (shared with the DeepSpeed adapter). This module only
+
+* adds the `--perseus*` argument group (usable as Megatron-LM's `extra_args_provider`);
+* wraps megatron-core's `forward_backward_pipelining_without_interleaving` /
+  `..._with_interleaving` (one training iteration) and the module-level `forward_step` /
+  `backward_step` those schedules call, so every computation reports (kind, microbatch, chunk)
+  to the runtime right before and after it runs.
+
+Why wrap module functions instead of subclassing: megatron-core's schedules are plain functions
+that look `forward_step`/`backward_step` up in their module at call time, and their signatures
+change between releases. The wrappers bind arguments by *name* with `inspect.signature`, so they
+only rely on a few long-lived parameter names (`model`, `output_tensor`, `num_microbatches`),
+and they identify computations from the schedule's own objects: the chunk is the position of the
+`model` argument in the iteration's model list, the microbatch is the running forward count of
+that chunk, and a backward is matched to its forward through the identity of the output tensor
+the schedule hands back. Nothing is synchronised on the device.
+
+The plan lists each stage's computations in the order `perseus_ext.planning.schedule` predicts
+(the interleaved order is built with megatron's own `microbatch_group_size_per_vp_stage`). The
+runtime checks every reported computation against that order; on the first mismatch (a
+megatron-core version that reorders work, an unsupported schedule option such as the combined
+1F1B MoE path, ...) it logs one error naming both computations and runs that rank at default
+clocks from then on, still joining the runtime's collectives. Training is never interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import functools
+import importlib
+import inspect
+import json
+import logging
+import os
+import re
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from perseus_ext.errors import ConfigError
+from perseus_ext.planning.schedule import (
+    Kind,
+    PipelineSchedule,
+    build_schedule,
+    interleaved,
+)
+
+log = logging.getLogger("perseus_ext.megatron")
+_KEY = re.compile(r"\bperseus\.(\w+)")
+
+_SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
+_WITHOUT_INTERLEAVING = "forward_backward_pipelining_without_interleaving"
+_WITH_INTERLEAVING = "forward_backward_pipelining_with_interleaving"
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+
+
+def _config_fields() -> list[dataclasses.Field]:
+    """The `PerseusConfig` keys that get a `--perseus-<key>` flag (scalars and lists)."""
+    from perseus_ext.runtime import PerseusConfig
+
+    return [f for f in dataclasses.fields(PerseusConfig) if f.init and f.name != "enabled"]
+
+
+def _flag_type(field: dataclasses.Field) -> tuple[Callable[[str], Any], str | None]:
+    """argparse `type` and `nargs` for one config field. Values stay loosely typed here:
+    `PerseusConfig.from_dict` validates them and names the key when one is wrong."""
+    from perseus_ext.runtime import PerseusConfig
+
+    hint = typing.get_type_hints(PerseusConfig)[field.name]
+    members = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    if all(m is bool for m in members):
+        return _parse_bool, None
+    for member in members:
+        if typing.get_origin(member) in (list, tuple):
+            element = next((a for a in typing.get_args(member) if a is not Ellipsis), str)
+            return element, "+"
+    return _json_or_text, None
+
+
+def _json_or_text(text: str) -> Any:
+    """Numbers, null and JSON objects as JSON; anything else (e.g. `min`) as the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_perseus_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `perseus` argument group; returns the parser (Megatron-LM's
+    `extra_args_provider` contract).
+
+    `--perseus` turns the runtime on; `--perseus-config FILE` reads the same JSON section as the
+    DeepSpeed `"perseus"` key (a whole DeepSpeed config with a `"perseus"` key also works);
+    every key also has its own `--perseus-<key>` flag, which overrides the file.
+    """
+    group = parser.add_argument_group(
+        "perseus", "energy-bloat removal for pipeline parallelism (perseus-ext)"
+    )
+    group.add_argument(
+        "--perseus", action="store_true",
+        help="profile the pipeline, plan per-computation GPU clocks and deploy them",
+    )
+    group.add_argument(
+        "--perseus-config", metavar="FILE",
+        help="JSON file with the perseus section (same keys as the DeepSpeed 'perseus' key)",
+    )
+    for field in _config_fields():
+        flag_type, nargs = _flag_type(field)
+        metavar = "{true,false}" if flag_type is _parse_bool else ("N" if nargs else "VALUE")
+        group.add_argument(
+            f"--perseus-{field.name.replace('_', '-')}",
+            dest=f"perseus_{field.name}",
+            type=flag_type,
+            nargs=nargs,
+            default=None,
+            metavar=metavar,
+            help=f"overrides the config key '{field.name}' (see docs/megatron.md)",
+        )
+    return parser
+
+
+def chain_extra_args(
+    *providers: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None,
+) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """Combine several Megatron-LM `extra_args_provider`s (None entries are skipped)."""
+
+    def provide(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for provider in providers:
+            if provider is not None:
+                parser = provider(parser)
+        return parser
+
+    return provide
+
+
+def _read_config_file(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"--perseus-config: cannot read {path!r}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--perseus-config: {path!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--perseus-config: {path!r} must hold a JSON object")
+    if isinstance(data.get("perseus"), dict):
+        data = data["perseus"]  # a whole DeepSpeed config
+    return data
+
+
+def config_from_args(args: argparse.Namespace):
+    """The `PerseusConfig` the flags describe, or None when `--perseus` is off."""
+    from perseus_ext.runtime import PerseusConfig
+
+    if not getattr(args, "perseus", False):
+        return None
+    section: dict = {}
+    if getattr(args, "perseus_config", None):
+        section.update(_read_config_file(args.perseus_config))
+    for field in _config_fields():
+        value = getattr(args, f"perseus_{field.name}", None)
+        if value is not None:
+            section[field.name] = value
+    section["enabled"] = True
+    try:
+        return PerseusConfig.from_dict(section)
+    except ConfigError as exc:
+        flags = sorted({f"--perseus-{key.replace('_', '-')}" for key in _KEY.findall(str(exc))})
+        hint = f" (Megatron flag {', '.join(flags)} or --perseus-config)" if flags else ""
+        raise ConfigError(f"{exc}{hint}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Schedule observation
+# --------------------------------------------------------------------------------------------
+
+
+def _first_tensor(value: Any) -> Any:
+    """Megatron passes single tensors or one-element lists depending on the version/path."""
+    while isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    return value
+
+
+def _microbatch_group_size(model: Any) -> int | None:
+    """megatron-core's `microbatch_group_size_per_vp_stage` (None: its default, the PP size)."""
+    from megatron.core.utils import get_model_config
+
+    value = getattr(get_model_config(model), "microbatch_group_size_per_vp_stage", None)
+    return value if isinstance(value, int) else None
+
+
+@dataclasses.dataclass
+class _Iteration:
+    """Book-keeping for one training iteration on this stage."""
+
+    models: list[Any]
+    num_computations: int
+    forwards_per_chunk: list[int]
+    observed: int = 0
+    pending_backward: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+
+    def chunk_of(self, model: Any, vp_stage: Any) -> int | None:
+        for index, candidate in enumerate(self.models):
+            if candidate is model:
+                return index
+        return vp_stage if isinstance(vp_stage, int) else None
+
+
+class MegatronPerseus:
+    """Perseus on megatron-core's pipeline schedules for this process.
+
+    Created by `install()`. The runtime is built on the first training iteration, once
+    megatron's parallel state, the schedule and the number of microbatches are known (every
+    rank gets there at the same time, which the runtime's own process groups require).
+    """
+
+    def __init__(
+        self,
+        args: argparse.Namespace | None,
+        *,
+        gpu: Any = None,
+        policy: Any = None,
+        runtime_factory: Callable[..., Any] | None = None,
+    ) -> None:
+        self._args = args
+        self._gpu = gpu
+        self._policy = policy
+        self._runtime_factory = runtime_factory
+        self._config: Any = None
+        self.runtime: Any = None
+        self.schedule: PipelineSchedule | None = None
+        self.stage: int | None = None
+        self._iteration: _Iteration | None = None
+        self._unidentified: str | None = None
+        self._originals: dict[str, Callable] = {}
+        self._closed = False
+
+    # ---- installation ------------------------------------------------------------------
+
+    def _patch(self) -> None:
+        module = importlib.import_module(_SCHEDULES_MODULE)
+        wrappers = {
+            "forward_step": self._wrap_step(module.forward_step, Kind.FORWARD),
+            "backward_step": self._wrap_step(module.backward_step, Kind.BACKWARD),
+            _WITHOUT_INTERLEAVING: self._wrap_schedule(getattr(module, _WITHOUT_INTERLEAVING)),
+            _WITH_INTERLEAVING: self._wrap_schedule(getattr(module, _WITH_INTERLEAVING)),
+        }
+        for name, wrapper in wrappers.items():
+            self._originals[name] = getattr(module, name)
+            setattr(module, name, wrapper)
+
+    def _unpatch(self) -> None:
+        module = importlib.import_module(_SCHEDULES_MODULE)
+        for name, original in self._originals.items():
+            setattr(module, name, original)
+        self._originals.clear()
+
+    # ---- wrappers --------------------------------------------------------------------------
+
+    def _wrap_schedule(self, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def run_iteration(*args: Any, **kwargs: Any) -> Any:
+            if self._iteration is not None or self._closed:  # nested call / uninstalled
+                return original(*args, **kwargs)
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            if bound.get("forward_only") or not self._start_iteration(bound, original):
+                return original(*args, **kwargs)
+            try:
+                result = original(*args, **kwargs)
+            except BaseException:
+                # Training is failing anyway; skipping iteration_end (which may run collectives
+                # with ranks that are not coming) lets the error surface instead of a hang.
+                self._iteration = None
+                raise
+            self._iteration = None
+            self.runtime.iteration_end()
+            return result
+
+        return run_iteration
+
+    def _wrap_step(self, original: Callable, kind: Kind) -> Callable:
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def run_step(*args: Any, **kwargs: Any) -> Any:
+            iteration = self._iteration
+            if iteration is None:
+                return original(*args, **kwargs)
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            identity = self._identify(iteration, kind, bound)
+            if identity is None:  # the runtime notices the missing computation and falls back
+                return original(*args, **kwargs)
+            microbatch, chunk = identity
+            self.runtime.before_computation(kind, microbatch, chunk=chunk)
+            result = original(*args, **kwargs)
+            if kind is Kind.FORWARD:
+                output = _first_tensor(result[0] if isinstance(result, tuple) else result)
+                iteration.pending_backward[id(output)] = identity
+            self.runtime.after_computation(kind, microbatch, chunk=chunk)
+            iteration.observed += 1
+            if iteration.observed == iteration.num_computations:
+                self.runtime.mark_compute_end()  # what follows is the data-parallel grad sync
+            return result
+
+        return run_step
+
+    def _identify(self, iteration: _Iteration, kind: Kind, bound: dict) -> tuple[int, int] | None:
+        """(microbatch, chunk) of the computation megatron is about to run.
+
+        The runtime checks it against the plan's order and falls back to default clocks (one
+        error, training goes on) when megatron runs something else.
+        """
+        if kind is Kind.FORWARD:
+            chunk = iteration.chunk_of(bound.get("model"), bound.get("vp_stage"))
+            if chunk is None or not 0 <= chunk < len(iteration.forwards_per_chunk):
+                return self._cannot_identify("a forward step of a model chunk it was not given")
+            reported = bound.get("current_microbatch")
+            counted = iteration.forwards_per_chunk[chunk]
+            iteration.forwards_per_chunk[chunk] += 1
+            return (reported if isinstance(reported, int) else counted), chunk
+        output = _first_tensor(bound.get("output_tensor"))
+        identity = iteration.pending_backward.pop(id(output), None)
+        if identity is None:
+            return self._cannot_identify("a backward step of an output no observed forward made")
+        return identity
+
+    def _cannot_identify(self, what: str) -> None:
+        if self._unidentified is None:
+            self._unidentified = what
+            log.warning("perseus: megatron-core ran %s; the runtime will fall back to default "
+                        "clocks for this stage", what)
+        return None
+
+    def _start_iteration(self, bound: dict, original: Callable) -> bool:
+        models = bound.get("model")
+        models = list(models) if isinstance(models, (list, tuple)) else [models]
+        if self.runtime is None and not self._build_runtime(bound, original, models):
+            return False
+        assert self.schedule is not None and self.stage is not None
+        self._iteration = _Iteration(
+            models=models,
+            num_computations=len(self.schedule.orders[self.stage]),
+            forwards_per_chunk=[0] * len(models),
+        )
+        self.runtime.iteration_start()
+        return True
+
+    # ---- runtime --------------------------------------------------------------------------
+
+    def _megatron_args(self) -> argparse.Namespace:
+        if self._args is None:
+            from megatron.training import get_args
+
+            self._args = get_args()
+        return self._args
+
+    @staticmethod
+    def _pp_group(bound: dict) -> Any:
+        collection = bound.get("pg_collection")
+        if collection is not None and getattr(collection, "pp", None) is not None:
+            return collection.pp
+        communicator = bound.get("p2p_communicator")
+        if communicator is not None and getattr(communicator, "pp_group", None) is not None:
+            return communicator.pp_group
+        from megatron.core import parallel_state
+
+        return parallel_state.get_pipeline_model_parallel_group()
+
+    @staticmethod
+    def _dp_group() -> Any:
+        """Straggler detection compares the pipelines of Megatron's data-parallel group."""
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    @staticmethod
+    def _local_device() -> int:
+        """The CUDA ordinal this process drives (NVML maps it through CUDA_VISIBLE_DEVICES)."""
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.current_device()
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    def _build_runtime(self, bound: dict, original: Callable, models: list[Any]) -> bool:
+        """First training iteration: build the schedule this stage runs and the runtime."""
+        if self._config is None:
+            self._config = config_from_args(self._megatron_args())
+        if self._config is None:  # --perseus not given: stay out of the way for good
+            self._closed = True
+            self._unpatch()
+            return False
+        num_microbatches = bound.get("num_microbatches")
+        if not isinstance(num_microbatches, int):
+            raise ConfigError("perseus: megatron-core's schedule was called without an integer "
+                              "num_microbatches; pass it by keyword as megatron-core documents")
+        pp_group = self._pp_group(bound)
+        self.stage, num_stages = pp_group.rank(), pp_group.size()
+        if original.__name__ == _WITH_INTERLEAVING:
+            self.schedule = interleaved(
+                num_stages, num_microbatches, len(models), _microbatch_group_size(models[0])
+            )
+        else:
+            self.schedule = build_schedule("1f1b", num_stages, num_microbatches)
+        factory = self._runtime_factory
+        if factory is None:
+            from perseus_ext.runtime import PerseusRuntime as factory
+        self.runtime = factory(
+            self._config,
+            schedule=self.schedule,
+            stage=self.stage,
+            dp_group=self._dp_group(),
+            pp_group=pp_group,
+            gpu=self._gpu,
+            policy=self._policy,
+            local_rank=self._local_device(),
+        )
+        log.info("perseus: stage %d of %s", self.stage, self.schedule.describe())
+        return True
+
+    # ---- public ---------------------------------------------------------------------------
+
+    def summary(self) -> dict:
+        """The runtime's per-rank summary plus the schedule the adapter observed."""
+        summary = dict(self.runtime.summary()) if self.runtime is not None else {}
+        summary["megatron"] = {
+            "stage": self.stage,
+            "schedule": self.schedule.describe() if self.schedule else None,
+        }
+        return summary
+
+    def close(self) -> dict:
+        """Restore megatron-core's functions and the default clocks; returns `summary()`.
+        Idempotent; also runs at interpreter exit."""
+        if not self._closed:
+            self._closed = True
+            self._unpatch()
+        if self.runtime is not None:
+            self.runtime.close()
+        return self.summary()
+
+
+def install(
+    args: argparse.Namespace | None = None,
+    *,
+    gpu: Any = None,
+    policy: Any = None,
+) -> MegatronPerseus | None:
+    """One call from a pretraining script: hook megatron-core's pipeline schedules.
+
+    `args` are the parsed arguments carrying the `--perseus*` flags; None means "Megatron-LM's
+    global args" (`megatron.training.get_args()`), read at the first training iteration, so the
+    call can come before `pretrain()` parses the command line. Returns None when `args` are
+    given and `--perseus` is off. One install per process at a time; `close()` undoes it.
+    """
+    global _INSTALLED
+    if args is not None and not getattr(args, "perseus", False):
+        return None
+    if _INSTALLED is not None and not _INSTALLED._closed:
+        raise ConfigError("perseus is already installed on megatron-core in this process; "
+                          "close() the previous install first")
+    perseus = MegatronPerseus(args, gpu=gpu, policy=policy)
+    if args is not None:
+        perseus._config = config_from_args(args)  # bad flags fail before training starts
+    perseus._patch()
+    atexit.register(perseus.close)
+    _INSTALLED = perseus
+    return perseus
+
+
+_INSTALLED: MegatronPerseus | None = None

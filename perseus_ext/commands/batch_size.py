@@ -1,0 +1,98 @@
+"""`perseus-ext batch-size DB`: inspect the batch-size optimizer's SQLite state.
+
+Shows, per recurring job, every candidate batch size's runs and costs, which sizes were pruned,
+the current best and the early-stopping limit the next run gets. Read-only: safe to run while
+jobs are writing the same file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from perseus_ext.policies.batch_size import ArmState, JobState
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "batch-size",
+        help="inspect the batch-size optimizer's state (recurring jobs)",
+        description="Show what the batch-size optimizer learned about each recurring job.",
+    )
+    parser.add_argument("db", help="the SQLite file of perseus.policy.batch_size.db")
+    parser.add_argument("--job", help="show only this job_id")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.set_defaults(func=run)
+
+
+def _arm_status(arm: "ArmState", best: int | None) -> str:
+    if arm.pruned:
+        return "pruned"
+    if not arm.costs:
+        return "running" if arm.running else "untried"
+    return "best" if arm.batch_size == best else "candidate"
+
+
+def run(args: argparse.Namespace) -> int:
+    from perseus_ext.policies.batch_size import read_states
+
+    states = read_states(args.db, args.job)
+    if args.json:
+        print(json.dumps([_as_dict(s) for s in states], indent=2))
+        return 0
+    if not states:
+        print(f"{args.db}: no jobs yet")
+    for state in states:
+        best = state.best_batch_size
+        limit = state.cost_limit
+        print(
+            f"job {state.job_id}: {state.num_runs} runs, eta={state.eta:g}, "
+            f"max_power={state.max_power_w:g} W, "
+            f"beta={state.beta:g}, default batch size {state.default_batch_size}"
+        )
+        print(
+            f"  best batch size: {best if best is not None else '-'}; next run's cost limit: "
+            f"{f'{limit:.4g}' if limit is not None else 'none yet'}"
+        )
+        print(
+            f"  {'batch':>7} {'runs':>5} {'reached':>7} {'stopped':>7} {'running':>7} {'mean cost':>11} "
+            f"{'std':>10}  status"
+        )
+        for batch_size in sorted(state.arms):
+            arm = state.arms[batch_size]
+            mean = arm.mean_cost
+            std = statistics.stdev(arm.costs) if len(arm.costs) > 1 else None
+            print(
+                f"  {batch_size:>7} {len(arm.costs) + arm.running:>5} {arm.reached:>7} {arm.stopped:>7} "
+                f"{arm.running:>7} {f'{mean:.4g}' if mean is not None else '-':>11} "
+                f"{f'{std:.3g}' if std is not None else '-':>10}  {_arm_status(arm, best)}"
+            )
+    return 0
+
+
+def _as_dict(state: "JobState") -> dict:
+    best = state.best_batch_size
+    return {
+        "job_id": state.job_id,
+        "eta": state.eta,
+        "max_power_w": state.max_power_w,
+        "beta": state.beta,
+        "default_batch_size": state.default_batch_size,
+        "num_runs": state.num_runs,
+        "best_batch_size": best,
+        "cost_limit": state.cost_limit,
+        "batch_sizes": [
+            {
+                "batch_size": arm.batch_size,
+                "costs": arm.costs,
+                "reached": arm.reached,
+                "stopped": arm.stopped,
+                "running": arm.running,
+                "status": _arm_status(arm, best),
+            }
+            for arm in (state.arms[b] for b in sorted(state.arms))
+        ],
+    }

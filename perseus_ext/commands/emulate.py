@@ -1,0 +1,141 @@
+"""`perseus-ext emulate`: a whole job's energy with and without perseus-ext, from stage profiles.
+
+Example (the paper's GPT-3 175B large-scale setup at T'/T = 1.2)::
+
+    perseus-ext emulate --profile examples/profiles/gpt3-175b-a100_sxm.csv \\
+        --tp 8 --pp 8 --global-batch 1536 --microbatches 12 24 48 96 \\
+        --blocking-power a100 --scale 10 --slowdown 1.2
+"""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_SWEEP = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4, 1.45, 1.5]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "emulate",
+        help="emulate a large TP x PP x DP job's energy with and without perseus-ext",
+        description=(
+            "Emulate one training iteration of a whole TP x PP x DP job from per-stage profiles: "
+            "iteration time and energy with all GPUs at max clock, a Zeus-style global clock, "
+            "perseus-ext intrinsic only, and perseus-ext intrinsic + extrinsic under a straggler "
+            "scenario. Uses the runtime's planner and straggler policy."
+        ),
+    )
+    job = parser.add_argument_group("job")
+    job.add_argument("--profile", required=True, help="stage profile CSV (stage,instruction,frequency,time,energy)")
+    job.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: GPUs per stage (default 1)")
+    job.add_argument("--pp", type=int, default=None, help="pipeline stages (default: the profile's stage count)")
+    job.add_argument("--microbatches", type=int, nargs="+", required=True,
+                     help="microbatches per pipeline per iteration; several values emulate several job sizes")
+    job.add_argument("--global-batch", type=int, default=None,
+                     help="samples per iteration of the whole job; DP = global batch / (microbatches x "
+                          "microbatch size) (default: one pipeline)")
+    job.add_argument("--microbatch-size", type=int, default=1, help="samples per microbatch (default 1)")
+    job.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved"], help="pipeline schedule")
+    job.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved schedule)")
+
+    energy = parser.add_argument_group("energy model")
+    energy.add_argument("--blocking-power", required=True,
+                        help="watts one GPU draws while blocked on communication, or a GPU name "
+                             "with a published value: a100 (83.64 W), a40 (70.38 W)")
+    energy.add_argument("--scale", type=float, default=1.0,
+                        help="the full model has SCALE times the profiled layers per stage: stage "
+                             "times and per-GPU energies are multiplied by SCALE (paper: 10)")
+    energy.add_argument("--energy-scale", type=float, default=None,
+                        help="per-GPU energy multiplier if it differs from --scale")
+
+    scenario = parser.add_argument_group("straggler scenario (default: none)")
+    which = scenario.add_mutually_exclusive_group()
+    which.add_argument("--slowdown", type=float, default=None,
+                       help="one pipeline is this many times slower (T'/T, e.g. 1.2)")
+    which.add_argument("--slowdown-distribution", default=None, metavar="F:W,...",
+                       help="share of iterations at each slowdown, e.g. '1.0:0.9,1.2:0.07,1.5:0.03'")
+    which.add_argument("--slowdown-trace", default=None, metavar="CSV",
+                       help="per-iteration slowdowns (column 'slowdown' or the first column)")
+    which.add_argument("--sweep", type=float, nargs="*", default=None, metavar="F",
+                       help="one steady straggler per factor (default factors 1.0, 1.05, ..., 1.5)")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--output", default=None, metavar="PATH",
+                     help="write every strategy's numbers to PATH (.csv or .json)")
+    out.add_argument("--plot-dir", default=None, metavar="DIR",
+                     help="write figures: frontier and timeline per job size, or savings vs slowdown "
+                          "with --sweep")
+    out.add_argument("--plot-format", default="png", choices=["png", "svg", "pdf"])
+    out.add_argument("--markdown", action="store_true", help="print tables as markdown")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from perseus_ext.emulator import Emulator, JobLayout, StragglerScenario, resolve_blocking_power
+    from perseus_ext.emulator import report
+    from perseus_ext.errors import ConfigError
+    from perseus_ext.planning.profile import load_profile
+
+    profile = load_profile(args.profile, pareto=False)
+    pp = args.pp or profile.num_stages // args.chunks
+    blocking = resolve_blocking_power(args.blocking_power)
+    if args.sweep is not None:
+        factors = args.sweep or DEFAULT_SWEEP
+        scenario = None
+    elif args.slowdown is not None:
+        scenario = StragglerScenario.fixed(args.slowdown)
+    elif args.slowdown_distribution is not None:
+        scenario = StragglerScenario.parse(args.slowdown_distribution)
+    elif args.slowdown_trace is not None:
+        scenario = StragglerScenario.from_trace(args.slowdown_trace)
+    else:
+        scenario = StragglerScenario.none()
+
+    emulators = []
+    for microbatches in args.microbatches:
+        if microbatches < 1:
+            raise ConfigError(f"--microbatches must be positive integers, got {microbatches}")
+        global_batch = args.global_batch or microbatches * args.microbatch_size
+        layout = JobLayout(
+            tensor_parallel=args.tp, pipeline_parallel=pp, global_batch=global_batch,
+            microbatches=microbatches, microbatch_size=args.microbatch_size,
+            schedule=args.schedule, chunks=args.chunks,
+        )
+        emulators.append(Emulator(
+            profile, layout, blocking, time_scale=args.scale, energy_scale=args.energy_scale,
+        ))
+
+    energy_scale = args.scale if args.energy_scale is None else args.energy_scale
+    print(
+        f"profile {args.profile}: TP {args.tp} x PP {pp}, {args.schedule}, blocking power "
+        f"{blocking:g} W/GPU, stage time x{args.scale:g}, GPU energy x{energy_scale:g}"
+    )
+    plot_dir = Path(args.plot_dir) if args.plot_dir else None
+    if scenario is None:
+        sweeps = {em.layout.microbatches: em.sweep(list(factors)) for em in emulators}
+        print("\nTotal saving vs all GPUs at max clock (intrinsic + extrinsic), per slowdown T'/T:")
+        print(report.sweep_table(sweeps, markdown=args.markdown))
+        results = [e for runs in sweeps.values() for e in runs]
+        if plot_dir:
+            path = plot_dir / f"savings_vs_slowdown.{args.plot_format}"
+            report.plot_sweep(sweeps, path, title=f"{Path(args.profile).stem}: energy saving vs slowdown")
+            print(f"\nwrote {path}")
+    else:
+        results = [em.run(scenario) for em in emulators]
+        for emulation in results:
+            layout = emulation.layout
+            print(f"\n{layout.microbatches} microbatches, DP {layout.data_parallel} = "
+                  f"{layout.num_gpus:,} GPUs, {scenario.name} (energy in MJ per iteration, whole job):")
+            print(report.detail_table(emulation, markdown=args.markdown))
+        print(f"\nSavings vs all GPUs at max clock, {scenario.name}:")
+        print(report.summary_table(results, markdown=args.markdown))
+        if plot_dir and scenario.is_steady:
+            for emulator, emulation in zip(emulators, results):
+                for path in report.plot_emulation(emulator, emulation, plot_dir, args.plot_format):
+                    print(f"wrote {path}")
+    if args.output:
+        report.write_records(results, args.output)
+        print(f"wrote {args.output}")
+    return 0

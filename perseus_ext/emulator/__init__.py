@@ -1,0 +1,25 @@
+"""Large-scale emulation (`perseus-ext emulate`): what a whole TP x PP x DP job spends per
+iteration with and without perseus-ext, from per-stage profiles, using the runtime's own planner
+and operating-point policy.
+"""
+
+from perseus_ext.emulator.core import (
+    GLOBAL_CLOCK,
+    INTRINSIC,
+    MAX_CLOCK,
+    PERSEUS,
+    STRATEGIES,
+    Deployment,
+    Emulation,
+    Emulator,
+    IterationEnergy,
+    StrategyOutcome,
+)
+from perseus_ext.emulator.layout import JobLayout, resolve_blocking_power
+from perseus_ext.emulator.scenario import StragglerScenario
+
+__all__ = [
+    "GLOBAL_CLOCK", "INTRINSIC", "MAX_CLOCK", "PERSEUS", "STRATEGIES",
+    "Deployment", "Emulation", "Emulator", "IterationEnergy", "StrategyOutcome",
+    "JobLayout", "resolve_blocking_power", "StragglerScenario",
+]

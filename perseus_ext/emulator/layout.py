@@ -1,0 +1,91 @@
+"""The parallel layout of an emulated job and how a profiled slice maps onto it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from perseus_ext.errors import ConfigError
+from perseus_ext.planning.energy import BLOCKING_POWER_W
+from perseus_ext.planning.schedule import PipelineSchedule, ScheduleKind, build_schedule
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    """TP x PP x DP training job running one pipeline schedule per data-parallel replica.
+
+    The data-parallel degree follows from the batch: every pipeline runs `microbatches`
+    microbatches of `microbatch_size` samples per iteration, so
+    DP = global_batch / (microbatches x microbatch_size).
+    """
+
+    tensor_parallel: int
+    pipeline_parallel: int
+    global_batch: int
+    microbatches: int
+    microbatch_size: int = 1
+    schedule: str = ScheduleKind.ONE_F_ONE_B.value
+    chunks: int = 1  # model chunks per stage (virtual stages) of the interleaved schedule
+
+    def __post_init__(self) -> None:
+        for name in (
+            "tensor_parallel", "pipeline_parallel", "global_batch", "microbatches",
+            "microbatch_size", "chunks",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"job layout: {name} must be a positive integer, got {value!r}")
+        per_pipeline = self.microbatches * self.microbatch_size
+        if self.global_batch % per_pipeline:
+            raise ConfigError(
+                f"job layout: global batch {self.global_batch} is not a multiple of microbatches "
+                f"x microbatch size = {self.microbatches} x {self.microbatch_size} = "
+                f"{per_pipeline}; pick a global batch that every data-parallel pipeline can split "
+                f"evenly"
+            )
+
+    @property
+    def data_parallel(self) -> int:
+        return self.global_batch // (self.microbatches * self.microbatch_size)
+
+    @property
+    def gpus_per_pipeline(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def num_gpus(self) -> int:
+        return self.data_parallel * self.gpus_per_pipeline
+
+    def build_schedule(self) -> PipelineSchedule:
+        return build_schedule(self.schedule, self.pipeline_parallel, self.microbatches, self.chunks)
+
+    def describe(self) -> dict:
+        return {
+            "tp": self.tensor_parallel,
+            "pp": self.pipeline_parallel,
+            "dp": self.data_parallel,
+            "gpus": self.num_gpus,
+            "global_batch": self.global_batch,
+            "microbatches": self.microbatches,
+            "microbatch_size": self.microbatch_size,
+            "schedule": self.schedule,
+            "chunks": self.chunks,
+        }
+
+
+def resolve_blocking_power(value: str | float) -> float:
+    """Watts one GPU draws while blocked on communication: a number, or a GPU name
+    with a published value (`a100`, `a40`)."""
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key in BLOCKING_POWER_W:
+            return BLOCKING_POWER_W[key]
+        try:
+            value = float(key)
+        except ValueError:
+            names = ", ".join(sorted(BLOCKING_POWER_W))
+            raise ConfigError(
+                f"blocking power {value!r} is neither a number of watts nor a known GPU ({names})"
+            ) from None
+    if not value >= 0 or value == float("inf"):
+        raise ConfigError(f"blocking power must be a finite number of watts >= 0, got {value!r}")
+    return float(value)

@@ -1,0 +1,186 @@
+"""Device layer: one `GPU` API, a real NVML backend and a simulated backend.
+
+`open_gpu()` picks the backend from a spec string so that the same training script runs on a real
+GPU (``nvml``) or on a CPU-only machine (``sim:<preset>``), per rank.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import parse_qsl
+
+from perseus_ext.errors import ConfigError
+from perseus_ext.measurement.gpu.common import (
+    GPU,
+    GPUError,
+    GPUNotSupportedError,
+    GPUPermissionError,
+    GPUUnavailableError,
+    PERMISSION_HELP,
+    SIMULATED_HINT,
+)
+from perseus_ext.measurement.gpu.simulated import PRESETS, Preset, SimulatedGPU
+
+__all__ = [
+    "GPU",
+    "GPUError",
+    "GPUNotSupportedError",
+    "GPUPermissionError",
+    "GPUUnavailableError",
+    "PERMISSION_HELP",
+    "PRESETS",
+    "SIMULATED_HINT",
+    "Preset",
+    "SimulatedGPU",
+    "open_gpu",
+    "open_restore_target",
+    "parse_rank_list",
+]
+
+ENV_SPEC = "PERSEUS_GPU"
+ENV_SEED = "PERSEUS_SIM_SEED"
+ENV_SLOWDOWN = "PERSEUS_SIM_SLOWDOWN"
+ENV_SLOWDOWN_RANKS = "PERSEUS_SIM_SLOWDOWN_RANKS"
+ENV_STATE_DIR = "PERSEUS_SIM_STATE_DIR"
+
+# Query options of "sim:<preset>?key=value&..." and how to parse them.
+_SIM_OPTIONS: dict[str, type] = {
+    "slowdown": float,
+    "seed": int,
+    "pace": bool,
+    "state_file": str,
+    "period": float,
+    "noise": float,
+    "privileged": bool,
+}
+
+
+def open_gpu(
+    spec: str | None = None, *, local_rank: int = 0, seed: int = 0, rank: int | None = None
+) -> GPU:
+    """Open this process's GPU.
+
+    spec: ``"nvml"`` or ``"sim:<preset>[?slowdown=1.2&seed=3&pace=0&period=0.1&noise=0.02&
+    state_file=/tmp/gpu{rank}.json&privileged=0]"``; None reads env ``PERSEUS_GPU`` (default nvml).
+    local_rank: the CUDA device ordinal this process uses (mapped to NVML through
+    CUDA_VISIBLE_DEVICES and UUIDs, never assumed equal to the NVML index).
+    rank: global rank for per-rank simulator settings (default env RANK, else local_rank).
+
+    Environment overrides for the simulator: PERSEUS_SIM_SEED (base seed; the GPU of rank r gets
+    seed + r), PERSEUS_SIM_SLOWDOWN (slowdown factor) applied to the ranks listed in
+    PERSEUS_SIM_SLOWDOWN_RANKS ("2,3" or "0-3"; unset = every rank), PERSEUS_SIM_STATE_DIR (persist
+    each rank's clock state to <dir>/sim-gpu-rank<r>.json so the SIGKILL watchdog can restore it).
+    """
+    spec = (spec if spec is not None else os.environ.get(ENV_SPEC, "nvml")).strip()
+    if rank is None:
+        rank = _env_int("RANK", local_rank)
+    backend, _, rest = spec.partition(":")
+    if backend == "nvml" and not rest:
+        from perseus_ext.measurement.gpu.nvml import NVMLGPU
+
+        return NVMLGPU(local_rank)
+    if backend == "sim":
+        return _open_simulated(spec, rest, rank=rank, seed=seed)
+    raise ConfigError(
+        f"GPU spec {spec!r} is not understood; use 'nvml' or 'sim:<preset>' with preset one of "
+        f"{', '.join(sorted(PRESETS))} (set it with {ENV_SPEC})"
+    )
+
+
+def _open_simulated(spec: str, rest: str, *, rank: int, seed: int) -> SimulatedGPU:
+    preset, _, query = rest.partition("?")
+    preset = preset or "a100_sxm"
+    if preset not in PRESETS:
+        raise ConfigError(
+            f"GPU spec {spec!r}: unknown simulated preset {preset!r}; use one of "
+            f"{', '.join(sorted(PRESETS))}"
+        )
+    options: dict[str, Any] = {}
+    for key, raw in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if key not in _SIM_OPTIONS:
+            raise ConfigError(
+                f"GPU spec {spec!r}: unknown option {key!r}; known: {', '.join(_SIM_OPTIONS)}"
+            )
+        options[key] = _parse_option(spec, key, raw, _SIM_OPTIONS[key])
+    base_seed = _env_int(ENV_SEED, options.pop("seed", seed))
+    slowdown = options.pop("slowdown", 1.0)
+    if os.environ.get(ENV_SLOWDOWN):
+        ranks = parse_rank_list(os.environ.get(ENV_SLOWDOWN_RANKS, ""), ENV_SLOWDOWN_RANKS)
+        if ranks is None or rank in ranks:
+            slowdown = _parse_option(ENV_SLOWDOWN, ENV_SLOWDOWN, os.environ[ENV_SLOWDOWN], float)
+    state_file = options.pop("state_file", None)
+    if state_file is None and os.environ.get(ENV_STATE_DIR):
+        state_file = os.path.join(os.environ[ENV_STATE_DIR], "sim-gpu-rank{rank}.json")
+    if state_file is not None:
+        state_file = state_file.format(rank=rank)
+    return SimulatedGPU(
+        preset,
+        seed=base_seed + rank,
+        slowdown=slowdown,
+        pace=options.pop("pace", True),
+        state_file=state_file,
+        energy_update_period_s=options.pop("period", 0.1),
+        energy_noise=options.pop("noise", 0.02),
+        privileged=options.pop("privileged", True),
+        rank=rank,
+    )
+
+
+def parse_rank_list(text: str, field: str = "ranks") -> set[int] | None:
+    """Parse "2,3" or "0-3,6" into a set of ranks; an empty string means all ranks (None)."""
+    text = text.strip()
+    if not text:
+        return None
+    ranks: set[int] = set()
+    for part in text.split(","):
+        low, dash, high = part.strip().partition("-")
+        try:
+            first = int(low)
+            last = int(high) if dash else first
+        except ValueError:
+            raise ConfigError(
+                f"{field}={text!r}: {part!r} is not a rank or a range like '0-3'"
+            ) from None
+        if first < 0 or last < first:
+            raise ConfigError(f"{field}={text!r}: {part!r} is not a valid rank range")
+        ranks.update(range(first, last + 1))
+    return ranks
+
+
+def open_restore_target(restore_spec: dict[str, Any]) -> GPU:
+    """Re-open a GPU from `GPU.restore_spec()` (used by the watchdog process)."""
+    backend = restore_spec.get("backend")
+    if backend == "sim":
+        return SimulatedGPU(
+            restore_spec["preset"], state_file=restore_spec["state_file"], pace=False
+        )
+    if backend == "nvml":
+        from perseus_ext.measurement.gpu.nvml import NVMLGPU
+
+        return NVMLGPU.from_uuid(restore_spec["uuid"])
+    raise GPUError(f"restore spec {restore_spec!r} names no known backend ('sim' or 'nvml')")
+
+
+def _parse_option(spec: str, key: str, raw: str, kind: type) -> Any:
+    if kind is bool:
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{spec}: {key}={raw!r} must be a boolean (1/0, true/false)")
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"{spec}: {key}={raw!r} must be a {kind.__name__}") from None
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} must be an integer") from None

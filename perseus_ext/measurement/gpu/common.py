@@ -1,0 +1,138 @@
+"""The one device API every GPU-touching part of perseus-ext goes through, and its typed errors.
+
+Planning never sees a GPU; the runtime, profiler, controller and emulator only see `GPU`. Keeping
+the interface this small is what lets the simulated GPU stand in for a real one on CPU machines.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from typing import Any
+
+from perseus_ext.errors import PerseusError
+
+SIMULATED_HINT = (
+    "to run without a GPU use the simulated backend, e.g. PERSEUS_GPU=sim:a100_sxm "
+    "(presets: a100_sxm, a40, h100)"
+)
+
+
+class GPUError(PerseusError, RuntimeError):
+    """A device call failed; the message says which call and what to do about it."""
+
+
+class GPUUnavailableError(GPUError):
+    """No NVML library, no driver or no GPU visible to this process."""
+
+
+class GPUPermissionError(GPUError):
+    """The process may read the GPU but lacks the privilege to change its clocks or power limit."""
+
+
+class GPUNotSupportedError(GPUError):
+    """The device cannot do what was asked (a MIG slice, or no locked-clock support)."""
+
+
+PERMISSION_HELP = (
+    "changing GPU clocks or power limits needs the SYS_ADMIN capability: run as root, start the "
+    "container with `docker run --cap-add SYS_ADMIN ...`, or grant it to the interpreter with "
+    "`sudo setcap cap_sys_admin+ep $(readlink -f $(which python))`"
+)
+
+
+class GPU(abc.ABC):
+    """One physical GPU as perseus-ext uses it: SM clocks, energy counter, power limit.
+
+    All clocks are SM clocks in MHz, energies are NVML-style cumulative millijoules (coarse,
+    updated every few tens of milliseconds), powers are watts.
+    """
+
+    name: str
+    uuid: str
+
+    @abc.abstractmethod
+    def supported_sm_clocks(self) -> list[int]:
+        """SM clocks the GPU can be locked to at its maximum memory clock, highest first."""
+
+    def max_sm_clock(self) -> int:
+        return self.supported_sm_clocks()[0]
+
+    @abc.abstractmethod
+    def set_locked_sm_clocks(self, mhz: int) -> None:
+        """Lock the SM clock to exactly `mhz` (min = max = mhz)."""
+
+    @abc.abstractmethod
+    def reset_locked_sm_clocks(self) -> None:
+        """Let the GPU pick its clock again (the driver default, normally boosting to max)."""
+
+    @abc.abstractmethod
+    def energy_mj(self) -> int:
+        """Cumulative energy counter in millijoules since an arbitrary origin."""
+
+    @abc.abstractmethod
+    def power_w(self) -> float:
+        """Instant (driver-averaged) power draw."""
+
+    @abc.abstractmethod
+    def sm_clock(self) -> int:
+        """Current SM clock."""
+
+    @abc.abstractmethod
+    def power_limit_w(self) -> float:
+        """Current enforced power limit."""
+
+    @abc.abstractmethod
+    def power_limit_range_w(self) -> tuple[float, float]:
+        """Lowest and highest power limit the driver accepts."""
+
+    @abc.abstractmethod
+    def default_power_limit_w(self) -> float:
+        """The power limit the GPU boots with."""
+
+    @abc.abstractmethod
+    def set_power_limit_w(self, watts: float) -> None:
+        """Set the power limit (the knob Zeus-style power-limit policies turn)."""
+
+    def reset_power_limit(self) -> None:
+        self.set_power_limit_w(self.default_power_limit_w())
+
+    @abc.abstractmethod
+    def can_set_clocks(self) -> bool:
+        """Whether this process may change clocks/power limit; probes without touching them."""
+
+    def restore_spec(self) -> dict[str, Any] | None:
+        """How another process can re-open this GPU to restore its clocks (the SIGKILL watchdog).
+
+        None means no other process can reach this device's state, so no watchdog is needed.
+        """
+        return None
+
+    def timestamp(self) -> float:
+        """Seconds on the clock this device's work runs on (wall clock for real GPUs)."""
+        return time.perf_counter()
+
+    def wait(self, seconds: float) -> None:
+        """Let `seconds` pass on this device's clock with the GPU idle."""
+        if seconds > 0:
+            time.sleep(seconds)
+
+    def close(self) -> None:
+        """Release library handles; the GPU's clocks are left as they are."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, uuid={self.uuid!r})"
+
+
+def check_clock(gpu: GPU, mhz: int, supported: list[int]) -> int:
+    """Validate a requested clock against the supported list, naming the fix when it is wrong."""
+    if isinstance(mhz, bool) or int(mhz) != mhz:
+        raise GPUError(f"SM clock {mhz!r} is not an integer number of MHz")
+    mhz = int(mhz)
+    if mhz not in supported:
+        nearest = min(supported, key=lambda clock: abs(clock - mhz))
+        raise GPUNotSupportedError(
+            f"{gpu.name}: SM clock {mhz} MHz is not supported (supported: {supported[-1]}-"
+            f"{supported[0]} MHz, nearest {nearest}); use a profile measured on this GPU model"
+        )
+    return mhz

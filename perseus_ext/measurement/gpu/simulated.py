@@ -1,0 +1,451 @@
+"""A simulated GPU that behaves like the published A100/A40 profiles, for CPU-only machines.
+
+Why it exists: the whole stack (profiler, controller, straggler handling, demo, emulator) must be
+runnable and testable without a GPU, and measurement code must be exercised against the *real*
+limitations of NVML: a coarse, noisy energy counter and clock changes that cost time.
+
+Physics (per preset, fitted to `examples/profiles`, see `docs/device.md`):
+
+* time at clock f:  t(f) = t_max * ((1 - m) * f_max / f + m)    m = memory-bound fraction
+* power at clock f: P(f) = P_max * (s + (1 - s) * x * V(x)^2),  x = f / f_max,
+  V(x) = max(V_min, x)   (dynamic power ~ f V^2; voltage stops falling below V_min * f_max)
+
+so energy = P * t has its minimum well below the max clock, where the voltage floor is reached.
+While no computation runs, the GPU draws its idle/blocking power (the paper's blocking power).
+
+Timeline: with `pace=True` (default) the simulator lives on the wall clock and `run()` sleeps so a
+computation at a low clock really takes longer; with `pace=False` it keeps a virtual clock that only
+`run()` and `wait()` advance, which makes tests fast and exactly reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import threading
+import time
+import uuid as uuid_lib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from perseus_ext.measurement.gpu.common import (
+    GPU,
+    GPUError,
+    GPUPermissionError,
+    PERMISSION_HELP,
+    check_clock,
+)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Curve parameters and limits of one simulated GPU model."""
+
+    key: str
+    name: str
+    max_clock_mhz: int
+    min_clock_mhz: int
+    clock_step_mhz: int
+    max_compute_power_w: float  # power of a computation at the max clock
+    static_fraction: float  # s: share of max-clock power that does not scale with f
+    voltage_floor: float  # V_min as a fraction of f_max
+    memory_bound_fraction: float  # m: share of max-clock time that does not scale with f
+    idle_power_w: float  # power while no computation runs (= blocking power in the paper)
+    default_power_limit_w: float
+    power_limit_range_w: tuple[float, float]
+    source: str  # where the curve parameters come from
+
+    def supported_clocks(self) -> list[int]:
+        return list(range(self.max_clock_mhz, self.min_clock_mhz - 1, -self.clock_step_mhz))
+
+    def time_factor(self, mhz: float) -> float:
+        """Duration at `mhz` relative to the duration at the max clock (>= 1)."""
+        m = self.memory_bound_fraction
+        return (1.0 - m) * self.max_clock_mhz / mhz + m
+
+    def compute_power_w(self, mhz: float) -> float:
+        x = mhz / self.max_clock_mhz
+        voltage = max(self.voltage_floor, x)
+        s = self.static_fraction
+        return self.max_compute_power_w * (s + (1.0 - s) * x * voltage * voltage)
+
+    def energy_factor(self, mhz: float) -> float:
+        """Energy of a computation at `mhz` relative to the max clock."""
+        top = self.max_clock_mhz
+        return self.compute_power_w(mhz) * self.time_factor(mhz) / self.compute_power_w(top)
+
+    def min_energy_clock(self) -> int:
+        return min(self.supported_clocks(), key=self.energy_factor)
+
+    def throttled_clock(self, mhz: int, power_limit_w: float) -> int:
+        """Highest supported clock <= mhz whose compute power fits under the power limit."""
+        for clock in self.supported_clocks():
+            if clock <= mhz and self.compute_power_w(clock) <= power_limit_w:
+                return clock
+        return self.min_clock_mhz
+
+
+PRESETS: dict[str, Preset] = {
+    "a100_sxm": Preset(
+        key="a100_sxm",
+        name="NVIDIA A100-SXM4-80GB (simulated)",
+        max_clock_mhz=1410,
+        min_clock_mhz=210,
+        clock_step_mhz=15,
+        max_compute_power_w=472.0,
+        static_fraction=0.21,
+        voltage_floor=0.77,
+        memory_bound_fraction=0.20,
+        idle_power_w=83.64,
+        default_power_limit_w=500.0,
+        power_limit_range_w=(100.0, 500.0),
+        source="fitted to examples/profiles/{gpt3-175b,bloom}-a100_sxm.csv",
+    ),
+    "a40": Preset(
+        key="a40",
+        name="NVIDIA A40 (simulated)",
+        max_clock_mhz=1740,
+        min_clock_mhz=210,
+        clock_step_mhz=15,
+        max_compute_power_w=294.0,
+        static_fraction=0.52,
+        voltage_floor=0.575,
+        memory_bound_fraction=0.67,
+        idle_power_w=70.38,
+        default_power_limit_w=300.0,
+        power_limit_range_w=(100.0, 300.0),
+        source="fitted to examples/profiles/{gpt3-175b,bloom}-a40.csv",
+    ),
+    "h100": Preset(
+        key="h100",
+        name="NVIDIA H100 80GB HBM3 (simulated)",
+        max_clock_mhz=1980,
+        min_clock_mhz=345,
+        clock_step_mhz=15,
+        max_compute_power_w=690.0,
+        static_fraction=0.21,
+        voltage_floor=0.72,
+        memory_bound_fraction=0.22,
+        idle_power_w=100.0,
+        default_power_limit_w=700.0,
+        power_limit_range_w=(200.0, 700.0),
+        source="no published profile: A100 SXM shape scaled to H100 SXM clocks and 700 W TDP",
+    ),
+}
+
+
+def _preset(key: str) -> Preset:
+    try:
+        return PRESETS[key]
+    except KeyError:
+        raise GPUError(
+            f"unknown simulated GPU preset {key!r}; choose one of {', '.join(sorted(PRESETS))}"
+        ) from None
+
+
+class SimulatedGPU(GPU):
+    """A GPU whose time, power and energy counter follow a preset's curves (see module doc)."""
+
+    PRESETS = PRESETS
+
+    def __init__(
+        self,
+        preset: str = "a100_sxm",
+        *,
+        seed: int = 0,
+        slowdown: float = 1.0,
+        pace: bool = True,
+        state_file: str | os.PathLike[str] | None = None,
+        energy_update_period_s: float = 0.1,
+        energy_noise: float = 0.02,
+        privileged: bool = True,
+        rank: int = 0,
+    ) -> None:
+        self.preset = _preset(preset)
+        if energy_update_period_s <= 0:
+            raise GPUError(
+                f"energy_update_period_s={energy_update_period_s}; it must be > 0 seconds"
+            )
+        if energy_noise < 0:
+            raise GPUError(f"energy_noise={energy_noise}; it must be >= 0 (relative std per update)")
+        self.name = self.preset.name
+        self.uuid = "GPU-" + str(uuid_lib.uuid5(uuid_lib.NAMESPACE_OID, f"{preset}/{seed}/{rank}"))
+        self.seed = seed
+        self.rank = rank
+        self.pace = pace
+        self.privileged = privileged
+        self.energy_update_period_s = energy_update_period_s
+        self.energy_noise = energy_noise
+        self.state_file = Path(state_file) if state_file is not None else None
+        self.slowdown = slowdown
+        self.clock_history: list[int | None] = []  # every applied lock (None = reset), in order
+        self.run_counts: dict[str, int] = {}
+        self._clocks = self.preset.supported_clocks()
+        self._rng = random.Random(seed)
+        self._lock = threading.RLock()
+        self._faults: dict[str, tuple[BaseException, int | None]] = {}
+        self._locked_clock: int | None = None
+        self._power_limit_w = self.preset.default_power_limit_w
+        if self.state_file is not None and self.state_file.exists():
+            self._load_state()
+        # Energy timeline: committed energy up to _t_committed, then at most one computation.
+        self._virtual_now = 0.0
+        now = self._now()
+        self._t_committed = now
+        self._e_committed = 0.0
+        self._segment: tuple[float, float, float] | None = None  # start, end, watts
+        self._busy_until = now
+        self._mark: float | None = None
+        # The counter updates at tick times _tick0 + k * period with a seed-dependent phase.
+        self._tick0 = now - self._rng.random() * energy_update_period_s
+        self._tick = 0
+        self._counter_j = 0.0
+        self._counter_true_j = 0.0
+
+    # ----------------------------------------------------------------- runtime knobs
+    @property
+    def slowdown(self) -> float:
+        return self._slowdown
+
+    @slowdown.setter
+    def slowdown(self, value: float) -> None:
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise GPUError(f"slowdown={value!r}; it must be a finite number > 0 (1.0 = normal speed)")
+        self._slowdown = float(value)
+
+    def inject_fault(
+        self, call: str, error: BaseException | None = None, times: int | None = 1
+    ) -> None:
+        """Make the next `times` calls of method `call` raise `error` (None: every call)."""
+        if not callable(getattr(self, call, None)):
+            raise GPUError(f"inject_fault: SimulatedGPU has no method {call!r}")
+        self._faults[call] = (error or GPUError(f"injected fault in {call}"), times)
+
+    def _maybe_fail(self, call: str) -> None:
+        fault = self._faults.get(call)
+        if fault is None:
+            return
+        error, times = fault
+        if times is not None:
+            if times <= 1:
+                del self._faults[call]
+            else:
+                self._faults[call] = (error, times - 1)
+        raise error
+
+    # ----------------------------------------------------------------- work and energy
+    def mark(self) -> None:
+        """Note that the next computation started now (its real CPU work counts towards it)."""
+        self._mark = self._now()
+
+    def run(self, seconds_at_max_clock: float, kind: str = "forward") -> float:
+        """Execute a computation that takes `seconds_at_max_clock` at the max clock.
+
+        Returns its simulated duration at the current effective clock, times `slowdown`. With
+        pacing, returns only once that much wall time has passed since the computation started
+        (now, or the last `mark()`).
+        """
+        if not seconds_at_max_clock >= 0:
+            raise GPUError(f"run: seconds_at_max_clock={seconds_at_max_clock!r}; it must be >= 0")
+        with self._lock:
+            self._maybe_fail("run")
+            now = self._now()
+            start = now if self._mark is None else self._mark
+            start = max(start, self._busy_until, self._t_committed)
+            self._mark = None
+            self._update_counter(min(start, now))
+            self._commit(start)
+            clock = self._effective_clock()
+            duration = seconds_at_max_clock * self.preset.time_factor(clock) * self._slowdown
+            end = start + duration
+            self._segment = (start, end, self.preset.compute_power_w(clock))
+            self._busy_until = end
+            self.run_counts[kind] = self.run_counts.get(kind, 0) + 1
+            if not self.pace:
+                self._virtual_now = max(self._virtual_now, end)
+        if self.pace:
+            remaining = end - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+        return duration
+
+    def expected(self, seconds_at_max_clock: float, mhz: int | None = None) -> tuple[float, float]:
+        """Exact (seconds, joules) of a computation at `mhz` (default: the current clock)."""
+        clock = self._effective_clock() if mhz is None else mhz
+        duration = seconds_at_max_clock * self.preset.time_factor(clock) * self._slowdown
+        return duration, duration * self.preset.compute_power_w(clock)
+
+    @property
+    def true_energy_j(self) -> float:
+        """Exact integrated energy since creation (what a perfect counter would show)."""
+        with self._lock:
+            return self._true_energy_at(self._now())
+
+    def timestamp(self) -> float:
+        return self._now()
+
+    def wait(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if self.pace:
+            time.sleep(seconds)
+        else:
+            with self._lock:
+                self._virtual_now += seconds
+
+    def _now(self) -> float:
+        return time.perf_counter() if self.pace else self._virtual_now
+
+    def _true_energy_at(self, t: float) -> float:
+        idle = self.preset.idle_power_w
+        energy, t0 = self._e_committed, self._t_committed
+        if self._segment is None or t <= self._segment[0]:
+            return energy + idle * max(0.0, t - t0)
+        start, end, watts = self._segment
+        energy += idle * max(0.0, start - t0)
+        if t <= end:
+            return energy + watts * (t - start)
+        return energy + watts * (end - start) + idle * (t - end)
+
+    def _commit(self, t: float) -> None:
+        self._e_committed = self._true_energy_at(t)
+        self._t_committed = t
+        if self._segment is not None:
+            start, end, watts = self._segment
+            if t >= end:
+                self._segment = None
+            elif t > start:
+                self._segment = (t, end, watts)
+
+    def _update_counter(self, now: float) -> None:
+        tick = math.floor((now - self._tick0) / self.energy_update_period_s)
+        if tick <= self._tick:
+            return
+        true_j = self._true_energy_at(self._tick0 + tick * self.energy_update_period_s)
+        increment = true_j - self._counter_true_j
+        error = self.energy_noise * self._rng.gauss(0.0, 1.0) / math.sqrt(tick - self._tick)
+        self._counter_j += max(0.0, increment * (1.0 + error))
+        self._counter_true_j = true_j
+        self._tick = tick
+
+    def _effective_clock(self) -> int:
+        requested = self._locked_clock or self.preset.max_clock_mhz
+        return self.preset.throttled_clock(requested, self._power_limit_w)
+
+    # ----------------------------------------------------------------- GPU API
+    def supported_sm_clocks(self) -> list[int]:
+        self._maybe_fail("supported_sm_clocks")
+        return list(self._clocks)
+
+    def set_locked_sm_clocks(self, mhz: int) -> None:
+        with self._lock:
+            self._maybe_fail("set_locked_sm_clocks")
+            self._check_privilege("lock SM clocks")
+            self._locked_clock = check_clock(self, mhz, self._clocks)
+            self.clock_history.append(self._locked_clock)
+            self._save_state()
+
+    def reset_locked_sm_clocks(self) -> None:
+        with self._lock:
+            self._maybe_fail("reset_locked_sm_clocks")
+            self._check_privilege("reset locked SM clocks")
+            self._locked_clock = None
+            self.clock_history.append(None)
+            self._save_state()
+
+    @property
+    def locked_clock(self) -> int | None:
+        """The locked SM clock, None when the driver picks (for tests and the demo)."""
+        return self._locked_clock
+
+    def energy_mj(self) -> int:
+        with self._lock:
+            self._maybe_fail("energy_mj")
+            self._update_counter(self._now())
+            return int(self._counter_j * 1000.0)
+
+    def power_w(self) -> float:
+        with self._lock:
+            self._maybe_fail("power_w")
+            now = self._now()
+            segment = self._segment
+            if segment is not None and segment[0] <= now < segment[1]:
+                return segment[2]
+            return self.preset.idle_power_w
+
+    def sm_clock(self) -> int:
+        self._maybe_fail("sm_clock")
+        return self._effective_clock()
+
+    def power_limit_w(self) -> float:
+        self._maybe_fail("power_limit_w")
+        return self._power_limit_w
+
+    def power_limit_range_w(self) -> tuple[float, float]:
+        return self.preset.power_limit_range_w
+
+    def default_power_limit_w(self) -> float:
+        return self.preset.default_power_limit_w
+
+    def set_power_limit_w(self, watts: float) -> None:
+        with self._lock:
+            self._maybe_fail("set_power_limit_w")
+            self._check_privilege("set the power limit")
+            low, high = self.preset.power_limit_range_w
+            if not low <= watts <= high:
+                raise GPUError(
+                    f"{self.name}: power limit {watts} W is outside the supported range "
+                    f"{low:g}-{high:g} W"
+                )
+            self._power_limit_w = float(watts)
+            self._save_state()
+
+    def can_set_clocks(self) -> bool:
+        self._maybe_fail("can_set_clocks")
+        return self.privileged
+
+    def restore_spec(self) -> dict[str, Any] | None:
+        if self.state_file is None:
+            return None  # the state dies with this process: nothing to restore from outside
+        return {"backend": "sim", "preset": self.preset.key, "state_file": str(self.state_file)}
+
+    def _check_privilege(self, action: str) -> None:
+        if not self.privileged:
+            raise GPUPermissionError(f"{self.name}: no permission to {action}; {PERMISSION_HELP}")
+
+    # ----------------------------------------------------------------- persisted state
+    def _save_state(self) -> None:
+        """Persist clock/power-limit state like hardware does, so other processes can see it."""
+        if self.state_file is None:
+            return
+        state = {
+            "preset": self.preset.key,
+            "uuid": self.uuid,
+            "locked_sm_clock": self._locked_clock,
+            "power_limit_w": self._power_limit_w,
+            "default_power_limit_w": self.preset.default_power_limit_w,
+        }
+        tmp = self.state_file.with_name(f".{self.state_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.state_file)
+
+    def _load_state(self) -> None:
+        state = read_state_file(self.state_file)
+        if state.get("preset") != self.preset.key:
+            raise GPUError(
+                f"{self.state_file}: holds the state of a {state.get('preset')!r} GPU, not "
+                f"{self.preset.key!r}; use another state_file or delete it"
+            )
+        self._locked_clock = state.get("locked_sm_clock")
+        self._power_limit_w = float(state.get("power_limit_w", self.preset.default_power_limit_w))
+
+
+def read_state_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a simulated GPU's persisted clock/power-limit state."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise GPUError(f"{path}: cannot read simulated GPU state ({exc})") from exc

@@ -1,0 +1,142 @@
+"""The computation DAG of one pipeline-parallel training iteration.
+
+Nodes are the computations of a `PipelineSchedule`; edges are (a) each stage's execution order
+and (b) the cross-stage data dependencies (a forward needs the previous virtual stage's forward
+of the same microbatch, a backward the next virtual stage's backward). Every node has at most
+two predecessors and two successors, which lets longest-path passes run level by level over
+numpy arrays — for one plan or thousands of plans at once.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import numpy as np
+
+from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule
+
+NO_NODE = -1
+
+
+class PipelineDAG:
+    """Computation DAG with nodes numbered in a topological order."""
+
+    def __init__(self, schedule: PipelineSchedule):
+        self.schedule = schedule
+        stage_pred: dict[Computation, Computation] = {}
+        for order in schedule.orders:
+            for before, after in zip(order, order[1:]):
+                stage_pred[after] = before
+        data_pred = {c: self._data_dependency(c) for order in schedule.orders for c in order}
+
+        # Kahn's algorithm by levels: level = number of edges on the longest path to the node.
+        nodes = [c for order in schedule.orders for c in order]
+        preds = {c: [p for p in (stage_pred.get(c), data_pred[c]) if p is not None] for c in nodes}
+        depth: dict[Computation, int] = {}
+        remaining = {c: len(ps) for c, ps in preds.items()}
+        succs: dict[Computation, list[Computation]] = {c: [] for c in nodes}
+        for c, ps in preds.items():
+            for p in ps:
+                succs[p].append(c)
+        frontier = [c for c in nodes if remaining[c] == 0]
+        for c in frontier:
+            depth[c] = 0
+        topo: list[Computation] = []
+        while frontier:
+            topo += frontier
+            nxt = []
+            for c in frontier:
+                for s in succs[c]:
+                    remaining[s] -= 1
+                    if remaining[s] == 0:
+                        depth[s] = depth[c] + 1
+                        nxt.append(s)
+            frontier = nxt
+        if len(topo) != len(nodes):
+            raise ValueError("schedule has a dependency cycle (deadlock); this is a planner bug")
+        topo.sort(key=lambda c: (depth[c], c.stage, c.chunk, c.microbatch, c.kind.value))
+
+        self.computations: list[Computation] = topo
+        self.index: dict[Computation, int] = {c: i for i, c in enumerate(topo)}
+        n = len(topo)
+        self.preds = np.full((n, 2), NO_NODE, dtype=np.int64)
+        self.succs = np.full((n, 2), NO_NODE, dtype=np.int64)
+        for c, ps in preds.items():
+            for k, p in enumerate(ps):
+                self.preds[self.index[c], k] = self.index[p]
+        for c, ss in succs.items():
+            for k, s in enumerate(ss):
+                self.succs[self.index[c], k] = self.index[s]
+        self.stage = np.array([c.stage for c in topo], dtype=np.int64)
+        self.level = np.array([depth[c] for c in topo], dtype=np.int64)
+        bounds = np.flatnonzero(np.diff(self.level)) + 1
+        self.levels: list[slice] = [
+            slice(int(a), int(b)) for a, b in zip(np.r_[0, bounds], np.r_[bounds, n])
+        ]
+
+    def _data_dependency(self, c: Computation) -> Computation | None:
+        """The computation on another virtual stage whose output `c` consumes."""
+        s = self.schedule
+        v = s.virtual_stage(c)
+        last = s.num_virtual_stages - 1
+        if c.kind is Kind.FORWARD:
+            if v == 0:
+                return None
+            v -= 1
+            kind = Kind.FORWARD
+        elif v == last:
+            kind = Kind.FORWARD  # the loss: backward of the last stage needs its own forward
+        else:
+            v += 1
+            kind = Kind.BACKWARD
+        return Computation(v % s.num_stages, v // s.num_stages, c.microbatch, kind)
+
+    def __len__(self) -> int:
+        return len(self.computations)
+
+    @property
+    def num_stages(self) -> int:
+        return self.schedule.num_stages
+
+    @cached_property
+    def stage_positions(self) -> list[np.ndarray]:
+        """Node indices of each stage in that stage's execution order."""
+        return [np.array([self.index[c] for c in order]) for order in self.schedule.orders]
+
+    def edges(self) -> list[tuple[int, int]]:
+        return [(int(p), i) for i in range(len(self)) for p in self.preds[i] if p != NO_NODE]
+
+    def finish_times(self, durations: np.ndarray) -> np.ndarray:
+        """Earliest finish time of every node; `durations` is (N,) or (N, plans)."""
+        durations = np.asarray(durations, dtype=float)
+        padded = np.zeros((len(self) + 1,) + durations.shape[1:])  # row -1 is "no node" = 0
+        p0, p1 = self.preds[:, 0], self.preds[:, 1]
+        for lv in self.levels:
+            padded[lv] = np.maximum(padded[p0[lv]], padded[p1[lv]]) + durations[lv]
+        return padded[:-1]
+
+    def makespan(self, durations: np.ndarray) -> np.ndarray | float:
+        """Iteration time: the longest path through the DAG."""
+        return self.finish_times(durations).max(axis=0)
+
+    def latest_finish_times(self, durations: np.ndarray, deadline: np.ndarray | float) -> np.ndarray:
+        """Latest finish time of every node that still meets `deadline` (per plan)."""
+        durations = np.asarray(durations, dtype=float)
+        padded = np.empty((len(self) + 1,) + durations.shape[1:])
+        padded[-1] = np.asarray(deadline) + 0.0  # "no successor": bounded by the deadline
+        latest_start = np.empty_like(padded)
+        latest_start[-1] = padded[-1]
+        s0, s1 = self.succs[:, 0], self.succs[:, 1]
+        for lv in reversed(self.levels):
+            padded[lv] = np.minimum(latest_start[s0[lv]], latest_start[s1[lv]])
+            latest_start[lv] = padded[lv] - durations[lv]
+        return padded[:-1]
+
+    def to_networkx(self):
+        """The DAG as a `networkx.DiGraph` (for inspection and tests)."""
+        import networkx as nx
+
+        graph = nx.DiGraph()
+        graph.add_nodes_from(range(len(self)))
+        graph.add_edges_from(self.edges())
+        return graph

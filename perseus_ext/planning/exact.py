@@ -1,0 +1,101 @@
+"""Exact minimum-energy plans for small pipelines: the yardstick for the frontier solver.
+
+`exact_min_energy` solves, for one deadline, the discrete problem exactly as a mixed-integer
+program (HiGHS through `scipy.optimize.milp`): one binary per (computation, clock), start times,
+and the iteration time as a variable so blocking energy is charged on the plan's own time.
+`brute_force_min_energy` enumerates every assignment and is only for the tiniest cases (it
+checks the MILP formulation itself).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from scipy import sparse
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from perseus_ext.errors import SolverError
+from perseus_ext.planning.energy import CostModel
+
+
+def exact_min_energy(model: CostModel, deadline: float) -> tuple[float, np.ndarray] | None:
+    """(energy, choice) of the cheapest plan with iteration time <= deadline; None if infeasible."""
+    n = model.num_nodes
+    option_index = [(i, k) for i in range(n) for k in range(model.num_options[i])]
+    nx = len(option_index)
+    # Variables: x (binaries, one per option), start times s (n), makespan T.
+    num_vars = nx + n + 1
+    t_col = nx + n
+    p = model.blocking_power
+    stages = model.num_stage_gpus
+    cost = np.zeros(num_vars)
+    for col, (i, k) in enumerate(option_index):
+        cost[col] = model.energies[i, k] - p * model.times[i, k]
+    cost[t_col] = p * stages
+
+    rows: list[dict[int, float]] = []
+    lower: list[float] = []
+    upper: list[float] = []
+    options_of = [[] for _ in range(n)]
+    for col, (i, k) in enumerate(option_index):
+        options_of[i].append((col, model.times[i, k]))
+    for i in range(n):  # exactly one clock per computation
+        rows.append({col: 1.0 for col, _ in options_of[i]})
+        lower.append(1.0)
+        upper.append(1.0)
+
+    def finish_row(i: int) -> dict[int, float]:
+        row = {nx + i: 1.0}
+        for col, t in options_of[i]:
+            row[col] = t
+        return row
+
+    for pred, node in model.dag.edges():  # s_node >= s_pred + d_pred
+        row = finish_row(pred)
+        row[nx + node] = row.get(nx + node, 0.0) - 1.0
+        rows.append(row)
+        lower.append(-np.inf)
+        upper.append(0.0)
+    for i in range(n):  # s_i + d_i <= T
+        row = finish_row(i)
+        row[t_col] = -1.0
+        rows.append(row)
+        lower.append(-np.inf)
+        upper.append(0.0)
+
+    a = sparse.lil_matrix((len(rows), num_vars))
+    for r, row in enumerate(rows):
+        for col, val in row.items():
+            a[r, col] = val
+    integrality = np.r_[np.ones(nx), np.zeros(n + 1)]
+    bounds = Bounds(np.zeros(num_vars), np.r_[np.ones(nx), np.full(n, np.inf), deadline])
+    result = milp(
+        cost,
+        constraints=LinearConstraint(a.tocsr(), lower, upper),
+        integrality=integrality,
+        bounds=bounds,
+        options={"mip_rel_gap": 1e-9},
+    )
+    if result.status == 2:  # infeasible
+        return None
+    if not result.success:
+        raise SolverError(f"exact MILP failed at deadline {deadline}: {result.message}")
+    choice = np.zeros(n, dtype=np.int64)
+    for col, (i, k) in enumerate(option_index):
+        if result.x[col] > 0.5:
+            choice[i] = k
+    _, energy = model.replay(choice)
+    return float(energy), choice
+
+
+def brute_force_min_energy(model: CostModel, deadline: float) -> float | None:
+    """Cheapest energy with time <= deadline by enumerating every clock assignment."""
+    ranges = [range(k) for k in model.num_options]
+    total = int(np.prod([len(r) for r in ranges]))
+    if total > 2_000_000:
+        raise SolverError(f"brute force over {total} assignments is too large")
+    choices = np.array(list(itertools.product(*ranges)), dtype=np.int64).T
+    times, energies = model.replay(choices)
+    ok = times <= deadline + 1e-12
+    return float(energies[ok].min()) if ok.any() else None

@@ -1,0 +1,474 @@
+"""The iteration time–energy frontier solver.
+
+Problem: pick one clock per computation to minimise energy subject to the iteration's longest
+path meeting a deadline T, for every T from T_min (all clocks at max) to the minimum-energy plan.
+With the energy model of `energy.py`, at a fixed T this is minimising sum_i c_i(t_i) with
+c_i = e_i - P_block t_i, a discrete time–cost tradeoff on the DAG.
+
+Method (three vectorised steps, no per-deadline graph algorithm in Python):
+
+1. *Convex relaxation, solved exactly at a few anchor deadlines.* Each computation's cost is
+   replaced by the lower convex hull of its (time, cost) points; the problem becomes an LP
+   (start times + hull-segment fills) solved with HiGHS, warm-started from one anchor to the next.
+   Between anchors, the convex combination of the two neighbouring LP solutions is feasible for
+   the interpolated deadline (the constraints are linear), so every grid deadline gets a
+   continuous plan in O(N).
+2. *Rounding.* Each relaxed duration is rounded to the slowest profiled clock that is no slower
+   than it, so the deadline still holds.
+3. *Slack reclaim.* Rounding leaves slack; a forward and a backward pass over the DAG's levels
+   (for all grid deadlines at once, as columns of one matrix) give each computation the slowest
+   clock that fits inside its slack window.
+
+Every candidate plan is then replayed on the discrete profile (`CostModel.replay`) and the
+Pareto-optimal ones form the frontier, so reported times and energies are exact replays.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+from scipy import sparse
+
+from perseus_ext.errors import SolverError
+from perseus_ext.planning.energy import CostModel
+from perseus_ext.planning.frontier import Frontier
+from perseus_ext.planning.profile import Profile
+from perseus_ext.planning.schedule import PipelineSchedule
+
+logger = logging.getLogger(__name__)
+
+_EPS = 1e-9
+_GAP_ROUNDS = 3  # stretch rounds; each fills the gaps the previous one opened
+_FILL_BIN = 0.45  # gap-fill bin width as a fraction of the resolution
+
+
+@dataclass(frozen=True)
+class SolverOptions:
+    """Knobs of the solver; the defaults meet the quality/speed targets in the README."""
+
+    resolution: float = 1e-3  # seconds between grid deadlines (upper bound on frontier gaps)
+    grid_oversampling: int = 1  # grid deadlines per `resolution` (finer grid, denser frontier)
+    min_grid_points: int = 2000  # short frontiers get a finer grid than `resolution`
+    anchors: int = 32  # minimum LP solves between T_min and T_max (more: closer to the relaxation)
+    anchor_budget: int = 25_000  # small pipelines get up to anchor_budget / computations anchors
+    progress: bool = False  # show a tqdm bar over the LP anchors
+    polish_budget: int = 100_000_000  # max grid deadlines x computations^3 for the local-search polish
+
+
+class _ConvexRelaxation:
+    """The LP over start times and convex-hull segment fills, kept warm across deadlines."""
+
+    def __init__(self, model: CostModel):
+        self.model = model
+        dag = model.dag
+        n = len(dag)
+        p = model.blocking_power
+        # Lower convex hull of (time, cost) per node; nodes sharing options share hulls.
+        seg_node, seg_len, seg_slope = [], [], []
+        self.hull_times: list[np.ndarray] = []
+        cache: dict[bytes, np.ndarray] = {}
+        for i in range(n):
+            k = model.num_options[i]
+            t = model.times[i, :k]
+            c = model.energies[i, :k] - p * t
+            key = t.tobytes() + c.tobytes()
+            if key not in cache:
+                cache[key] = _lower_hull(t, c)
+            hull = cache[key]
+            ht, hc = t[hull], c[hull]
+            self.hull_times.append(ht)
+            for j in range(len(hull) - 1):
+                seg_node.append(i)
+                seg_len.append(ht[j + 1] - ht[j])
+                seg_slope.append((hc[j + 1] - hc[j]) / (ht[j + 1] - ht[j]))
+        self.seg_node = np.array(seg_node, dtype=np.int64)
+        self.seg_len = np.array(seg_len)
+        seg_slope = np.array(seg_slope)
+        self.t_min = model.times[:, 0].copy()
+        m = len(seg_node)
+
+        # Variables: [start_0..start_{n-1}, fill_0..fill_{m-1}, T]
+        edges = np.array(dag.edges(), dtype=np.int64).reshape(-1, 2)
+        sinks = np.flatnonzero((dag.succs == -1).all(axis=1))
+        # Rows (all "<= rhs"):
+        #   edge p->i : start_p - start_i + sum fills(p) <= -t_min_p
+        #   sink i    : start_i + sum fills(i) - T <= -t_min_i
+        rows, cols, vals = [], [], []
+        r = 0
+        fills_of = [[] for _ in range(n)]
+        for s, node in enumerate(seg_node):
+            fills_of[node].append(n + s)
+        rhs = []
+        for pnode, inode in edges:
+            rows += [r, r]
+            cols += [pnode, inode]
+            vals += [1.0, -1.0]
+            for f in fills_of[pnode]:
+                rows.append(r)
+                cols.append(f)
+                vals.append(1.0)
+            rhs.append(-self.t_min[pnode])
+            r += 1
+        t_col = n + m
+        for inode in sinks:
+            rows += [r, r]
+            cols += [inode, t_col]
+            vals += [1.0, -1.0]
+            for f in fills_of[inode]:
+                rows.append(r)
+                cols.append(f)
+                vals.append(1.0)
+            rhs.append(-self.t_min[inode])
+            r += 1
+        a = sparse.csc_matrix((vals, (rows, cols)), shape=(r, n + m + 1))
+
+        lp = highspy.HighsLp()
+        lp.num_col_ = n + m + 1
+        lp.num_row_ = r
+        lp.col_cost_ = np.concatenate([np.zeros(n), seg_slope, [0.0]])
+        lp.col_lower_ = np.zeros(n + m + 1)
+        lp.col_upper_ = np.concatenate([np.full(n, highspy.kHighsInf), self.seg_len, [0.0]])
+        lp.row_lower_ = np.full(r, -highspy.kHighsInf)
+        lp.row_upper_ = np.array(rhs)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_ = a.indptr
+        lp.a_matrix_.index_ = a.indices
+        lp.a_matrix_.value_ = a.data
+        self.highs = highspy.Highs()
+        self.highs.setOptionValue("output_flag", False)
+        self.highs.setOptionValue("solver", "simplex")
+        self.highs.passModel(lp)
+        self.t_col = t_col
+        self.n, self.m = n, m
+
+    def durations(self, deadline: float) -> np.ndarray:
+        """Relaxed optimal durations at `deadline` (warm-started from the previous solve)."""
+        h = self.highs
+        h.changeColBounds(self.t_col, deadline, deadline)
+        h.run()
+        status = h.getModelStatus()
+        if status != highspy.HighsModelStatus.kOptimal:
+            raise SolverError(f"LP relaxation at T={deadline:.6f}s ended with {h.modelStatusToString(status)}")
+        x = np.asarray(h.getSolution().col_value)
+        fills = np.clip(x[self.n : self.n + self.m], 0.0, self.seg_len)
+        return self.t_min + np.bincount(self.seg_node, weights=fills, minlength=self.n)
+
+
+def _lower_hull(t: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Indices of the lower convex hull of points sorted by increasing t."""
+    hull: list[int] = []
+    for i in range(len(t)):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # b lies on or above segment a-i: drop it.
+            if (c[b] - c[a]) * (t[i] - t[a]) >= (c[i] - c[a]) * (t[b] - t[a]):
+                hull.pop()
+            else:
+                break
+        hull.append(i)
+    return np.array(hull, dtype=np.int64)
+
+
+def _option_times(model: CostModel) -> list[np.ndarray]:
+    """Each node's option times (ascending), without padding, for `np.searchsorted`."""
+    return [model.times[i, : model.num_options[i]] for i in range(model.num_nodes)]
+
+
+def _slowest_fitting(option_times: np.ndarray, window: np.ndarray) -> np.ndarray:
+    """Index of the slowest option whose time fits in `window` (0 if even the fastest does not)."""
+    return np.maximum(np.searchsorted(option_times, window + _EPS, side="right") - 1, 0)
+
+
+def round_to_options(model: CostModel, durations: np.ndarray, mode: str = "down") -> np.ndarray:
+    """Per plan (column), each relaxed duration to a profiled clock.
+
+    `down`: the slowest clock no slower than the duration, so the relaxation's deadline holds.
+    `up` / `nearest`: the next slower / the nearest clock; such plans overshoot the deadline a
+    little but are often the best plans at their own, slightly longer, time.
+    """
+    option_times = _option_times(model)
+    down = np.stack([_slowest_fitting(option_times[i], durations[i]) for i in range(len(durations))])
+    if mode == "down":
+        return down
+    last = (model.num_options - 1)[:, None]
+    up = np.where(np.take_along_axis(model.times, down, axis=1) < durations - _EPS, np.minimum(down + 1, last), down)
+    if mode == "up":
+        return up
+    if mode == "nearest":
+        t_down = np.take_along_axis(model.times, down, axis=1)
+        t_up = np.take_along_axis(model.times, up, axis=1)
+        return np.where(t_up - durations < durations - t_down, up, down)
+    raise ValueError(f"unknown rounding mode {mode!r}")
+
+
+def reclaim_slack(
+    model: CostModel,
+    choice: np.ndarray,
+    deadlines: np.ndarray,
+    cap: np.ndarray | None = None,
+    backward_first: bool = False,
+) -> np.ndarray:
+    """Slow computations into their slack, for every plan (column) at once.
+
+    Forward pass: latest finish times with the current durations bound each computation; walking
+    the DAG level by level, a computation starts as early as its (possibly slowed) predecessors
+    allow and takes the slowest clock that still finishes by its latest finish time. The
+    backward pass mirrors it (latest starts), handing leftover slack to later computations;
+    `backward_first` swaps the passes, favouring late computations.
+    Durations only grow and every plan still meets its deadline. `cap` (same shape as
+    `choice`), if given, bounds how slow each computation may become.
+    """
+    dag = model.dag
+    option_times = _option_times(model)
+    choice = choice.copy()
+    durations = np.take_along_axis(model.times, choice, axis=1)
+
+    def refit(node: int, window: np.ndarray) -> None:
+        best = _slowest_fitting(option_times[node], window)
+        if cap is not None:
+            best = np.minimum(best, cap[node])
+        best = np.maximum(best, choice[node])
+        choice[node] = best
+        durations[node] = option_times[node][best]
+
+    def forward_pass() -> None:
+        latest_finish = dag.latest_finish_times(durations, deadlines)
+        finish = np.zeros((len(dag) + 1, choice.shape[1]))
+        for node, (p0, p1) in enumerate(preds):
+            start = np.maximum(finish[p0], finish[p1])
+            refit(node, latest_finish[node] - start)
+            finish[node] = start + durations[node]
+
+    def backward_pass() -> None:
+        earliest_start = dag.finish_times(durations) - durations
+        latest_start = np.empty((len(dag) + 1, choice.shape[1]))
+        latest_start[-1] = deadlines
+        for node in range(len(dag) - 1, -1, -1):
+            s0, s1 = succs[node]
+            end = np.minimum(latest_start[s0], latest_start[s1])
+            refit(node, end - earliest_start[node])
+            latest_start[node] = end - durations[node]
+
+    preds, succs = dag.preds.tolist(), dag.succs.tolist()
+    passes = (backward_pass, forward_pass) if backward_first else (forward_pass, backward_pass)
+    for run_pass in passes:
+        run_pass()
+    return choice
+
+
+def polish(model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: int = 50) -> np.ndarray:
+    """Local search on each plan (column) over exchange moves: computation j one clock step
+    faster and computation i (i == j: none) one step slower, then `reclaim_slack` hands any
+    freed time to the others; the best improving neighbour within the deadline is kept.
+
+    Rounding and greedy reclaim can settle on a distribution of slow clocks that an exchange
+    improves. A round evaluates N^2 neighbours per plan, so the solver only runs it while
+    deadlines x N^3 stays within `SolverOptions.polish_budget`.
+    """
+    choice = choice.copy()
+    n, num_plans = choice.shape
+    width = n * n
+    max_option = (model.num_options - 1)[:, None]
+    faster, slower = np.divmod(np.arange(width), n)  # neighbour k: speed up faster[k], slow slower[k]
+    _, energy = model.replay(choice)
+    active = np.arange(num_plans)
+    for _ in range(rounds):
+        if not active.size:
+            break
+        base = np.repeat(choice[:, active], width, axis=1)
+        column = np.arange(base.shape[1])
+        fast = np.tile(faster, active.size)
+        slow = np.tile(slower, active.size)
+        valid = base[fast, column] > 0
+        base[fast[valid], column[valid]] -= 1
+        bump = valid & (slow != fast)
+        valid &= ~bump | (base[slow, column] < max_option[slow, 0])
+        bump &= valid
+        base[slow[bump], column[bump]] += 1
+        cap = np.broadcast_to(max_option, base.shape).copy()
+        cap[fast, column] = base[fast, column]  # the sped-up computation must stay fast
+        plan_deadlines = np.repeat(deadlines[active], width)
+        neighbours = reclaim_slack(model, base, plan_deadlines, cap)
+        times, energies = model.replay(neighbours)
+        energies = np.where(valid & (times <= plan_deadlines + _EPS), energies, np.inf)
+        energies = energies.reshape(active.size, width)
+        best = energies.argmin(axis=1)
+        best_energy = energies[np.arange(active.size), best]
+        improved = best_energy < energy[active] - 1e-9
+        chosen = neighbours[:, np.arange(active.size) * width + best]
+        choice[:, active[improved]] = chosen[:, improved]
+        energy[active[improved]] = best_energy[improved]
+        active = active[improved]
+    return choice
+
+
+def solve_frontier(
+    schedule: PipelineSchedule,
+    profile: Profile,
+    blocking_power: float,
+    options: SolverOptions | None = None,
+) -> Frontier:
+    """Every Pareto-optimal (iteration time, energy) plan from T_min to the min-energy plan."""
+    options = options or SolverOptions()
+    if options.resolution <= 0 or options.anchors < 2 or options.grid_oversampling < 1:
+        raise SolverError("solver options: resolution > 0, anchors >= 2, grid_oversampling >= 1")
+    model = CostModel(schedule, profile, blocking_power)
+    return FrontierSolver(model, options).solve()
+
+
+class FrontierSolver:
+    """Runs the three steps of the module docstring on one `CostModel`."""
+
+    def __init__(self, model: CostModel, options: SolverOptions):
+        self.model = model
+        self.options = options
+
+    def solve(self) -> Frontier:
+        model = self.model
+        dag = model.dag
+        fastest = model.fastest_choice()
+        t_min = float(dag.makespan(model.times[:, 0]))
+        slowest = np.array([k - 1 for k in model.num_options])
+        t_max = float(dag.makespan(model.times[np.arange(len(dag)), slowest]))
+
+        step = min(
+            self.options.resolution / self.options.grid_oversampling,
+            (t_max - t_min) / self.options.min_grid_points,
+        )
+        step = max(step, 1e-9)
+        grid = np.arange(t_min, t_max + step, step)
+        grid[-1] = max(grid[-1], t_max)
+        num_anchors = min(len(grid), max(self.options.anchors, self.options.anchor_budget // len(dag)))
+        anchors = np.unique(np.linspace(t_min, t_max, max(num_anchors, 2)))
+
+        relaxation = _ConvexRelaxation(model)
+        anchor_durations = np.empty((len(dag), len(anchors)))
+        iterator = range(len(anchors))
+        if self.options.progress:
+            from tqdm import tqdm
+
+            iterator = tqdm(iterator, desc="frontier LP anchors", unit="anchor")
+        for a in iterator:
+            anchor_durations[:, a] = relaxation.durations(float(anchors[a]))
+
+        # Interpolate the relaxed solution at every grid deadline.
+        hi = np.clip(np.searchsorted(anchors, grid, side="left"), 1, len(anchors) - 1)
+        lo = hi - 1
+        weight = (grid - anchors[lo]) / (anchors[hi] - anchors[lo])
+        relaxed = anchor_durations[:, lo] * (1 - weight) + anchor_durations[:, hi] * weight
+
+        rounded = round_to_options(model, relaxed)
+        overshooting = np.concatenate(
+            [round_to_options(model, relaxed, "up"), round_to_options(model, relaxed, "nearest")], axis=1
+        )
+        choice = np.concatenate(
+            [
+                reclaim_slack(model, rounded, grid),
+                reclaim_slack(model, rounded, grid, backward_first=True),
+                reclaim_slack(model, overshooting, model.dag.makespan(np.take_along_axis(model.times, overshooting, axis=1))),
+            ],
+            axis=1,
+        )
+        times, energies = model.replay(choice)
+        # Rounding loses more at some deadlines than at others. Give every deadline a second
+        # chance: the best plan found for any earlier deadline, stretched into the new slack.
+        carried = choice[:, _best_so_far(times, energies, grid)]
+        carried = reclaim_slack(model, carried, grid)
+        carried_times, carried_energies = model.replay(carried)
+
+        candidates = np.concatenate([choice, carried, fastest[:, None]], axis=1)
+        times = np.r_[times, carried_times, t_min]
+        energies = np.r_[energies, carried_energies, model.replay(fastest)[1]]
+        # Where the frontier is flat, Pareto plans can be more than `resolution` apart; stretch
+        # the plan at each gap's start into deadlines inside the gap so every step has a plan.
+        for _ in range(_GAP_ROUNDS):
+            keep = _fill_gaps(times, energies, _pareto(times, energies), self.options.resolution)
+            stretch_from, stretch_to = _gap_deadlines(times[keep], self.options.resolution)
+            if not stretch_to.size:
+                break
+            stretched = reclaim_slack(model, candidates[:, np.array(keep)[stretch_from]], stretch_to)
+            stretched_times, stretched_energies = model.replay(stretched)
+            candidates = np.concatenate([candidates, stretched], axis=1)
+            times = np.r_[times, stretched_times]
+            energies = np.r_[energies, stretched_energies]
+        keep = _fill_gaps(times, energies, _pareto(times, energies), self.options.resolution)
+        if len(grid) * len(dag) ** 3 <= self.options.polish_budget:
+            best = _best_so_far(times, energies, grid)
+            polished = polish(model, candidates[:, best], grid)
+            polished_times, polished_energies = model.replay(polished)
+            candidates = np.concatenate([candidates, polished], axis=1)
+            times = np.r_[times, polished_times]
+            energies = np.r_[energies, polished_energies]
+            keep = _fill_gaps(times, energies, _pareto(times, energies), self.options.resolution)
+        plans = tuple(model.make_plans(candidates[:, keep], times[keep], energies[keep]))
+        baseline = model.to_plan(fastest)
+        frontier = Frontier(model.schedule.describe(), model.blocking_power, plans, baseline)
+        logger.info(
+            "frontier: %d plans, T %.4f..%.4f s, energy %.1f..%.1f J (%d LP anchors)",
+            len(plans), plans[0].time, plans[-1].time, plans[0].energy, plans[-1].energy, len(anchors),
+        )
+        return frontier
+
+
+def _best_so_far(times: np.ndarray, energies: np.ndarray, deadlines: np.ndarray) -> np.ndarray:
+    """For each deadline, the index of the lowest-energy plan whose time meets it."""
+    order = np.argsort(times, kind="stable")
+    sorted_energy = energies[order]
+    running = np.minimum.accumulate(sorted_energy)
+    # position of the running minimum within the sorted order
+    arg = np.arange(len(order))
+    arg = np.where(sorted_energy == running, arg, 0)
+    arg = np.maximum.accumulate(arg)
+    count = np.searchsorted(times[order], deadlines + _EPS, side="right")
+    return order[arg[np.maximum(count - 1, 0)]]
+
+
+def _gap_deadlines(kept_times: np.ndarray, resolution: float) -> tuple[np.ndarray, np.ndarray]:
+    """(index of the plan starting each gap, deadline) pairs, finely spaced inside each gap."""
+    starts, deadlines = [], []
+    bin_width = resolution * _FILL_BIN
+    for k, (a, b) in enumerate(zip(kept_times[:-1], kept_times[1:])):
+        if b - a > 2 * bin_width:
+            inner = np.arange(a + bin_width / 2, b, bin_width / 2)
+            starts += [k] * len(inner)
+            deadlines += inner.tolist()
+    return np.array(starts, dtype=np.int64), np.array(deadlines)
+
+
+def _fill_gaps(times: np.ndarray, energies: np.ndarray, keep: list[int], resolution: float) -> list[int]:
+    """Add, inside every gap wider than `resolution` between Pareto plans, the lowest-energy
+    candidate of each bin (bins narrower than half the resolution, so filled bins leave no
+    step wider than `resolution`).
+
+    Such gaps only occur where the frontier is flat (a slower plan cannot beat a faster one by
+    more than rounding noise); the fill keeps the promised time resolution, and the straggler
+    lookup still picks the cheapest plan meeting a deadline.
+    """
+    out = list(keep)
+    kept_times = times[keep]
+    bin_width = resolution * _FILL_BIN
+    for a, b in zip(kept_times[:-1], kept_times[1:]):
+        if b - a <= 2 * bin_width:
+            continue
+        inside = np.flatnonzero((times > a) & (times < b))
+        if not inside.size:
+            continue
+        bins = np.floor((times[inside] - a) / bin_width).astype(np.int64)
+        for bin_id in np.unique(bins):
+            members = inside[bins == bin_id]
+            out.append(int(members[np.argmin(energies[members])]))
+    return sorted(set(out), key=lambda j: (times[j], energies[j]))
+
+
+def _pareto(times: np.ndarray, energies: np.ndarray) -> list[int]:
+    """Indices of Pareto-optimal (time, energy) points, by increasing time."""
+    order = np.lexsort((energies, times))
+    keep, best = [], np.inf
+    for j in order:
+        if energies[j] < best - 1e-9:
+            keep.append(int(j))
+            best = energies[j]
+    return keep

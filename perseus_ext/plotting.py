@@ -1,0 +1,260 @@
+"""Figures for frontiers, pipeline timelines and emulated savings.
+
+matplotlib is an optional dependency (`pip install perseus-ext[plot]`): it is imported inside
+the functions, so the planner and runtime work without it. Figures are built on
+`matplotlib.figure.Figure` with the Agg canvas rather than through pyplot, so plotting never
+switches the caller's backend or opens a window, and is safe from any thread. The file type
+follows the path's suffix (.png, .svg, .pdf).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping, Sequence, Union
+
+import numpy as np
+
+from perseus_ext.errors import PerseusError
+from perseus_ext.planning.energy import CostModel
+from perseus_ext.planning.frontier import Frontier, Plan
+from perseus_ext.planning.schedule import Kind
+
+if TYPE_CHECKING:  # matplotlib is optional: imported when a figure is drawn
+    from matplotlib.figure import Figure
+
+# A timeline panel is a Plan or a raw option-index choice of a CostModel.
+TimelineInput = Union[Plan, np.ndarray]
+
+SUPPORTED_SUFFIXES = (".png", ".svg", ".pdf")
+BAR_LABEL_LIMIT = 400  # above this many computations per panel, bar labels would overlap
+LABEL_WIDTH_PER_CHAR = 0.0055  # share of the time axis one 6-pt character takes on the figure
+LIGHT_COLOR_ABOVE = 0.6  # viridis is light above this normalised clock: label bars in black
+
+
+class PlottingError(PerseusError, RuntimeError):
+    """A figure cannot be made: matplotlib missing, or an unsupported output path."""
+
+
+def _new_figure(width: float, height: float) -> "Figure":
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PlottingError(
+            "plotting needs matplotlib; install it with `pip install perseus-ext[plot]`"
+        ) from None
+    figure = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def _check_path(path: str | Path) -> Path:
+    path = Path(path)
+    if path.suffix.lower() not in SUPPORTED_SUFFIXES:
+        raise PlottingError(
+            f"cannot write a figure to {path}: use a file name ending in "
+            f"{', '.join(SUPPORTED_SUFFIXES)}"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _save(figure: "Figure", path: Path) -> None:
+    figure.savefig(path, dpi=150)
+
+
+def _energy_unit(joules: float) -> tuple[str, float]:
+    """Largest of J/kJ/MJ/GJ that keeps `joules` at >= 1, so labels stay short."""
+    for unit, scale in (("GJ", 1e9), ("MJ", 1e6), ("kJ", 1e3)):
+        if abs(joules) >= scale:
+            return unit, scale
+    return "J", 1.0
+
+
+def plot_frontier(
+    frontier: Frontier,
+    path: str | Path,
+    *,
+    marks: Mapping[str, Plan] | None = None,
+    title: str | None = None,
+) -> None:
+    """Iteration time vs energy of every frontier plan, with the baseline (every computation
+    at its fastest clock: all max clock unless a top clock was measured slower than a lower one).
+
+    `marks` labels plans worth pointing at (e.g. {"deployed": plan, "straggler": plan}); a
+    marked plan need not be on the frontier (a Zeus-style global clock, say).
+    """
+    path = _check_path(path)
+    figure = _new_figure(7.0, 4.8)
+    ax = figure.add_subplot()
+    unit, scale = _energy_unit(frontier.baseline.energy)
+    times = np.array([p.time for p in frontier.plans])
+    energies = np.array([p.energy for p in frontier.plans]) / scale
+    ax.plot(times, energies, "-", color="tab:blue", lw=1.5, zorder=2)
+    ax.plot(times, energies, "o", color="tab:blue", ms=2.5, zorder=2,
+            label=f"perseus-ext frontier ({len(frontier.plans)} plans)")
+    base = frontier.baseline
+    ax.plot(base.time, base.energy / scale, "X", color="black", ms=10, zorder=4,
+            label=f"baseline, fastest clocks: {base.time:.4g} s, {base.energy / scale:.4g} {unit}")
+    fast = frontier.fastest
+    saving = frontier.intrinsic_saving()
+    ax.plot(fast.time, fast.energy / scale, "D", color="tab:green", ms=8, zorder=4,
+            label=f"fastest plan: {fast.time:.4g} s, {fast.energy / scale:.4g} {unit} "
+            f"({saving:.1%} less)")
+    colors = ["tab:red", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive"]
+    for k, (label, plan) in enumerate((marks or {}).items()):
+        color = colors[k % len(colors)]
+        ax.plot(plan.time, plan.energy / scale, "*", color=color, ms=14, zorder=5,
+                markeredgecolor="black", markeredgewidth=0.5,
+                label=f"{label}: {plan.time:.4g} s, {plan.energy / scale:.4g} {unit}")
+    ax.set_xlabel("iteration time (s)")
+    ax.set_ylabel(f"energy per iteration ({unit})")
+    schedule = frontier.schedule
+    ax.set_title(title or (
+        f"Iteration time–energy frontier: {schedule.get('kind', '?')}, "
+        f"{schedule.get('stages', '?')} stages, {schedule.get('microbatches', '?')} microbatches"
+    ))
+    ax.grid(True, alpha=0.3)
+    ax.margins(x=0.04, y=0.08)
+    ax.legend(fontsize=8, loc="upper right", framealpha=0.9)
+    _save(figure, path)
+
+
+def _timeline_choice(cost_model: CostModel, entry: TimelineInput) -> np.ndarray:
+    if isinstance(entry, Plan):
+        return cost_model.choice_of(entry)
+    choice = np.asarray(entry, dtype=np.int64)
+    if choice.shape != (cost_model.num_nodes,):
+        raise PlottingError(
+            f"a timeline choice must have one option index per computation, shape "
+            f"({cost_model.num_nodes},); got shape {choice.shape}"
+        )
+    return choice
+
+
+def plot_timeline(
+    cost_model: CostModel,
+    plans: TimelineInput | Sequence[TimelineInput] | Mapping[str, TimelineInput],
+    path: str | Path,
+    *,
+    title: str | None = None,
+    slowdowns: Sequence[float] | None = None,
+) -> None:
+    """Pipeline Gantt chart, one row per stage, bars coloured by SM clock.
+
+    `plans` is one plan (or option-index choice), a list, or a {panel title: plan} mapping —
+    e.g. {"before": all-max-clock, "after": deployed plan} — drawn as stacked panels on one
+    time axis and one colour scale. Computations start as soon as their dependencies finish,
+    as the pipeline runs them. `slowdowns` (one per panel, optional) draws the iteration time
+    of a straggler pipeline as a dashed line, so a panel shows the wait it has to fill.
+    """
+    from matplotlib import colormaps
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    path = _check_path(path)
+    if isinstance(plans, (Plan, np.ndarray)):
+        panels = {"": plans}
+    elif isinstance(plans, Mapping):
+        panels = dict(plans)
+    else:
+        panels = {f"plan {k}": p for k, p in enumerate(plans)}
+    if not panels:
+        raise PlottingError("plot_timeline needs at least one plan")
+    if slowdowns is not None and len(slowdowns) != len(panels):
+        raise PlottingError(f"got {len(slowdowns)} slowdowns for {len(panels)} timeline panels")
+
+    dag = cost_model.dag
+    rows = np.arange(cost_model.num_nodes)
+    drawn = []
+    for label, entry in panels.items():
+        choice = _timeline_choice(cost_model, entry)
+        durations = cost_model.times[rows, choice]
+        finish = dag.finish_times(durations)
+        energy = float(cost_model.replay(choice)[1])
+        drawn.append(
+            (label, finish - durations, durations, cost_model.frequencies[rows, choice], energy)
+        )
+    valid = cost_model.frequencies[cost_model.frequencies > 0]
+    norm = Normalize(vmin=int(valid.min()), vmax=int(valid.max()))
+    cmap = colormaps["viridis"]
+    horizon = max(float((start + dur).max()) for _, start, dur, _, _ in drawn)
+    if slowdowns is not None:
+        horizon = max(horizon, max(slowdowns))
+
+    num_stages = dag.num_stages
+    height = 0.6 + len(panels) * (0.35 * num_stages + 0.9)
+    figure = _new_figure(11.0, height)
+    axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    label_bars = cost_model.num_nodes <= BAR_LABEL_LIMIT
+    for k, (ax, (label, start, dur, freq, energy)) in enumerate(zip(axes, drawn)):
+        for kind, hatch in ((Kind.FORWARD, None), (Kind.BACKWARD, "///")):
+            mask = np.array([c.kind is kind for c in dag.computations])
+            ax.barh(dag.stage[mask], dur[mask], left=start[mask], height=0.8,
+                    color=cmap(norm(freq[mask])), edgecolor="white",
+                    linewidth=0.3 if label_bars else 0,
+                    hatch=hatch if label_bars else None)
+        if label_bars:
+            for i, c in enumerate(dag.computations):
+                letter = "F" if c.kind is Kind.FORWARD else "B"
+                chunk = f"c{c.chunk}" if cost_model.schedule.num_chunks > 1 else ""
+                bar_label = f"{letter}{c.microbatch}{chunk}"
+                if dur[i] < LABEL_WIDTH_PER_CHAR * len(bar_label) * horizon:
+                    continue  # the label would spill over its neighbours
+                light_bar = norm(freq[i]) > LIGHT_COLOR_ABOVE
+                ax.text(start[i] + dur[i] / 2, c.stage, bar_label, ha="center", va="center",
+                        fontsize=6, color="black" if light_bar else "white")
+        makespan = float((start + dur).max())
+        ax.axvline(makespan, color="black", lw=1)
+        unit, scale = _energy_unit(energy)
+        text = f"{label}: " if label else ""
+        text += f"T = {makespan:.4g} s (solid line), E = {energy / scale:.5g} {unit}"
+        if slowdowns is not None:
+            ax.axvline(slowdowns[k], color="tab:red", lw=1.2, ls="--")
+            text += f"; straggler pipeline's T' = {slowdowns[k]:.4g} s (red dashed line)"
+        ax.set_title(text, fontsize=10, loc="left")
+        ax.set_yticks(range(num_stages), [f"stage {s}" for s in range(num_stages)])
+        ax.set_ylim(num_stages - 0.5, -0.5)
+        ax.set_xlim(0, horizon * 1.01)
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[-1].set_xlabel("time within the iteration (s)")
+    bar = figure.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=list(axes), pad=0.01,
+                          aspect=max(10, 12 * len(panels)))
+    bar.set_label("SM clock (MHz)")
+    suffix = "  (hatched: backward)" if label_bars else ""
+    figure.suptitle((title or "Pipeline timeline") + suffix)
+    _save(figure, path)
+
+
+def plot_savings(
+    slowdowns: Sequence[float],
+    savings: Mapping[str, Sequence[float]],
+    path: str | Path,
+    *,
+    title: str | None = None,
+    ylabel: str = "energy saving vs all max clock",
+) -> None:
+    """Energy saving (fractions, 0.1 = 10%) of each series against the straggler slowdown T'/T."""
+    from matplotlib.ticker import PercentFormatter
+
+    path = _check_path(path)
+    x = np.asarray(slowdowns, dtype=float)
+    if not len(x):
+        raise PlottingError("plot_savings needs at least one slowdown factor")
+    figure = _new_figure(7.0, 4.5)
+    ax = figure.add_subplot()
+    markers = "osD^vP*X"
+    for k, (label, values) in enumerate(savings.items()):
+        y = np.asarray(values, dtype=float)
+        if y.shape != x.shape:
+            raise PlottingError(
+                f"series {label!r} has {y.size} savings for {x.size} slowdown factors"
+            )
+        ax.plot(x, y * 100, marker=markers[k % len(markers)], ms=5, label=label)
+    ax.yaxis.set_major_formatter(PercentFormatter(decimals=0))
+    ax.set_xlabel("straggler slowdown T'/T")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title or "Energy saving vs straggler slowdown")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(figure, path)

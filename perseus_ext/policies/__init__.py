@@ -1,0 +1,51 @@
+"""Operating-point policies: Perseus' straggler policy, Zeus' energy–time cost, Chase's carbon
+cost (on the frontier or as a global power limit), and Zeus' batch-size optimizer.
+
+`build_policy(section)` turns the `perseus.policy` config section into a policy; keys are
+documented in docs/policies.md and in `perseus_ext.policies.config`.
+"""
+
+from perseus_ext.policies.base import (
+    CostPolicy,
+    OperatingPointPolicy,
+    StragglerPolicy,
+    min_cost_plan,
+)
+from perseus_ext.policies.batch_size import BatchSizeOptimizer, Suggestion
+from perseus_ext.policies.carbon import (
+    CallbackCarbonSignal,
+    CarbonSignal,
+    CarbonSignalError,
+    CSVCarbonTrace,
+    HTTPCarbonSignal,
+)
+from perseus_ext.policies.chase import CarbonCost, CarbonLedger, CarbonReport, ChasePolicy
+from perseus_ext.policies.config import PolicyConfig, build_policy
+from perseus_ext.policies.cost import CostWeights, EnergyTimeCost, ZeusCost
+from perseus_ext.policies.power_limit import PowerLimitOptimizer
+from perseus_ext.policies.zeus import ZeusPolicy
+
+__all__ = [
+    "BatchSizeOptimizer",
+    "CallbackCarbonSignal",
+    "CarbonCost",
+    "CarbonLedger",
+    "CarbonReport",
+    "CarbonSignal",
+    "CarbonSignalError",
+    "ChasePolicy",
+    "CostPolicy",
+    "CostWeights",
+    "CSVCarbonTrace",
+    "EnergyTimeCost",
+    "HTTPCarbonSignal",
+    "OperatingPointPolicy",
+    "PolicyConfig",
+    "PowerLimitOptimizer",
+    "StragglerPolicy",
+    "Suggestion",
+    "ZeusCost",
+    "ZeusPolicy",
+    "build_policy",
+    "min_cost_plan",
+]

@@ -1,0 +1,273 @@
+"""Online profiling of one stage during real training iterations.
+
+The stage runs whole iterations at one candidate clock (fastest first), records the start and end
+of every forward and backward, and reads the GPU energy counter at every computation boundary.
+The counter is coarse (it changes every ~100 ms), so single computations cannot be metered.
+Instead its updates are located in time -- each lies between the last read showing the old value
+and the first showing the new one, and updates come at a steady period, so a line fitted through
+them pins every update down to well below one read interval -- and consecutive updates delimit
+windows of exactly known energy. Each window holds known (fractional) amounts of each labelled
+computation and of blocking time, and the device layer's least-squares `EnergyEstimator`
+recovers per-computation energy and the blocking power from many such windows. Profiling of a stage stops early once
+`early_stop_patience` clocks in a row cost more energy than the best clock so far (lower clocks
+only get worse from there), which keeps profiling to a handful of iterations.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+from perseus_ext.measurement.windows import EnergyEstimator, MeasurementError, WindowRecord
+from perseus_ext.planning.schedule import Kind
+
+logger = logging.getLogger(__name__)
+
+MAX_RELATIVE_STDERR = 0.2  # above this, per-kind energies are too noisy: use the power model
+
+
+def _label(kind: str, clock: int) -> str:
+    return f"{kind}@{clock}"
+
+
+@dataclass
+class StageMeasurements:
+    """One stage's profile rows plus its blocking power, as exchanged between ranks."""
+
+    stage: int
+    rows: list[dict[str, object]]
+    blocking_power_w: float
+    method: str  # "per-kind" or "power-model": how energies were separated
+
+
+def locate_updates(changes: list[tuple[float, float]]) -> list[float]:
+    """Times of counter updates, each known to lie in (after, at] of `changes`.
+
+    The counter updates on a steady period, so the interval midpoints are fitted with
+    t_k = phase + n_k * period (n_k = the update's ordinal); each fitted time is then clipped
+    into its interval, which also keeps an irregular counter within the read resolution.
+    """
+    mids = np.array([(a + b) / 2 for a, b in changes])
+    if len(mids) < 3:
+        return mids.tolist()
+    period = float(np.median(np.diff(mids)))
+    if period <= 0:
+        return mids.tolist()
+    ordinals = np.round((mids - mids[0]) / period)
+    slope, phase = np.polyfit(ordinals, mids, 1)
+    fitted = phase + ordinals * slope
+    low = np.array([a for a, _ in changes])
+    high = np.array([b for _, b in changes])
+    return np.clip(fitted, low, high).tolist()
+
+
+def build_windows(
+    reads: list[tuple[float, int | None]], computations: list[tuple[str, float, float]]
+) -> list[WindowRecord]:
+    """Windows between consecutive counter updates, with the computations they contain.
+
+    A computation cut by a window boundary counts fractionally (by time) on both sides; a
+    failed read (None) ends the current run of windows.
+    """
+    runs: list[list[tuple[float, float, int]]] = [[]]  # per run: (after, at, value) of each change
+    previous: tuple[float, int] | None = None
+    for timestamp, value in reads:
+        if value is None:
+            previous = None
+            runs.append([])
+            continue
+        if previous is not None and value != previous[1]:
+            runs[-1].append((previous[0], timestamp, value))
+        previous = (timestamp, value)
+    starts = np.array([start for _, start, _ in computations])
+    ends = np.array([end for _, _, end in computations])
+    labels = [label for label, _, _ in computations]
+    records = []
+    for changes in runs:
+        if len(changes) < 2:
+            continue
+        times = locate_updates([(a, b) for a, b, _ in changes])
+        for (begin, first), (end, second) in zip(zip(times, changes), zip(times[1:], changes[1:])):
+            overlap = np.clip(np.minimum(ends, end) - np.maximum(starts, begin), 0.0, None)
+            counts: dict[str, float] = {}
+            busy: dict[str, float] = {}
+            for index in np.flatnonzero(overlap > 0):
+                label = labels[index]
+                length = ends[index] - starts[index]
+                counts[label] = counts.get(label, 0.0) + overlap[index] / length
+                busy[label] = busy.get(label, 0.0) + overlap[index]
+            records.append(WindowRecord(counts, end - begin, (second[2] - first[2]) / 1000.0, busy))
+    return records
+
+
+class StageProfiler:
+    """Candidate-clock schedule, raw measurements and early stop for one stage."""
+
+    def __init__(
+        self,
+        stage: int,
+        clocks: list[int],
+        *,
+        iterations_per_clock: int,
+        early_stop: bool,
+        patience: int,
+        blocking_power_w: float | None = None,
+    ) -> None:
+        if not clocks:
+            raise ValueError("profiling needs at least one candidate clock")
+        self.stage = stage
+        self.clocks = list(clocks)
+        self.iterations_per_clock = iterations_per_clock
+        self.early_stop = early_stop
+        self.patience = patience
+        self.blocking_power_w = blocking_power_w
+        self.iterations = 0  # profiling iterations this stage has run at a candidate clock
+        self.done = False
+        self.stop_reason = ""
+        self.durations: dict[tuple[str, int], list[float]] = {}
+        self.reads: list[tuple[float, int | None]] = []
+        self.computations: list[tuple[str, float, float]] = []  # (label, start, end)
+        self.block_energy: dict[int, float] = {}  # clock -> estimated J of one forward+backward
+
+    # ------------------------------------------------------------------ schedule
+    @property
+    def current_clock(self) -> int | None:
+        """The clock this stage profiles in its next iteration, None once done."""
+        if self.done:
+            return None
+        return self.clocks[self.iterations // self.iterations_per_clock]
+
+    @property
+    def profiled_clocks(self) -> list[int]:
+        return [c for c in self.clocks if (Kind.FORWARD.value, c) in self.durations]
+
+    # ------------------------------------------------------------------ recording
+    def on_counter(self, timestamp: float, energy_mj: int | None) -> None:
+        """A counter read at a computation boundary (None: the read failed)."""
+        if not self.done:
+            self.reads.append((timestamp, energy_mj))
+
+    def on_computation(self, kind: str, clock: int, start: float, end: float) -> None:
+        """A finished computation, timed on the device's clock."""
+        if self.done:
+            return
+        self.durations.setdefault((kind, clock), []).append(end - start)
+        self.computations.append((_label(kind, clock), start, end))
+
+    def end_iteration(self) -> None:
+        """Advance the clock schedule; decide the early stop after each clock's block."""
+        if self.done:
+            return
+        self.iterations += 1
+        if self.iterations % self.iterations_per_clock:
+            return
+        clock = self.clocks[self.iterations // self.iterations_per_clock - 1]
+        self._judge(clock)
+        if not self.done and self.iterations // self.iterations_per_clock >= len(self.clocks):
+            self._finish(f"all {len(self.clocks)} candidate clocks profiled")
+
+    def _judge(self, clock: int) -> None:
+        """Stop once the best clock so far (re-estimated from all windows) lies `patience`
+        profiled clocks above the current one."""
+        try:
+            energies = self._power_model_energies()
+        except MeasurementError as err:
+            logger.debug("stage %d: no energy estimate yet after %d MHz (%s)", self.stage, clock, err)
+            return
+        self.block_energy = energies
+        profiled = [c for c in self.profiled_clocks if c in energies]
+        if not self.early_stop or not profiled:
+            return
+        best = min(profiled, key=energies.get)
+        beyond = len(profiled) - 1 - profiled.index(best)
+        if beyond >= self.patience:
+            self._finish(f"early stop at {clock} MHz: the {beyond} clock(s) below {best} MHz "
+                         f"cost more energy")
+
+    def _finish(self, reason: str) -> None:
+        self.done = True
+        self.stop_reason = reason
+        logger.info("perseus-ext: stage %d profiling done after %d iteration(s): %s",
+                    self.stage, self.iterations, reason)
+
+    def stop(self, reason: str) -> None:
+        """End profiling from outside (e.g. the job-wide profiling budget ran out)."""
+        if not self.done:
+            self._finish(reason)
+
+    # ------------------------------------------------------------------ estimation
+    def _median_time(self, kind: str, clock: int) -> float:
+        return statistics.median(self.durations[kind, clock])
+
+    def _power_model_energies(self) -> dict[int, float]:
+        """J of one forward + one backward per clock, assuming both draw the same power at a
+        clock (well conditioned: one unknown per clock); used for the early stop."""
+        powers, _ = self._power_model()
+        return {
+            clock: power * (self._median_time("forward", clock) + self._median_time("backward", clock))
+            for clock, power in powers.items()
+            if ("forward", clock) in self.durations and ("backward", clock) in self.durations
+        }
+
+    @property
+    def windows(self) -> list[WindowRecord]:
+        return build_windows(self.reads, self.computations)
+
+    def _power_model(self) -> tuple[dict[int, float], float]:
+        merged = []
+        for record in self.windows:
+            counts: dict[str, float] = {}
+            busy: dict[str, float] = {}
+            for label, count in record.counts.items():
+                clock = label.split("@")[1]
+                counts[clock] = counts.get(clock, 0) + count
+                busy[clock] = busy.get(clock, 0.0) + record.busy_s.get(label, 0.0)
+            merged.append(WindowRecord(counts, record.duration_s, record.energy_j, busy))
+        estimator = EnergyEstimator(self.blocking_power_w)
+        estimator.extend(merged)
+        estimate = estimator.estimate()
+        powers = {int(label): est.power_w for label, est in estimate.labels.items() if est.power_w}
+        return powers, estimate.idle_power_w
+
+    def measurements(self) -> StageMeasurements:
+        """The stage's profile rows: per-kind energies when the windows separate forward from
+        backward well, otherwise the per-clock power model."""
+        clocks = [c for c in self.profiled_clocks if ("backward", c) in self.durations]
+        if not clocks:
+            raise MeasurementError(f"stage {self.stage}: no computation was profiled")
+        rows: list[dict[str, object]] = []
+        method = "per-kind"
+        try:
+            estimator = EnergyEstimator(self.blocking_power_w)
+            estimator.extend(self.windows)
+            estimate = estimator.estimate()
+            energies = {}
+            for clock in clocks:
+                for kind in ("forward", "backward"):
+                    est = estimate[_label(kind, clock)]
+                    if est.energy_j <= 0 or est.stderr_j > MAX_RELATIVE_STDERR * est.energy_j:
+                        raise MeasurementError(f"{est.label}: {est.energy_j:.3g} +- {est.stderr_j:.2g} J")
+                    energies[kind, clock] = est.energy_j
+            blocking = estimate.idle_power_w
+        except (MeasurementError, KeyError) as err:
+            logger.info("perseus-ext: stage %d: forward/backward energies not separable (%s); "
+                        "using the per-clock power model", self.stage, err)
+            method = "power-model"
+            powers, blocking = self._power_model()
+            energies = {
+                (kind, clock): powers[clock] * self._median_time(kind, clock)
+                for clock in clocks if clock in powers
+                for kind in ("forward", "backward")
+            }
+        for (kind, clock), energy in sorted(energies.items()):
+            rows.append({
+                "stage": self.stage,
+                "instruction": kind,
+                "frequency": clock,
+                "time": self._median_time(kind, clock),
+                "energy": max(energy, 1e-9),
+            })
+        return StageMeasurements(self.stage, rows, max(blocking, 0.0), method)

@@ -1,0 +1,720 @@
+"""The framework-agnostic Perseus lifecycle that adapters drive from their pipeline hooks.
+
+warm-up (default clocks) -> profiling (candidate clocks, all stages in parallel, early stop)
+-> solving (frontier solved off the training thread, training goes on at default clocks)
+-> deployed (fastest plan; straggler checks every N iterations move to slower plans and back).
+
+Adapters call, on every rank: `iteration_start()`, `before_computation()` /
+`after_computation()` around every forward and backward, optionally `mark_compute_end()` right
+before the gradient all-reduce and `before_communication()` before blocking receives, and
+`iteration_end()`. Phase changes are decided from collective results only, so every rank changes
+phase at the same iteration and the runtime's own collectives always match up. Nothing here ever
+raises into the training step: a failure logs once and the rank falls back to default clocks
+while still taking part in the collectives, so it cannot hang the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import json
+import logging
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from perseus_ext.errors import ConfigError, PerseusError
+from perseus_ext.measurement.gpu import GPU, GPUError, SimulatedGPU, open_gpu
+from perseus_ext.measurement.windows import EnergyMeter
+from perseus_ext.planning.frontier import Frontier, Plan
+from perseus_ext.planning.profile import Profile, load_profile
+from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule
+from perseus_ext.policies.base import OperatingPointPolicy, StragglerPolicy
+from perseus_ext.runtime.comm import ControlPlane
+from perseus_ext.runtime.config import PREFIX, PerseusConfig
+from perseus_ext.runtime.profiler import StageMeasurements, StageProfiler
+from perseus_ext.runtime.solver_process import BackgroundSolve, solve
+from perseus_ext.runtime.straggler import SlowdownTracker
+
+logger = logging.getLogger(__name__)
+
+SIM_FLUSH_TIMEOUT_S = 1.0
+
+
+class Phase(str, enum.Enum):
+    WARMUP = "warmup"
+    PROFILING = "profiling"
+    SOLVING = "solving"
+    DEPLOYED = "deployed"
+    OBSERVING = "observing"  # default clocks for the rest of the run (observe mode or fallback)
+
+
+def profile_sidecar(path: str | Path) -> Path:
+    """Where the blocking power measured with a saved profile is kept (the CSV has no column)."""
+    return Path(f"{path}.json")
+
+
+def build_policy(section: dict | None) -> OperatingPointPolicy:
+    """The config's `policy` sub-section as a policy object (default: Perseus straggler policy)."""
+    if section is None:
+        return StragglerPolicy()
+    try:
+        from perseus_ext.policies import build_policy as build
+    except ImportError:
+        raise ConfigError(
+            f"{PREFIX}.policy is set but this perseus-ext has no policy builder "
+            f"(perseus_ext.policies.build_policy); remove {PREFIX}.policy"
+        ) from None
+    return build(section)
+
+
+class PerseusRuntime:
+    """One rank's Perseus lifecycle (see the module docstring for the hook protocol)."""
+
+    def __init__(
+        self,
+        config: PerseusConfig,
+        *,
+        schedule: PipelineSchedule,
+        stage: int,
+        dp_group: Any = None,
+        pp_group: Any = None,
+        gpu: GPU | None = None,
+        policy: OperatingPointPolicy | None = None,
+        local_rank: int = 0,
+    ) -> None:
+        if not 0 <= stage < schedule.num_stages:
+            raise PerseusError(f"stage {stage} is outside the schedule's 0..{schedule.num_stages - 1}")
+        self.config = config
+        self.schedule = schedule
+        self.stage = stage
+        self.order: tuple[Computation, ...] = schedule.orders[stage]
+        self._check_pipeline_rank(pp_group)
+        if config.simulated_workload is not None:
+            config.simulated_workload.check_stages(schedule.num_stages)
+        self.gpu = gpu if gpu is not None else self._open_gpu(local_rank)
+        self._simulated = isinstance(self.gpu, SimulatedGPU)
+        if config.simulated_workload is not None and not self._simulated:
+            raise ConfigError(
+                f"{PREFIX}.simulated_workload only applies to a simulated GPU; set {PREFIX}.gpu "
+                f"to 'sim:<preset>' or remove {PREFIX}.simulated_workload"
+            )
+        if self._simulated and config.simulated_workload is None:
+            logger.warning("perseus-ext: simulated GPU without %s.simulated_workload: computations "
+                           "are not paced, so energy reflects idle power only", PREFIX)
+        self.candidate_clocks, self.communication_clock = self._check_clocks()
+        self.policy = policy if policy is not None else build_policy(
+            dict(config.policy) if config.policy is not None else None
+        )
+        self.saved_profile = self._check_saved_profile()
+        self.solver_options = self._check_solver_options()
+
+        from perseus_ext.actuation.controller import FrequencyController
+
+        self.controller = FrequencyController(self.gpu, dry_run=config.dry_run)
+        if self.controller.dry_run:
+            logger.warning("perseus-ext: rank stage %d runs in DRY-RUN mode: clock changes are "
+                           "logged, not applied (no permission to set GPU clocks)", stage)
+        self.meter = EnergyMeter(self.gpu) if self.gpu is not None else None
+        self._now: Callable[[], float] = self.gpu.timestamp if self.gpu is not None else time.perf_counter
+        self.comm = ControlPlane(stage=stage, dp_group=dp_group, timeout_s=config.control_timeout_s)
+        self.profiler: StageProfiler | None = None
+        self.tracker = SlowdownTracker(config.straggler_threshold, config.straggler_hysteresis)
+
+        self.phase = Phase.WARMUP if config.mode == "optimize" else Phase.OBSERVING
+        self.iteration = 0
+        self.frontier: Frontier | None = None
+        self.plan: Plan | None = None
+        self.history: list[dict[str, Any]] = []
+        self.plan_switches: list[dict[str, Any]] = []
+        self.fallback_reason: str | None = None
+        self.profiling_iterations = 0
+        self.profile_method = ""
+        self._phase_iterations = 0
+        self._deployed_iterations = 0
+        self._check_times: list[float] = []
+        self._announced: tuple[str, float] | None = None
+        self._solver: BackgroundSolve | None = None
+        self._solve_result: dict[str, Any] | None = None
+        self._solve_started = 0.0
+        self._iteration_clocks: tuple[int, ...] | None = None
+        self._clock_locked = False
+        self._position = 0
+        self._in_computation: Computation | None = None
+        self._computation_start = 0.0
+        self._iteration_start = 0.0
+        self._iteration_start_mj: int | None = None
+        self._compute_end: float | None = None
+        self._closed = False
+        self._summary: dict[str, Any] | None = None
+        self._log_file = self._open_log(config.log_path)
+        logger.info(
+            "perseus-ext: stage %d/%d pipeline %d ready on %s (%s); %d candidate clocks",
+            stage, schedule.num_stages, self.comm.pipeline,
+            self.gpu.name if self.gpu is not None else "no GPU",
+            "dry-run" if self.controller.dry_run else "live", len(self.candidate_clocks),
+        )
+
+    # ------------------------------------------------------------------ setup helpers
+    def _check_pipeline_rank(self, pp_group: Any) -> None:
+        if pp_group is None:
+            return
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank(pp_group) != self.stage:
+            raise PerseusError(
+                f"stage {self.stage} is rank {dist.get_rank(pp_group)} of its pipeline group; "
+                f"perseus-ext expects pipeline-group ranks ordered by stage"
+            )
+
+    def _open_gpu(self, local_rank: int) -> GPU | None:
+        try:
+            return open_gpu(self.config.gpu, local_rank=local_rank, seed=self.config.seed)
+        except GPUError as err:
+            logger.warning("perseus-ext: cannot open the GPU (%s); DRY-RUN at default clocks", err)
+            return None
+
+    def _check_clocks(self) -> tuple[list[int], int | None]:
+        if self.gpu is None:
+            return [], None
+        supported = self.gpu.supported_sm_clocks()
+        listed = self.config.candidate_clocks
+        for clock in listed or ():
+            if clock not in supported:
+                raise ConfigError(self._unsupported(f"{PREFIX}.candidate_clocks", clock, supported))
+        base = list(listed) if listed is not None else list(supported)
+        candidates = base[:: self.config.clock_stride]
+        comm = self.config.communication_clock
+        if comm == "min":
+            comm = supported[-1]
+        elif comm is not None and comm not in supported:
+            raise ConfigError(self._unsupported(f"{PREFIX}.communication_clock", comm, supported))
+        return candidates, comm
+
+    def _unsupported(self, key: str, clock: int, supported: list[int]) -> str:
+        nearest = min(supported, key=lambda c: abs(c - clock))
+        return (f"{key}: {clock} MHz is not supported by {self.gpu.name} (supported "
+                f"{supported[-1]}-{supported[0]} MHz; nearest {nearest} MHz)")
+
+    def _check_saved_profile(self) -> tuple[Profile, float] | None:
+        path = self.config.profile_path
+        if path is None or not Path(path).is_file():
+            return None
+        profile = load_profile(path)
+        if profile.num_stages != self.schedule.num_stages:
+            raise ConfigError(
+                f"{PREFIX}.profile_path {path} profiles {profile.num_stages} stages, this pipeline "
+                f"has {self.schedule.num_stages}; delete it to profile again"
+            )
+        blocking = self.config.blocking_power_w
+        sidecar = profile_sidecar(path)
+        if blocking is None and sidecar.is_file():
+            blocking = float(json.loads(sidecar.read_text())["blocking_power_w"])
+        if blocking is None:
+            raise ConfigError(
+                f"{PREFIX}.profile_path {path} has no blocking power ({sidecar} is missing); "
+                f"set {PREFIX}.blocking_power_w"
+            )
+        return profile, blocking
+
+    def _check_solver_options(self) -> Any:
+        section = self.config.solver
+        if section is None:
+            return None
+        from perseus_ext.planning.solver import SolverOptions
+
+        known = {f.name for f in dataclasses.fields(SolverOptions)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise ConfigError(f"unknown key(s) {', '.join(f'{PREFIX}.solver.{k}' for k in unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        for key, value in section.items():
+            default = getattr(SolverOptions, key)
+            if isinstance(value, bool) != isinstance(default, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{PREFIX}.solver.{key} must be a {type(default).__name__}, got {value!r}")
+        return SolverOptions(**section)
+
+    def _open_log(self, template: str | None):
+        if template is None:
+            return None
+        path = Path(template.format(rank=self.comm.rank))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "w")
+
+    # ------------------------------------------------------------------ hooks
+    def iteration_start(self) -> None:
+        """Start measuring an iteration and pick its clocks."""
+        if self._closed:
+            return
+        try:
+            self._position = 0
+            self._compute_end = None
+            self._iteration_clocks = self._clocks_for_iteration()
+            if self._iteration_clocks is None and self._clock_locked:
+                self.controller.reset()
+                self._clock_locked = False
+            self._iteration_start, self._iteration_start_mj = self._read_energy()
+            if self._profiling_now:
+                self.profiler.on_counter(self._iteration_start, self._iteration_start_mj)
+        except Exception as err:  # never break the training step
+            self._fall_back(f"iteration_start failed: {err!r}")
+
+    def before_computation(self, kind: Kind | str, microbatch: int, chunk: int = 0) -> None:
+        """Enqueue the planned clock of the next computation (never blocks on a real GPU)."""
+        if self._closed:
+            return
+        try:
+            computation = Computation(self.stage, chunk, microbatch, Kind(kind))
+            self._in_computation = computation
+            if self.fallback_reason is None:
+                expected = self.order[self._position] if self._position < len(self.order) else None
+                if computation != expected:
+                    self._fall_back(
+                        f"the framework ran {computation} where the {self.schedule.kind.value} "
+                        f"schedule expects {expected if expected else 'no more computations'} "
+                        f"(position {self._position}); is the configured schedule the one running?"
+                    )
+            clock = self._planned_clock()
+            if clock is not None:
+                self.controller.set_clock(clock)
+                self._clock_locked = True
+            if self._simulated:
+                # Simulated kernels start synchronously on this thread, so the clock must be in
+                # place first; real kernels are asynchronous and nothing waits here.
+                self.controller.flush(SIM_FLUSH_TIMEOUT_S)
+                self.gpu.mark()
+            elif self._profiling_now:
+                self._synchronize_device()
+            self._computation_start = self._now()
+            if self._profiling_now:
+                self.profiler.on_counter(*self._read_energy())
+        except Exception as err:
+            self._fall_back(f"before_computation failed: {err!r}")
+
+    def after_computation(self, kind: Kind | str, microbatch: int, chunk: int = 0) -> None:
+        """Pace a simulated computation; record durations and energy while profiling."""
+        if self._closed:
+            return
+        try:
+            kind = Kind(kind)
+            workload = self.config.simulated_workload
+            if workload is not None:
+                self.gpu.run(workload.seconds(self.stage, kind.value), kind.value)
+            elif self._profiling_now:
+                self._synchronize_device()
+            end = self._now()
+            clock = self._planned_clock()
+            if self._profiling_now and clock is not None:
+                self.profiler.on_computation(kind.value, clock, self._computation_start, end)
+                self.profiler.on_counter(*self._read_energy())
+            self._in_computation = None
+            self._position += 1
+        except Exception as err:
+            self._fall_back(f"after_computation failed: {err!r}")
+
+    def before_communication(self) -> None:
+        """Optionally drop to the communication clock while blocked on a receive/all-reduce."""
+        if (self.communication_clock is not None and self.phase is Phase.DEPLOYED
+                and self.fallback_reason is None and not self._closed):
+            self.controller.set_clock(self.communication_clock)
+            self._clock_locked = True
+
+    def mark_compute_end(self) -> None:
+        """This pipeline's computations of the iteration are done; what follows is the
+        data-parallel gradient wait, which straggler detection must not count."""
+        if self._compute_end is None:
+            self._compute_end = self._now()
+
+    def iteration_end(self) -> None:
+        """Log the iteration and advance the lifecycle (collectives on every rank)."""
+        if self._closed:
+            return
+        try:
+            end, end_mj = self._read_energy()
+            if self.fallback_reason is None and self._position != len(self.order):
+                self._fall_back(
+                    f"the iteration ran {self._position} computations on stage {self.stage}, "
+                    f"the schedule has {len(self.order)}"
+                )
+            compute_end = self._compute_end if self._compute_end is not None else end
+            energy = (None if end_mj is None or self._iteration_start_mj is None
+                      else (end_mj - self._iteration_start_mj) / 1000.0)
+            self._record(end - self._iteration_start, compute_end - self._iteration_start, energy)
+        except Exception as err:
+            self._fall_back(f"iteration_end failed: {err!r}")
+        try:
+            self._advance()
+        except Exception as err:
+            # Most likely a control-plane collective timed out (a rank died or stalled): the
+            # groups are unusable, so stop all lifecycle collectives on this rank.
+            self._fall_back(f"lifecycle step failed: {err!r}")
+            self._set_phase(Phase.OBSERVING)
+        self.iteration += 1
+
+    # ------------------------------------------------------------------ cluster-manager API
+    def announce_slowdown(self, factor_or_time: float | datetime.timedelta | None) -> None:
+        """Announce the slowest pipeline's expected iteration time instead of waiting for it to
+        be measured: a float is a factor of the normal (fastest pipeline's) iteration time, a
+        timedelta an absolute iteration time, None withdraws the announcement. Takes effect at
+        the next straggler check (every `straggler_check_interval` iterations)."""
+        if factor_or_time is None:
+            self._announced = None
+        elif isinstance(factor_or_time, datetime.timedelta):
+            seconds = factor_or_time.total_seconds()
+            if seconds <= 0:
+                raise PerseusError(f"announced iteration time must be positive, got {factor_or_time}")
+            self._announced = ("time", seconds)
+        else:
+            factor = float(factor_or_time)
+            if not math.isfinite(factor) or factor < 1.0:
+                raise PerseusError(f"announced slowdown factor must be >= 1.0, got {factor_or_time!r}")
+            self._announced = ("factor", factor)
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def _profiling_now(self) -> bool:
+        return (self.phase is Phase.PROFILING and self.fallback_reason is None
+                and self.profiler is not None and not self.profiler.done)
+
+    def _clocks_for_iteration(self) -> tuple[int, ...] | None:
+        if self.fallback_reason is not None:
+            return None
+        if self._profiling_now:
+            return (self.profiler.current_clock,) * len(self.order)
+        if self.phase is Phase.DEPLOYED and self.plan is not None:
+            return self.plan.frequencies[self.stage]
+        return None
+
+    def _planned_clock(self) -> int | None:
+        clocks = self._iteration_clocks
+        if clocks is None or self.fallback_reason is not None or self._position >= len(clocks):
+            return None
+        return clocks[self._position]
+
+    def _advance(self) -> None:
+        self._phase_iterations += 1
+        if self.phase is Phase.WARMUP and self._phase_iterations >= self.config.warmup_iterations:
+            self._end_warmup()
+        elif self.phase is Phase.PROFILING:
+            self._profiling_step()
+        elif self.phase is Phase.SOLVING:
+            self._solving_step()
+        elif self.phase is Phase.DEPLOYED:
+            self._deployed_step()
+
+    def _end_warmup(self) -> None:
+        have_profile, can_profile = self.comm.all_min([
+            float(self.saved_profile is not None),
+            float(not self.controller.dry_run and self.fallback_reason is None and bool(self.candidate_clocks)),
+        ])
+        if have_profile:
+            logger.info("perseus-ext: using saved profile %s; skipping profiling", self.config.profile_path)
+            self._start_solve(self.saved_profile if self.comm.is_pipeline_leader else None)
+        elif can_profile:
+            self.profiler = StageProfiler(
+                self.stage, self.candidate_clocks,
+                iterations_per_clock=self.config.profiling_iterations_per_clock,
+                early_stop=self.config.early_stop, patience=self.config.early_stop_patience,
+                blocking_power_w=self.config.blocking_power_w,
+            )
+            self._set_phase(Phase.PROFILING)
+        else:
+            logger.warning("perseus-ext: some rank cannot set GPU clocks and there is no saved "
+                           "profile (%s.profile_path): nothing to profile, staying at default "
+                           "clocks", PREFIX)
+            self._set_phase(Phase.OBSERVING)
+
+    def _profiling_step(self) -> None:
+        profiler = self.profiler
+        if profiler.done or self.fallback_reason is not None:
+            profiler.stop(self.fallback_reason or profiler.stop_reason)
+        else:
+            self.profiling_iterations += 1
+            profiler.end_iteration()
+        (all_done,) = self.comm.all_min([float(profiler.done)])
+        if not all_done:
+            return
+        measurements: StageMeasurements | None = None
+        if self.fallback_reason is None:
+            try:
+                measurements = profiler.measurements()
+                self.profile_method = measurements.method
+            except Exception as err:  # this stage's gap is reported by the pipeline leader
+                logger.error("perseus-ext: stage %d: profiling produced no usable data (%s)", self.stage, err)
+        (profiling_iterations,) = self.comm.all_max([self.profiling_iterations])
+        logger.info("perseus-ext: profiling finished after %d iteration(s) (stage %d: %s)",
+                    int(profiling_iterations), self.stage, profiler.stop_reason)
+        gathered = self.comm.gather_pipeline(measurements)
+        profile = None
+        if self.comm.is_pipeline_leader:
+            try:
+                profile = self._assemble_profile(gathered)
+                if profile is not None and self.comm.pipeline == 0 and self.config.profile_path:
+                    self._save_profile(*profile)
+            except Exception as err:  # leader-only work: failing it must not skip a collective
+                logger.error("perseus-ext: pipeline %d: assembling the profile failed: %r",
+                             self.comm.pipeline, err)
+        self._start_solve(profile)
+
+    def _assemble_profile(self, gathered: list) -> tuple[Profile, float] | None:
+        """One pipeline's profile from its ranks' measurements (tensor-parallel peers of a stage
+        add up their energy; the slowest peer sets the time)."""
+        by_stage: dict[int, list[StageMeasurements]] = {}
+        for member, measured in gathered:
+            if measured is None:
+                logger.error("perseus-ext: rank %d (stage %d) has no profile; pipeline %d stays at "
+                             "default clocks", member.rank, member.stage, member.pipeline)
+                return None
+            by_stage.setdefault(member.stage, []).append(measured)
+        rows = []
+        blocking = []
+        for stage, peers in sorted(by_stage.items()):
+            keys = set.intersection(*({(r["instruction"], r["frequency"]) for r in p.rows} for p in peers))
+            for instruction, frequency in sorted(keys):
+                matches = [next(r for r in p.rows if (r["instruction"], r["frequency"]) == (instruction, frequency)) for p in peers]
+                rows.append({"stage": stage, "instruction": instruction, "frequency": frequency,
+                             "time": max(r["time"] for r in matches),
+                             "energy": sum(r["energy"] for r in matches)})
+            blocking.append(sum(p.blocking_power_w for p in peers))
+        blocking_power = self.config.blocking_power_w or statistics.fmean(blocking)
+        try:
+            return Profile.from_rows(rows, source=f"online profile of pipeline {self.comm.pipeline}"), blocking_power
+        except PerseusError as err:
+            logger.error("perseus-ext: pipeline %d profile is unusable: %s", self.comm.pipeline, err)
+            return None
+
+    def _save_profile(self, profile: Profile, blocking_power: float) -> None:
+        path = Path(self.config.profile_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profile.save(path)
+        profile_sidecar(path).write_text(json.dumps({
+            "blocking_power_w": blocking_power,
+            "gpu": self.gpu.name if self.gpu is not None else None,
+            "schedule": self.schedule.describe(),
+        }))
+        logger.info("perseus-ext: saved the profile to %s (a restarted job skips profiling)", path)
+
+    def _start_solve(self, profile: tuple[Profile, float] | None) -> None:
+        self._set_phase(Phase.SOLVING)
+        if not self.comm.is_pipeline_leader:
+            return
+        self._solve_started = time.perf_counter()
+        if profile is None:
+            self._solve_result = {"error": "no usable profile"}
+        elif self.config.solve_in_background:
+            self._solver = BackgroundSolve(self.schedule, *profile, self.solver_options)
+        else:
+            self._solve_result = solve(self.schedule, *profile, self.solver_options)
+
+    def _solving_step(self) -> None:
+        if self.comm.is_pipeline_leader and self._solve_result is None and self._solver is not None:
+            self._solve_result = self._solver.result()
+        ready = self._solve_result is not None if self.comm.is_pipeline_leader else True
+        (all_ready,) = self.comm.all_min([float(ready)])
+        if not all_ready:
+            return
+        result = self.comm.broadcast_pipeline(self._solve_result if self.comm.is_pipeline_leader else None)
+        if "error" in result:
+            logger.error("perseus-ext: pipeline %d has no frontier (%s); staying at default clocks",
+                         self.comm.pipeline, result["error"])
+            self._set_phase(Phase.OBSERVING)
+            return
+        self.frontier = Frontier.from_dict(result["frontier"])
+        if self.comm.is_pipeline_leader:
+            logger.info("perseus-ext: pipeline %d frontier: %d plans, solved in %.1f s while training "
+                        "went on; the fastest plan saves %.1f%% energy at no slowdown (model)",
+                        self.comm.pipeline, len(self.frontier.plans),
+                        time.perf_counter() - self._solve_started, 100 * self.frontier.intrinsic_saving())
+            if self.comm.pipeline == 0 and self.config.frontier_path:
+                try:
+                    self.frontier.save(self.config.frontier_path)
+                except OSError as err:
+                    logger.error("perseus-ext: cannot save the frontier to %s: %s", self.config.frontier_path, err)
+        self._switch_plan(self.policy.select(self.frontier, None), factor=1.0, reason="deploy")
+        self._set_phase(Phase.DEPLOYED)
+
+    def _deployed_step(self) -> None:
+        self._deployed_iterations += 1
+        # Normalise to the fastest plan so a pipeline that slowed down on purpose never looks
+        # like a straggler (see straggler.py).
+        self._check_times.append(self.history[-1]["compute_s"] * self.frontier.fastest.time / self.plan.time)
+        if self._deployed_iterations % self.config.straggler_check_interval:
+            return
+        own = statistics.median(self._check_times) if self._check_times else 0.0
+        self._check_times = []
+        kind, value = self._announced or ("", 0.0)
+        rows = self.comm.all_gather_floats([
+            self.comm.pipeline, own,
+            value if kind == "factor" else 0.0, value if kind == "time" else 0.0,
+        ])
+        pipeline_time: dict[int, float] = {}
+        for pipeline, seconds, _, _ in rows:
+            pipeline_time[int(pipeline)] = max(pipeline_time.get(int(pipeline), 0.0), seconds)
+        mine = pipeline_time[self.comm.pipeline]
+        if mine <= 0:
+            return
+        straggler = max(pipeline_time.values())
+        announced_factor = max(r[2] for r in rows)
+        announced_time = max(r[3] for r in rows)
+        if announced_factor > 0:
+            straggler = max(straggler, announced_factor * min(pipeline_time.values()))
+        straggler = max(straggler, announced_time)
+        ratio = straggler / mine
+        if self.tracker.update(ratio):
+            factor = self.tracker.factor
+            deadline = None if factor <= 1.0 else self.frontier.fastest.time * factor
+            self._switch_plan(self.policy.select(self.frontier, deadline), factor=factor,
+                              reason=f"straggler ratio {ratio:.3f}")
+
+    def _switch_plan(self, plan: Plan, *, factor: float, reason: str) -> None:
+        index = self.frontier.plans.index(plan) if plan in self.frontier.plans else -1
+        if plan == self.plan:
+            logger.debug("perseus-ext: pipeline %d: slowdown target x%.3f keeps plan %d (%s)",
+                         self.comm.pipeline, factor, index, reason)
+            return
+        self.plan = plan
+        self.plan_switches.append({
+            "iteration": self.iteration, "plan": index, "factor": factor, "reason": reason,
+            "plan_time_s": plan.time, "plan_energy_j": plan.energy,
+        })
+        if self.comm.is_pipeline_leader:
+            logger.info("perseus-ext: pipeline %d iteration %d: plan %d/%d (%s): model time "
+                        "%.4f s, energy %.1f J (fastest %.4f s, all-max-clock %.1f J)",
+                        self.comm.pipeline, self.iteration, index, len(self.frontier.plans), reason,
+                        plan.time, plan.energy, self.frontier.fastest.time, self.frontier.baseline.energy)
+
+    def _set_phase(self, phase: Phase) -> None:
+        self.phase = phase
+        self._phase_iterations = 0
+
+    def _fall_back(self, reason: str) -> None:
+        """Stop steering clocks on this rank for good (it still joins every collective)."""
+        if self.fallback_reason is not None:
+            return
+        self.fallback_reason = reason
+        logger.error("perseus-ext: rank %d stage %d: %s; this rank runs at default clocks from now on",
+                     self.comm.rank, self.stage, reason)
+        try:
+            self.controller.reset()
+        except Exception:  # the controller never raises, but a fallback must not either
+            pass
+        self._clock_locked = False
+
+    # ------------------------------------------------------------------ measurement
+    def _read_energy(self) -> tuple[float, int | None]:
+        if self.meter is None:
+            return self._now(), None
+        return self.meter.read()
+
+    def _synchronize_device(self) -> None:
+        """Profiling on a real GPU only: wait for queued kernels so host timestamps and energy
+        reads bracket this computation. Deployed iterations never synchronise."""
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def _record(self, seconds: float, compute_s: float, energy_j: float | None) -> None:
+        if self.phase is Phase.DEPLOYED:
+            plan = f"plan {self.frontier.plans.index(self.plan) if self.plan in self.frontier.plans else -1}"
+        elif self._profiling_now:
+            plan = f"profile@{self.profiler.current_clock}"
+        else:
+            plan = "default"
+        record = {
+            "iteration": self.iteration, "phase": self.phase.value, "plan": plan,
+            "factor": self.tracker.factor if self.phase is Phase.DEPLOYED else None,
+            "time_s": seconds, "compute_s": compute_s, "energy_j": energy_j,
+            "rank": self.comm.rank, "pipeline": self.comm.pipeline, "stage": self.stage,
+        }
+        self.history.append(record)
+        if self._log_file is not None:
+            self._log_file.write(json.dumps(record) + "\n")
+            self._log_file.flush()
+        interval = self.config.log_interval
+        if interval and self.iteration % interval == 0:
+            level = logging.INFO if self.comm.rank == 0 else logging.DEBUG
+            energy = f"{energy_j:.1f} J" if energy_j is not None else "n/a"
+            logger.log(level, "perseus-ext: iteration %d [%s, %s] time %.4f s compute %.4f s "
+                       "energy %s (rank %d)", self.iteration, self.phase.value, plan, seconds,
+                       compute_s, energy, self.comm.rank)
+
+    # ------------------------------------------------------------------ end of run
+    def summary(self) -> dict[str, Any]:
+        """Per-rank results: measured default-clock vs deployed iterations, the frontier's
+        model figures, profiling cost and plan switches."""
+        def stats(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+            if not records:
+                return None
+            energies = [r["energy_j"] for r in records if r["energy_j"] is not None]
+            return {
+                "iterations": len(records),
+                "time_s": statistics.fmean(r["time_s"] for r in records),
+                "energy_j": statistics.fmean(energies) if energies else None,
+            }
+
+        # The first iteration carries one-off costs (buffer allocation), so it is no baseline.
+        default = [r for r in self.history[1:] if r["phase"] in ("warmup", "solving", "observing")]
+        deployed = [r for r in self.history if r["phase"] == "deployed"]
+        result: dict[str, Any] = {
+            "rank": self.comm.rank, "pipeline": self.comm.pipeline, "stage": self.stage,
+            "gpu": self.gpu.name if self.gpu is not None else None,
+            "mode": self.config.mode, "dry_run": self.controller.dry_run,
+            "fallback_reason": self.fallback_reason, "final_phase": self.phase.value,
+            "iterations": len(self.history),
+            "profiling_iterations": self.profiling_iterations,
+            "profiled_clocks": self.profiler.profiled_clocks if self.profiler else [],
+            "profile_method": self.profile_method,
+            "default_clocks": stats(default),
+            "deployed": stats(deployed),
+            "deployed_intrinsic": stats([r for r in deployed if r["factor"] == 1.0]),
+            "deployed_extrinsic": stats([r for r in deployed if r["factor"] and r["factor"] > 1.0]),
+            "plan_switches": list(self.plan_switches),
+            "controller_errors": self.controller.error_count,
+        }
+        if self.frontier is not None:
+            result["frontier"] = {
+                "plans": len(self.frontier.plans),
+                "all_max_clock": {"time_s": self.frontier.baseline.time, "energy_j": self.frontier.baseline.energy},
+                "fastest": {"time_s": self.frontier.fastest.time, "energy_j": self.frontier.fastest.energy},
+                "min_energy": {"time_s": self.frontier.min_energy.time, "energy_j": self.frontier.min_energy.energy},
+                "intrinsic_saving": self.frontier.intrinsic_saving(),
+            }
+        base, dep = result["default_clocks"], result["deployed"]
+        if base and dep and base["energy_j"] and dep["energy_j"]:
+            result["energy_saving_vs_default"] = 1.0 - dep["energy_j"] / base["energy_j"]
+            result["throughput_change"] = base["time_s"] / dep["time_s"] - 1.0
+        return result
+
+    def close(self) -> None:
+        """Restore default clocks and report; idempotent, never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._solver is not None:
+            self._solver.cancel()
+        try:
+            self.controller.close()
+        except Exception as err:
+            logger.error("perseus-ext: restoring clocks failed: %r", err)
+        self._summary = self.summary()
+        if self._log_file is not None:
+            self._log_file.close()
+        if self.config.summary_path:
+            path = Path(self.config.summary_path.format(rank=self.comm.rank))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self._summary, indent=2))
+        summary = self._summary
+        if summary.get("energy_saving_vs_default") is not None:
+            logger.info("perseus-ext: rank %d summary: %d iterations, profiling %d; energy/iteration "
+                        "%.1f J -> %.1f J (%.1f%% saved), time/iteration %.4f s -> %.4f s",
+                        summary["rank"], summary["iterations"], summary["profiling_iterations"],
+                        summary["default_clocks"]["energy_j"], summary["deployed"]["energy_j"],
+                        100 * summary["energy_saving_vs_default"], summary["default_clocks"]["time_s"],
+                        summary["deployed"]["time_s"])
+        else:
+            logger.info("perseus-ext: rank %d summary: %d iterations, final phase %s",
+                        summary["rank"], summary["iterations"], summary["final_phase"])

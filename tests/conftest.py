@@ -1,0 +1,26 @@
+"""Settings shared by every test: markers, and a default per-test timeout so a hang fails CI."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+DEFAULT_TEST_TIMEOUT_S = 300
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-timeout reads its settings
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+    config.addinivalue_line(
+        "markers", "distributed: starts several processes (torch.distributed over gloo on CPU)"
+    )
+    # pytest-timeout (the `test` extra) applies no timeout unless one is configured; give every
+    # test one, but let --timeout, PYTEST_TIMEOUT or an ini `timeout` override it.
+    if (
+        config.pluginmanager.hasplugin("timeout")
+        and config.getoption("timeout") is None
+        and "PYTEST_TIMEOUT" not in os.environ
+        and not config.getini("timeout")
+    ):
+        config.option.timeout = DEFAULT_TEST_TIMEOUT_S

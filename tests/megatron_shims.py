@@ -1,0 +1,306 @@
+"""Run megatron-core's real pipeline schedules on a CPU-only machine, for tests.
+
+`run_megatron_schedule(S, M, V)` executes the schedule function that Megatron training uses
+(`get_forward_backward_func(pp_size=S, vp_size=V)`: `forward_backward_no_pipelining`,
+`forward_backward_pipelining_without_interleaving` or `..._with_interleaving`) for all S
+pipeline ranks at once, one thread per rank in this process, and returns every rank's
+forward/backward steps in the order Megatron executed them.
+
+Only the transport and the model are fake; Megatron's scheduling loop, its p2p helper methods
+(`recv_forward`, `send_forward_recv_backward`, ...), its forward_step/backward_step and its
+activation/gradient bookkeeping run unchanged:
+
+- `ThreadP2PCommunicator` subclasses megatron's `P2PCommunicator` and replaces only
+  `_communicate` (the one method that talks to torch.distributed) with in-process queues,
+  one per (sender, receiver, direction). Sends never block, receives wait with a timeout, so a
+  schedule that deadlocks fails instead of hanging.
+- Process groups are `FakeGroup(rank, size)` objects passed through megatron's own
+  `p2p_communicator=` / `pg_collection=` arguments, so `parallel_state` is never initialised.
+  Megatron only asks a group for `rank()`/`size()` after checking
+  `torch.distributed.is_initialized()`, which is patched to True while the ranks run.
+- `torch.zeros(..., device="cuda")` (megatron's token counter) is redirected to the CPU by a
+  `TorchFunctionMode` entered in every rank thread.
+- Each model chunk is a parameter-free module whose forward output is a tensor filled with a
+  code for (virtual stage, microbatch); its backward returns a gradient with the same code.
+  Every step therefore also reports which (virtual stage, microbatch) produced the tensor it
+  consumed, so tests can check the cross-stage data dependencies, not just the local order.
+
+Microbatch ids come from the data iterators (each yields 0..M-1 per model chunk, and the
+forward step calls `next()` on every stage); chunk ids from the model chunk Megatron passes in.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from unittest import mock
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from megatron.core.enums import ModelType
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+CODE_BASE = 1000  # code = virtual_stage * CODE_BASE + microbatch; exact in float32 below 2**24
+TENSOR_SHAPE = (1, 1, 1)  # (seq_length, micro_batch_size, hidden_size)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One computation a rank executed, and whose output it consumed.
+
+    `consumed` is (virtual stage, microbatch) of the tensor this step read from another
+    virtual stage (the activation for a forward, the output gradient for a backward), or None
+    when it read none (first virtual stage's forward, last virtual stage's backward).
+    """
+
+    kind: str  # "forward" | "backward"
+    microbatch: int
+    chunk: int
+    consumed: tuple[int, int] | None
+
+
+def _encode(virtual_stage: int, microbatch: int) -> float:
+    return float(virtual_stage * CODE_BASE + microbatch)
+
+
+def _decode(tensor: torch.Tensor) -> tuple[int, int]:
+    code = int(tensor.detach().reshape(-1)[0].item())
+    return divmod(code, CODE_BASE)
+
+
+@dataclass
+class FakeGroup:
+    """Stand-in for a torch.distributed ProcessGroup: megatron only asks rank() and size()."""
+
+    rank_in_group: int
+    group_size: int
+
+    def rank(self) -> int:
+        return self.rank_in_group
+
+    def size(self) -> int:
+        return self.group_size
+
+
+class _Mailboxes:
+    """FIFO queues between ranks. Sends complete at once (buffered), so these checks are
+    about order and data flow; megatron's pairing of sends with receives is not modelled."""
+
+    def __init__(self, num_ranks: int, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.boxes = {
+            (src, dst): queue.Queue() for src in range(num_ranks) for dst in range(num_ranks)
+        }
+
+    def send(self, src: int, dst: int, tensor: torch.Tensor) -> None:
+        self.boxes[(src, dst)].put(tensor.detach().clone())
+
+    def recv(self, src: int, dst: int) -> torch.Tensor:
+        try:
+            tensor = self.boxes[(src, dst)].get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                f"rank {dst} waited {self.timeout_s}s for a tensor from rank {src}: "
+                "the schedule deadlocks"
+            ) from None
+        # megatron receives into a fresh `requires_grad=True` buffer
+        return tensor.requires_grad_(True)
+
+
+class ThreadP2PCommunicator(P2PCommunicator):
+    """megatron's P2PCommunicator with its transport replaced by in-process mailboxes."""
+
+    def __init__(self, rank: int, num_ranks: int, config: TransformerConfig, boxes: _Mailboxes):
+        # Not calling super().__init__: it maps group ranks to global ranks through
+        # torch.distributed, which needs a real process group. These are the attributes it sets.
+        self.pp_group = FakeGroup(rank, num_ranks)
+        self.config = config
+        self.next_rank = (rank + 1) % num_ranks
+        self.prev_rank = (rank - 1) % num_ranks
+        self.virtual_pipeline_model_parallel_size = config.virtual_pipeline_model_parallel_size
+        self._rank = rank
+        self._boxes = boxes
+
+    def _communicate(
+        self,
+        *,
+        tensor_send_next: torch.Tensor | None,
+        tensor_send_prev: torch.Tensor | None,
+        recv_prev: bool,
+        recv_next: bool,
+        tensor_shape,
+        wait_on_reqs: bool = True,
+    ):
+        if tensor_send_next is not None:
+            self._boxes.send(self._rank, self.next_rank, tensor_send_next)
+        if tensor_send_prev is not None:
+            self._boxes.send(self._rank, self.prev_rank, tensor_send_prev)
+        tensor_recv_prev = self._boxes.recv(self.prev_rank, self._rank) if recv_prev else None
+        tensor_recv_next = self._boxes.recv(self.next_rank, self._rank) if recv_next else None
+        return tensor_recv_prev, tensor_recv_next, {}
+
+
+class _CudaFactoriesOnCpu(TorchFunctionMode):
+    """Create tensors that megatron asks for on "cuda" on the CPU instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+class _TracedStage(torch.autograd.Function):
+    """Identity-like op whose output/gradient carry (virtual stage, microbatch) codes."""
+
+    @staticmethod
+    def forward(ctx, stage_input: torch.Tensor, chunk: "FakeModelChunk", microbatch: int):
+        ctx.chunk = chunk
+        ctx.microbatch = microbatch
+        return torch.full_like(stage_input, _encode(chunk.virtual_stage, microbatch))
+
+    @staticmethod
+    def backward(ctx, output_grad: torch.Tensor):
+        chunk: FakeModelChunk = ctx.chunk
+        consumed = None if chunk.is_last_virtual_stage else _decode(output_grad)
+        chunk.steps.append(Step("backward", ctx.microbatch, chunk.chunk_id, consumed))
+        input_grad = torch.full_like(output_grad, _encode(chunk.virtual_stage, ctx.microbatch))
+        return input_grad, None, None
+
+
+class FakeModelChunk(torch.nn.Module):
+    """One model chunk of one rank: what megatron's schedules need from a model, no more."""
+
+    def __init__(
+        self, config: TransformerConfig, rank: int, chunk_id: int, steps: list[Step]
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model_type = ModelType.encoder_or_decoder
+        self.chunk_id = chunk_id
+        num_stages = config.pipeline_model_parallel_size
+        num_chunks = config.virtual_pipeline_model_parallel_size or 1
+        self.virtual_stage = chunk_id * num_stages + rank  # megatron's chunk-major layout
+        self.is_last_virtual_stage = self.virtual_stage == num_stages * num_chunks - 1
+        self.steps = steps
+        self.input_tensor: list[torch.Tensor | None] = [None]
+
+    def set_input_tensor(self, input_tensor: list[torch.Tensor | None]) -> None:
+        self.input_tensor = input_tensor
+
+
+def _forward_step(data_iterator: Iterator[int], model: FakeModelChunk):
+    """megatron `forward_step_func`: returns (output, loss function)."""
+    microbatch = next(data_iterator)
+    received = model.input_tensor[0]
+    if received is None:
+        consumed = None
+        stage_input = torch.zeros(TENSOR_SHAPE, requires_grad=True)
+    else:
+        consumed = _decode(received)
+        stage_input = received
+    model.steps.append(Step("forward", microbatch, model.chunk_id, consumed))
+    output = _TracedStage.apply(stage_input, model, microbatch)
+
+    def loss_func(output_tensor: torch.Tensor):
+        return output_tensor.sum(), {"microbatch": microbatch}
+
+    return output, loss_func
+
+
+@dataclass
+class _RankOutcome:
+    steps: list[Step] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+def run_megatron_schedule(
+    num_stages: int,
+    num_microbatches: int,
+    num_chunks: int = 1,
+    microbatch_group_size: int | None = None,
+    timeout_s: float = 60.0,
+) -> list[list[Step]]:
+    """Steps of every pipeline rank, in the order megatron-core's real schedule ran them.
+
+    `num_chunks` > 1 selects the interleaved (virtual pipeline) schedule;
+    `microbatch_group_size` is megatron's `microbatch_group_size_per_vp_stage` (default:
+    pipeline size). Errors megatron raises for unsupported sizes propagate unchanged.
+    """
+    if num_microbatches >= CODE_BASE:
+        raise ValueError(f"num_microbatches must be < {CODE_BASE} to fit the tensor codes")
+    with warnings.catch_warnings():  # megatron 0.16 warns about its own cuda_graph_scope default
+        warnings.filterwarnings("ignore", message="full scope is deprecated")
+        config = TransformerConfig(  # what Megatron models carry; the schedules read it
+            num_layers=num_stages * num_chunks,
+            hidden_size=TENSOR_SHAPE[2],
+            num_attention_heads=1,
+            pipeline_model_parallel_size=num_stages,
+            virtual_pipeline_model_parallel_size=num_chunks if num_chunks > 1 else None,
+            microbatch_group_size_per_vp_stage=microbatch_group_size,
+            pipeline_dtype=torch.float32,
+        )
+    schedule = schedules.get_forward_backward_func(
+        pp_size=num_stages, vp_size=config.virtual_pipeline_model_parallel_size
+    )
+    boxes = _Mailboxes(num_stages, timeout_s)
+    outcomes = [_RankOutcome() for _ in range(num_stages)]
+
+    def run_rank(rank: int) -> None:
+        outcome = outcomes[rank]
+        try:
+            chunks = [FakeModelChunk(config, rank, c, outcome.steps) for c in range(num_chunks)]
+            pg_collection = ProcessGroupCollection()
+            for name in ("tp", "cp", "dp_cp"):
+                setattr(pg_collection, name, FakeGroup(0, 1))
+            pg_collection.pp = FakeGroup(rank, num_stages)
+            pg_collection.embd = None
+            pg_collection.pos_embd = None
+            interleaved = num_chunks > 1
+            with _CudaFactoriesOnCpu():
+                schedule(
+                    forward_step_func=_forward_step,
+                    data_iterator=[iter(range(num_microbatches)) for _ in chunks]
+                    if interleaved
+                    else iter(range(num_microbatches)),
+                    model=chunks if interleaved else chunks[0],
+                    num_microbatches=num_microbatches,
+                    seq_length=TENSOR_SHAPE[0],
+                    micro_batch_size=TENSOR_SHAPE[1],
+                    p2p_communicator=ThreadP2PCommunicator(rank, num_stages, config, boxes),
+                    pg_collection=pg_collection,
+                )
+        except BaseException as err:  # re-raised in the calling thread
+            outcome.error = err
+
+    with mock.patch.object(torch.distributed, "is_initialized", return_value=True):
+        threads = [
+            threading.Thread(target=run_rank, args=(r,), name=f"pp-rank-{r}", daemon=True)
+            for r in range(num_stages)
+        ]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    hung = [t.name for t in threads if t.is_alive()]
+    if hung:
+        raise TimeoutError(f"megatron schedule did not finish within {timeout_s}s on {hung}")
+    errors = [o.error for o in outcomes if o.error is not None]
+    if errors:
+        # A rank that failed first makes its neighbours time out; report the root cause.
+        root = next((e for e in errors if not isinstance(e, TimeoutError)), errors[0])
+        raise root
+    return [o.steps for o in outcomes]
+
+
+__all__ = ["FakeGroup", "Step", "ThreadP2PCommunicator", "run_megatron_schedule"]

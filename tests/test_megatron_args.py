@@ -1,0 +1,109 @@
+"""The Megatron `--perseus` argument group and its mapping to `PerseusConfig` (no processes)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from perseus_ext.errors import ConfigError
+from perseus_ext.megatron import add_perseus_args, chain_extra_args, config_from_args, install
+
+ROOT = Path(__file__).resolve().parents[1]
+PATCHES = ROOT / "patches" / "megatron-lm"
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return add_perseus_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_perseus_off_means_no_config_and_no_install():
+    args = parse()
+    assert args.perseus is False
+    assert config_from_args(args) is None
+    assert install(args) is None
+
+
+def test_individual_flags_mirror_the_deepspeed_keys():
+    args = parse(
+        "--perseus",
+        "--perseus-candidate-clocks", "1200", "1410",
+        "--perseus-mode", "observe",
+        "--perseus-communication-clock", "min",
+        "--perseus-straggler-threshold", "0.1",
+        "--perseus-early-stop", "false",
+        "--perseus-simulated-workload", '{"forward_seconds": 0.01, "backward_seconds": [0.02, 0.03]}',
+    )
+    config = config_from_args(args)
+    assert config.enabled is True
+    assert config.candidate_clocks == (1410, 1200)
+    assert config.mode == "observe"
+    assert config.communication_clock == "min"
+    assert config.straggler_threshold == pytest.approx(0.1)
+    assert config.early_stop is False
+    assert config.simulated_workload.backward_seconds == (0.02, 0.03)
+
+
+def test_config_file_is_the_deepspeed_section_and_flags_override_it(tmp_path):
+    section = {"warmup_iterations": 5, "straggler_check_interval": 3}
+    plain = tmp_path / "perseus.json"
+    plain.write_text(json.dumps(section))
+    deepspeed = tmp_path / "ds_config.json"
+    deepspeed.write_text(json.dumps({"train_batch_size": 8, "perseus": section}))
+    for path in (plain, deepspeed):
+        config = config_from_args(
+            parse("--perseus", "--perseus-config", str(path), "--perseus-warmup-iterations", "7")
+        )
+        assert config.warmup_iterations == 7
+        assert config.straggler_check_interval == 3
+
+
+def test_bad_values_name_the_flag():
+    with pytest.raises(ConfigError, match="--perseus-straggler-threshold"):
+        config_from_args(parse("--perseus", "--perseus-straggler-threshold", "2"))
+    with pytest.raises(ConfigError, match="cannot read"):
+        config_from_args(parse("--perseus", "--perseus-config", "/nonexistent/perseus.json"))
+    with pytest.raises(SystemExit):  # argparse rejects a non-boolean for a boolean key
+        parse("--perseus", "--perseus-early-stop", "sometimes")
+
+
+def test_chain_extra_args_runs_every_provider_and_skips_none():
+    def other(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser.add_argument("--other-flag", type=int, default=0)
+        return parser
+
+    parser = chain_extra_args(None, other, add_perseus_args)(argparse.ArgumentParser())
+    args = parser.parse_args(["--other-flag", "3", "--perseus"])
+    assert args.other_flag == 3 and args.perseus is True
+
+
+def test_megatron_lm_patches_are_git_diffs_of_pretrain_gpt():
+    patches = sorted(PATCHES.glob("*.patch"))
+    assert [p.name for p in patches] == [
+        "pretrain_gpt.core_v0.16.patch",
+        "pretrain_gpt.core_v0.18.patch",
+    ]
+    for patch in patches:
+        text = patch.read_text()
+        assert text.startswith("diff --git a/pretrain_gpt.py b/pretrain_gpt.py")
+        assert "perseus_megatron.add_perseus_args" in text
+        assert "perseus = perseus_megatron.install()" in text
+        assert "perseus.close()" in text
+        result = subprocess.run(
+            ["git", "apply", "--stat", str(patch)], capture_output=True, text=True, cwd=ROOT
+        )
+        assert result.returncode == 0, result.stderr
+        assert "pretrain_gpt.py" in result.stdout
+
+
+@pytest.mark.parametrize("module", ["perseus_ext.megatron", "perseus_ext.adapters.megatron"])
+def test_importing_the_adapter_does_not_import_megatron_or_torch(module):
+    code = (
+        f"import sys, {module}; "
+        "assert 'megatron' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -1,0 +1,110 @@
+"""Figures: frontier, pipeline timeline and savings plots render and reject bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from perseus_ext import plotting
+from perseus_ext.planning.energy import CostModel
+from perseus_ext.planning.frontier import Frontier
+from perseus_ext.planning.profile import load_profile
+from perseus_ext.planning.schedule import build_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def model():
+    profile = load_profile(ROOT / "examples" / "profiles" / "gpt3-175b-a100_sxm.csv")
+    return CostModel(build_schedule("1f1b", 8, 6), profile, 83.64)
+
+
+@pytest.fixture(scope="module")
+def frontier(model):
+    """A small frontier of uniform-slowdown plans (the plotting code needs no solver)."""
+    width = int(model.num_options.min())
+    choices = np.stack([np.minimum(k, model.num_options - 1) for k in range(width)], axis=1)
+    times, energies = model.replay(choices)
+    plans = model.make_plans(choices, times, energies)
+    order = np.argsort(times)
+    kept, best = [], np.inf
+    for j in order:  # Pareto filter by time, then energy
+        if energies[j] < best:
+            kept.append(plans[j])
+            best = energies[j]
+    baseline = model.to_plan(model.fastest_choice())
+    return Frontier(model.schedule.describe(), model.blocking_power, tuple(kept), baseline)
+
+
+def _is_png(path: Path) -> bool:
+    return path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_frontier_png_and_svg(frontier, tmp_path):
+    marks = {"deployed": frontier.plans[-1], "straggler": frontier.plan_for_deadline(frontier.fastest.time * 1.05)}
+    plotting.plot_frontier(frontier, tmp_path / "f.png", marks=marks, title="test")
+    assert _is_png(tmp_path / "f.png")
+    plotting.plot_frontier(frontier, tmp_path / "sub" / "f.svg")
+    assert (tmp_path / "sub" / "f.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_timeline_panels_from_plans_and_choices(model, frontier, tmp_path):
+    path = tmp_path / "t.png"
+    plotting.plot_timeline(
+        model,
+        {"before": frontier.baseline, "after": model.min_energy_choice()},
+        path,
+        title="before/after",
+        slowdowns=[frontier.fastest.time * 1.2] * 2,
+    )
+    assert _is_png(path)
+    plotting.plot_timeline(model, frontier.fastest, tmp_path / "one.png")
+    plotting.plot_timeline(model, [frontier.fastest, frontier.plans[-1]], tmp_path / "two.png")
+    assert _is_png(tmp_path / "two.png")
+
+
+def test_timeline_rejects_bad_input(model, frontier, tmp_path):
+    with pytest.raises(plotting.PlottingError, match="one option index per computation"):
+        plotting.plot_timeline(model, np.zeros(3, dtype=int), tmp_path / "x.png")
+    with pytest.raises(plotting.PlottingError, match="2 slowdowns for 1 timeline panels"):
+        plotting.plot_timeline(model, {"a": frontier.fastest}, tmp_path / "x.png", slowdowns=[1.0, 2.0])
+    with pytest.raises(plotting.PlottingError, match="at least one plan"):
+        plotting.plot_timeline(model, {}, tmp_path / "x.png")
+
+
+def test_savings_plot_and_validation(tmp_path):
+    plotting.plot_savings([1.0, 1.1, 1.2], {"a": [0.1, 0.15, 0.2], "b": [0.0, 0.05, 0.1]}, tmp_path / "s.png")
+    assert _is_png(tmp_path / "s.png")
+    with pytest.raises(plotting.PlottingError, match="series 'a' has 2 savings for 3"):
+        plotting.plot_savings([1.0, 1.1, 1.2], {"a": [0.1, 0.2]}, tmp_path / "s.png")
+
+
+def test_unsupported_suffix(frontier, tmp_path):
+    with pytest.raises(plotting.PlottingError, match=r"\.png, \.svg, \.pdf"):
+        plotting.plot_frontier(frontier, tmp_path / "f.jpg")
+
+
+def test_missing_matplotlib_is_a_clear_error(frontier, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    with pytest.raises(plotting.PlottingError, match=r"pip install perseus-ext\[plot\]"):
+        plotting.plot_frontier(frontier, tmp_path / "f.png")
+
+
+def test_importing_plotting_and_emulator_does_not_import_matplotlib():
+    code = (
+        "import sys, perseus_ext.plotting, perseus_ext.emulator, perseus_ext.commands.emulate; "
+        "assert 'matplotlib' not in sys.modules, 'matplotlib imported eagerly'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
+def test_energy_units():
+    assert plotting._energy_unit(5e5) == ("kJ", 1e3)
+    assert plotting._energy_unit(7.2e7) == ("MJ", 1e6)
+    assert plotting._energy_unit(12.0) == ("J", 1.0)

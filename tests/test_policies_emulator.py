@@ -1,0 +1,89 @@
+"""Zeus and Chase inside the large-scale emulator (GPT-3 slice, TP 8 x PP 8, DP 8, x10 scaling):
+the emulator calls the same `select` as the runtime, so this is what the runtime would deploy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from perseus_ext.emulator import PERSEUS, Emulator, JobLayout, StragglerScenario
+from perseus_ext.planning.profile import load_profile
+from perseus_ext.policies import (
+    CallbackCarbonSignal,
+    CarbonCost,
+    ChasePolicy,
+    OperatingPointPolicy,
+    StragglerPolicy,
+    ZeusPolicy,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUT = JobLayout(tensor_parallel=8, pipeline_parallel=8, global_batch=64, microbatches=8)
+A100_BLOCKING_W = 83.64
+A100_MAX_POWER_W = 400.0
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return load_profile(ROOT / "examples" / "profiles" / "gpt3-175b-a100_sxm.csv", pareto=False)
+
+
+@pytest.fixture(scope="module")
+def emulator(profile):
+    return Emulator(profile, LAYOUT, A100_BLOCKING_W, time_scale=10)  # frontier solved once
+
+
+@pytest.fixture(scope="module")
+def frontier(emulator):
+    return emulator.frontier
+
+
+def emulate(emulator: Emulator, policy: OperatingPointPolicy, factor: float):
+    emulator.policy = policy
+    return emulator.run(StragglerScenario.fixed(factor))
+
+
+def test_eta_zero_matches_perseus_in_the_emulator(emulator) -> None:
+    for factor in (1.0, 1.2):
+        perseus = emulate(emulator, StragglerPolicy(), factor)
+        zeus = emulate(emulator, ZeusPolicy(0.0, A100_MAX_POWER_W, gpus_per_stage=8), factor)
+        assert zeus.outcomes[PERSEUS].deployments == perseus.outcomes[PERSEUS].deployments
+        assert zeus.total_saving == pytest.approx(perseus.total_saving)
+
+
+def test_more_eta_trades_time_for_energy(emulator, frontier) -> None:
+    previous = None
+    for eta in (0.0, 0.3, 0.6, 0.9, 1.0):
+        result = emulate(emulator, ZeusPolicy(eta, A100_MAX_POWER_W, gpus_per_stage=8), 1.0)
+        iteration = result.outcomes[PERSEUS].iteration
+        if previous is not None:
+            assert iteration.time >= previous.time - 1e-9
+            assert iteration.total <= previous.total + 1e-6
+        previous = iteration
+    assert result.outcomes[PERSEUS].deployments[0].others == frontier.min_energy
+    assert previous.time > frontier.fastest.time
+
+
+def test_carbon_high_and_low_move_the_deployed_plan_both_ways(emulator) -> None:
+    intensity = {"value": 500.0}
+    clock = {"now": 0.0}
+    policy = ChasePolicy(
+        CarbonCost(
+            0.6,
+            A100_MAX_POWER_W,
+            CallbackCarbonSignal(lambda now: intensity["value"]),
+            max_carbon=500.0,
+            period_s=60.0,
+            clock=lambda: clock["now"],
+        ),
+        gpus_per_stage=8,
+    )
+    deployed = []
+    for value in (500.0, 20.0, 500.0):
+        intensity["value"] = value
+        clock["now"] += 61.0
+        deployed.append(emulate(emulator, policy, 1.0).outcomes[PERSEUS].deployments[0].others)
+    dirty, clean, dirty_again = deployed
+    assert clean.time < dirty.time and clean.energy > dirty.energy
+    assert dirty_again == dirty
