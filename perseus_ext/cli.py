@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "perseus_ext.commands.frontier",
     "perseus_ext.commands.emulate",
     "perseus_ext.commands.batch_size",
+    "perseus_ext.commands.demo",
 ]
 
 

@@ -23,7 +23,7 @@ install()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--deepspeed_config", required=True)
-    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--iterations", type=int, default=60)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--local_rank", type=int, default=-1)  # set by the deepspeed launcher
     args = parser.parse_args()

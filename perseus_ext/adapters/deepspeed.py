@@ -101,6 +101,8 @@ def attach(engine: Any, config: Any = None) -> Any:
     from perseus_ext.planning.schedule import Kind, build_schedule
     from perseus_ext.runtime import PerseusConfig, PerseusRuntime
 
+    if not isinstance(config, PerseusConfig):
+        config = PerseusConfig.from_dict(config if config is not None else perseus_section(engine))
     if not isinstance(engine, PipelineEngine):
         raise ConfigError(
             f"{CONFIG_KEY}: perseus-ext plans pipeline schedules; build the model as a "
@@ -108,8 +110,6 @@ def attach(engine: Any, config: Any = None) -> Any:
         )
     if getattr(engine, "perseus", None) is not None:
         return engine.perseus
-    if not isinstance(config, PerseusConfig):
-        config = PerseusConfig.from_dict(config if config is not None else perseus_section(engine))
     grid = engine.grid
     runtime = PerseusRuntime(
         config,

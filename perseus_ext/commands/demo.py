@@ -348,11 +348,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split("\n\n")[0],
     )
     parser.add_argument("--out", default="perseus-demo", help="output folder (default: %(default)s)")
-    parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--pipelines", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--iterations", type=int, default=64)
-    parser.add_argument("--slowdown", type=float, default=1.2, help="straggler slowdown factor")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default: %(default)s)")
+    parser.add_argument("--pipelines", type=int, default=2,
+                        help="data-parallel pipelines; pipeline 1 straggles midway (default: %(default)s)")
+    parser.add_argument("--microbatches", type=int, default=4, help="microbatches per iteration (default: %(default)s)")
+    parser.add_argument("--iterations", type=int, default=64, help="training iterations per run (default: %(default)s)")
+    parser.add_argument("--slowdown", type=float, default=1.2, help="straggler slowdown factor (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the job is killed")
     parser.set_defaults(func=run)
 

@@ -137,6 +137,17 @@ def interleaved(
             f"an interleaved schedule needs microbatches >= stages ({num_microbatches} < "
             f"{num_stages}); raise the number of microbatches or use the 1f1b schedule"
         )
+    if num_chunks > 1 and not num_stages <= group <= num_microbatches:
+        raise ScheduleError(
+            f"microbatch_group_size must lie in [stages, microbatches] = [{num_stages}, "
+            f"{num_microbatches}] (Megatron-core refuses others), got {group}"
+        )
+    if num_chunks > 1 and 0 < num_microbatches % group < num_stages:
+        raise ScheduleError(
+            f"Megatron-core refuses {num_microbatches} microbatches in groups of {group}: the "
+            f"last group would hold {num_microbatches % group} < {num_stages} (stages) "
+            f"microbatches; use a multiple of {group} microbatches"
+        )
     table = _interleaved_table(num_microbatches, num_chunks, group)
     total = len(table)
     orders = []

@@ -55,7 +55,7 @@ class SolverOptions:
     anchors: int = 32  # minimum LP solves between T_min and T_max (more: closer to the relaxation)
     anchor_budget: int = 25_000  # small pipelines get up to anchor_budget / computations anchors
     progress: bool = False  # show a tqdm bar over the LP anchors
-    polish_budget: int = 100_000_000  # max grid deadlines x computations^3 for the local-search polish
+    polish_budget: int = 20_000_000  # max deadlines x computations^2 x clocks for the local-search polish
 
 
 class _ConvexRelaxation:
@@ -259,20 +259,67 @@ def reclaim_slack(
     return choice
 
 
-def polish(model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: int = 50) -> np.ndarray:
-    """Local search on each plan (column) over exchange moves: computation j one clock step
-    faster and computation i (i == j: none) one step slower, then `reclaim_slack` hands any
-    freed time to the others; the best improving neighbour within the deadline is kept.
+def repair_deadline(
+    model: CostModel, choice: np.ndarray, deadlines: np.ndarray, frozen: np.ndarray | None = None
+) -> np.ndarray:
+    """Make every plan (column) meet its deadline again by speeding up critical computations.
 
-    Rounding and greedy reclaim can settle on a distribution of slow clocks that an exchange
-    improves. A round evaluates N^2 neighbours per plan, so the solver only runs it while
-    deadlines x N^3 stays within `SolverOptions.polish_budget`.
+    Each round, in every late plan, the computation on its longest path whose next faster clock
+    costs the least extra effective energy per second saved gets that clock. `frozen` (bool,
+    same shape) marks computations repair must not touch. Plans that cannot be repaired keep
+    every unfrozen computation at its fastest clock (and so stay late).
+    """
+    choice = choice.copy()
+    # Moving node i from option k to k-1 saves saved[i, k] seconds for extra[i, k] effective
+    # energy (+inf where there is no faster option).
+    with np.errstate(invalid="ignore"):
+        cost = model.energies - model.blocking_power * model.times
+        saved = model.times[:, 1:] - model.times[:, :-1]
+        extra = cost[:, :-1] - cost[:, 1:]
+        usable = np.isfinite(saved) & np.isfinite(extra) & (saved > 0)
+    saved = np.c_[np.zeros(len(saved)), np.where(usable, saved, 0.0)]
+    extra = np.c_[np.full(len(extra), np.inf), np.where(usable, extra, np.inf)]
+    rows = np.arange(model.num_nodes)[:, None]
+    for _ in range(int(model.num_options.sum())):
+        durations = model.times[rows, choice]
+        finish = model.dag.finish_times(durations)
+        makespan = finish.max(axis=0)
+        late = makespan > deadlines + _EPS
+        if not late.any():
+            break
+        slack = model.dag.latest_finish_times(durations, deadlines) - finish
+        critical = slack <= slack.min(axis=0) + _EPS
+        # Price a step by the time the plan still needs, not by all the time it saves: a big
+        # step that overshoots the deficit is charged in full.
+        useful = np.minimum(saved[rows, choice], makespan - deadlines)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            price = np.where(useful > 0, extra[rows, choice] / useful, np.inf)
+        score = np.where(critical & (choice > 0), price, np.inf)
+        if frozen is not None:
+            score = np.where(frozen, np.inf, score)
+        pick = score.argmin(axis=0)
+        can = late & np.isfinite(score[pick, np.arange(choice.shape[1])])
+        if not can.any():
+            break
+        choice[pick[can], np.flatnonzero(can)] -= 1
+    return choice
+
+
+def polish(model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: int = 20) -> np.ndarray:
+    """Local search on each plan (column): a move puts one computation at any other clock,
+    repairs the deadline (`repair_deadline`, the moved computation frozen) and reclaims slack;
+    the best improving neighbour is kept until none improves.
+
+    Rounding and greedy reclaim can settle on a distribution of clocks that no single-step
+    change improves; a move here changes many computations at once. A round evaluates N x K
+    neighbours per plan, so the solver runs it only while deadlines x N^2 x K stays within
+    `SolverOptions.polish_budget`.
     """
     choice = choice.copy()
     n, num_plans = choice.shape
-    width = n * n
-    max_option = (model.num_options - 1)[:, None]
-    faster, slower = np.divmod(np.arange(width), n)  # neighbour k: speed up faster[k], slow slower[k]
+    width_k = model.times.shape[1]
+    width = n * width_k
+    node_of, option_of = np.divmod(np.arange(width), width_k)
     _, energy = model.replay(choice)
     active = np.arange(num_plans)
     for _ in range(rounds):
@@ -280,18 +327,15 @@ def polish(model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: 
             break
         base = np.repeat(choice[:, active], width, axis=1)
         column = np.arange(base.shape[1])
-        fast = np.tile(faster, active.size)
-        slow = np.tile(slower, active.size)
-        valid = base[fast, column] > 0
-        base[fast[valid], column[valid]] -= 1
-        bump = valid & (slow != fast)
-        valid &= ~bump | (base[slow, column] < max_option[slow, 0])
-        bump &= valid
-        base[slow[bump], column[bump]] += 1
-        cap = np.broadcast_to(max_option, base.shape).copy()
-        cap[fast, column] = base[fast, column]  # the sped-up computation must stay fast
+        node = np.tile(node_of, active.size)
+        option = np.tile(option_of, active.size)
+        valid = (option < model.num_options[node]) & (option != base[node, column])
+        base[node[valid], column[valid]] = option[valid]
+        frozen = np.zeros(base.shape, dtype=bool)
+        frozen[node, column] = True
         plan_deadlines = np.repeat(deadlines[active], width)
-        neighbours = reclaim_slack(model, base, plan_deadlines, cap)
+        repaired = repair_deadline(model, base, plan_deadlines, frozen)
+        neighbours = reclaim_slack(model, repaired, plan_deadlines, cap=np.where(frozen, repaired, model.times.shape[1] - 1))
         times, energies = model.replay(neighbours)
         energies = np.where(valid & (times <= plan_deadlines + _EPS), energies, np.inf)
         energies = energies.reshape(active.size, width)
@@ -328,24 +372,67 @@ class FrontierSolver:
 
     def solve(self) -> Frontier:
         model = self.model
-        dag = model.dag
         fastest = model.fastest_choice()
-        t_min = float(dag.makespan(model.times[:, 0]))
-        slowest = np.array([k - 1 for k in model.num_options])
-        t_max = float(dag.makespan(model.times[np.arange(len(dag)), slowest]))
+        t_min = float(model.dag.makespan(model.times[:, 0]))
+        slowest = model.num_options - 1
+        t_max = float(model.dag.makespan(model.times[np.arange(model.num_nodes), slowest]))
+        grid = self._deadline_grid(t_min, t_max)
+        pool = _CandidatePool(model, fastest[:, None])
 
-        step = min(
-            self.options.resolution / self.options.grid_oversampling,
-            (t_max - t_min) / self.options.min_grid_points,
+        relaxed, num_anchors = self._relaxed_durations(grid, t_min, t_max)
+        rounded = round_to_options(model, relaxed)
+        pool.add(reclaim_slack(model, rounded, grid))
+        pool.add(reclaim_slack(model, rounded, grid, backward_first=True))
+        overshooting = np.concatenate(
+            [round_to_options(model, relaxed, "up"), round_to_options(model, relaxed, "nearest")], axis=1
         )
+        pool.add(reclaim_slack(model, overshooting, pool.model_makespan(overshooting)))
+        # Rounding loses more at some deadlines than at others. Give every deadline a second
+        # chance: the best plan found for any earlier deadline, stretched into the new slack.
+        pool.add(reclaim_slack(model, pool.best_for(grid), grid))
+
+        resolution = self.options.resolution
+        # Where the frontier is flat, Pareto plans can be more than `resolution` apart; stretch
+        # the plan at each gap's start into deadlines inside the gap so every step has a plan.
+        for _ in range(_GAP_ROUNDS):
+            keep = pool.frontier(resolution)
+            stretch_from, stretch_to = _gap_deadlines(pool.times[keep], resolution)
+            if not stretch_to.size:
+                break
+            pool.add(reclaim_slack(model, pool.choices[:, keep[stretch_from]], stretch_to))
+
+        if len(grid) * model.num_nodes**2 * model.times.shape[1] <= self.options.polish_budget:
+            # The best plan at every grid deadline, then every frontier plan at its own time
+            # (a plan that ties a better one in time is only found there).
+            pool.add(polish(model, pool.best_for(grid), grid))
+            keep = pool.frontier(resolution)
+            pool.add(polish(model, pool.choices[:, keep], pool.times[keep]))
+
+        keep = pool.frontier(resolution)
+        plans = tuple(model.make_plans(pool.choices[:, keep], pool.times[keep], pool.energies[keep]))
+        frontier = Frontier(model.schedule.describe(), model.blocking_power, plans, model.to_plan(fastest))
+        logger.info(
+            "frontier: %d plans, T %.4f..%.4f s, energy %.1f..%.1f J (%d LP anchors)",
+            len(plans), plans[0].time, plans[-1].time, plans[0].energy, plans[-1].energy, num_anchors,
+        )
+        return frontier
+
+    def _deadline_grid(self, t_min: float, t_max: float) -> np.ndarray:
+        """Deadlines from T_min to all-slowest: `resolution` apart, finer for short frontiers."""
+        options = self.options
+        step = min(options.resolution / options.grid_oversampling, (t_max - t_min) / options.min_grid_points)
         step = max(step, 1e-9)
         grid = np.arange(t_min, t_max + step, step)
         grid[-1] = max(grid[-1], t_max)
-        num_anchors = min(len(grid), max(self.options.anchors, self.options.anchor_budget // len(dag)))
-        anchors = np.unique(np.linspace(t_min, t_max, max(num_anchors, 2)))
+        return grid
 
-        relaxation = _ConvexRelaxation(model)
-        anchor_durations = np.empty((len(dag), len(anchors)))
+    def _relaxed_durations(self, grid: np.ndarray, t_min: float, t_max: float) -> tuple[np.ndarray, int]:
+        """Convex-relaxation durations at every grid deadline, interpolated between LP anchors."""
+        n = self.model.num_nodes
+        num_anchors = min(len(grid), max(self.options.anchors, self.options.anchor_budget // n))
+        anchors = np.unique(np.linspace(t_min, t_max, max(num_anchors, 2)))
+        relaxation = _ConvexRelaxation(self.model)
+        anchor_durations = np.empty((n, len(anchors)))
         iterator = range(len(anchors))
         if self.options.progress:
             from tqdm import tqdm
@@ -353,64 +440,36 @@ class FrontierSolver:
             iterator = tqdm(iterator, desc="frontier LP anchors", unit="anchor")
         for a in iterator:
             anchor_durations[:, a] = relaxation.durations(float(anchors[a]))
-
-        # Interpolate the relaxed solution at every grid deadline.
         hi = np.clip(np.searchsorted(anchors, grid, side="left"), 1, len(anchors) - 1)
         lo = hi - 1
         weight = (grid - anchors[lo]) / (anchors[hi] - anchors[lo])
-        relaxed = anchor_durations[:, lo] * (1 - weight) + anchor_durations[:, hi] * weight
+        return anchor_durations[:, lo] * (1 - weight) + anchor_durations[:, hi] * weight, len(anchors)
 
-        rounded = round_to_options(model, relaxed)
-        overshooting = np.concatenate(
-            [round_to_options(model, relaxed, "up"), round_to_options(model, relaxed, "nearest")], axis=1
-        )
-        choice = np.concatenate(
-            [
-                reclaim_slack(model, rounded, grid),
-                reclaim_slack(model, rounded, grid, backward_first=True),
-                reclaim_slack(model, overshooting, model.dag.makespan(np.take_along_axis(model.times, overshooting, axis=1))),
-            ],
-            axis=1,
-        )
-        times, energies = model.replay(choice)
-        # Rounding loses more at some deadlines than at others. Give every deadline a second
-        # chance: the best plan found for any earlier deadline, stretched into the new slack.
-        carried = choice[:, _best_so_far(times, energies, grid)]
-        carried = reclaim_slack(model, carried, grid)
-        carried_times, carried_energies = model.replay(carried)
 
-        candidates = np.concatenate([choice, carried, fastest[:, None]], axis=1)
-        times = np.r_[times, carried_times, t_min]
-        energies = np.r_[energies, carried_energies, model.replay(fastest)[1]]
-        # Where the frontier is flat, Pareto plans can be more than `resolution` apart; stretch
-        # the plan at each gap's start into deadlines inside the gap so every step has a plan.
-        for _ in range(_GAP_ROUNDS):
-            keep = _fill_gaps(times, energies, _pareto(times, energies), self.options.resolution)
-            stretch_from, stretch_to = _gap_deadlines(times[keep], self.options.resolution)
-            if not stretch_to.size:
-                break
-            stretched = reclaim_slack(model, candidates[:, np.array(keep)[stretch_from]], stretch_to)
-            stretched_times, stretched_energies = model.replay(stretched)
-            candidates = np.concatenate([candidates, stretched], axis=1)
-            times = np.r_[times, stretched_times]
-            energies = np.r_[energies, stretched_energies]
-        keep = _fill_gaps(times, energies, _pareto(times, energies), self.options.resolution)
-        if len(grid) * len(dag) ** 3 <= self.options.polish_budget:
-            best = _best_so_far(times, energies, grid)
-            polished = polish(model, candidates[:, best], grid)
-            polished_times, polished_energies = model.replay(polished)
-            candidates = np.concatenate([candidates, polished], axis=1)
-            times = np.r_[times, polished_times]
-            energies = np.r_[energies, polished_energies]
-            keep = _fill_gaps(times, energies, _pareto(times, energies), self.options.resolution)
-        plans = tuple(model.make_plans(candidates[:, keep], times[keep], energies[keep]))
-        baseline = model.to_plan(fastest)
-        frontier = Frontier(model.schedule.describe(), model.blocking_power, plans, baseline)
-        logger.info(
-            "frontier: %d plans, T %.4f..%.4f s, energy %.1f..%.1f J (%d LP anchors)",
-            len(plans), plans[0].time, plans[-1].time, plans[0].energy, plans[-1].energy, len(anchors),
-        )
-        return frontier
+class _CandidatePool:
+    """Every candidate plan found so far (columns), with its replayed time and energy."""
+
+    def __init__(self, model: CostModel, choices: np.ndarray):
+        self.model = model
+        self.choices = choices
+        self.times, self.energies = model.replay(choices)
+
+    def add(self, choices: np.ndarray) -> None:
+        times, energies = self.model.replay(choices)
+        self.choices = np.concatenate([self.choices, choices], axis=1)
+        self.times = np.r_[self.times, times]
+        self.energies = np.r_[self.energies, energies]
+
+    def model_makespan(self, choices: np.ndarray) -> np.ndarray:
+        return self.model.dag.makespan(np.take_along_axis(self.model.times, choices, axis=1))
+
+    def best_for(self, deadlines: np.ndarray) -> np.ndarray:
+        """Choices of the lowest-energy plan meeting each deadline."""
+        return self.choices[:, _best_so_far(self.times, self.energies, deadlines)]
+
+    def frontier(self, resolution: float) -> np.ndarray:
+        """Indices of the Pareto plans plus the gap-filling ones, by time."""
+        return np.array(_fill_gaps(self.times, self.energies, _pareto(self.times, self.energies), resolution))
 
 
 def _best_so_far(times: np.ndarray, energies: np.ndarray, deadlines: np.ndarray) -> np.ndarray:

@@ -26,7 +26,8 @@ from perseus_ext.planning.schedule import Kind
 
 logger = logging.getLogger(__name__)
 
-MAX_RELATIVE_STDERR = 0.2  # above this, per-kind energies are too noisy: use the power model
+MAX_RELATIVE_STDERR = 0.05  # above this, per-kind energies are too noisy: use the power model
+SMOOTH_MIN_CLOCKS = 4  # from this many profiled clocks on, power is fitted as a function of clock
 
 
 def _label(kind: str, clock: int) -> str:
@@ -56,7 +57,10 @@ def locate_updates(changes: list[tuple[float, float]]) -> list[float]:
     period = float(np.median(np.diff(mids)))
     if period <= 0:
         return mids.tolist()
-    ordinals = np.round((mids - mids[0]) / period)
+    # Count updates step by step (a gap of ~2 periods means a missed update), so a small error
+    # in the first period estimate cannot accumulate over a long run.
+    steps = np.maximum(1.0, np.round(np.diff(mids) / period))
+    ordinals = np.concatenate([[0.0], np.cumsum(steps)])
     slope, phase = np.polyfit(ordinals, mids, 1)
     fitted = phase + ordinals * slope
     low = np.array([a for a, _ in changes])
@@ -217,25 +221,39 @@ class StageProfiler:
         return build_windows(self.reads, self.computations)
 
     def _power_model(self) -> tuple[dict[int, float], float]:
+        """Watts per clock and blocking watts.
+
+        Each window's "count" of clock f is the seconds it spent computing at f, so the
+        estimator's energy per count is the power at f. With `SMOOTH_MIN_CLOCKS` or more clocks
+        the per-clock powers are replaced by a weighted quadratic fit over the clock: power is a
+        smooth function of the clock, and the fit pools every clock's windows against noise
+        (one iteration per clock leaves each clock only a couple of windows).
+        """
         merged = []
         for record in self.windows:
-            counts: dict[str, float] = {}
-            busy: dict[str, float] = {}
-            for label, count in record.counts.items():
+            seconds: dict[str, float] = {}
+            for label, busy in record.busy_s.items():
                 clock = label.split("@")[1]
-                counts[clock] = counts.get(clock, 0) + count
-                busy[clock] = busy.get(clock, 0.0) + record.busy_s.get(label, 0.0)
-            merged.append(WindowRecord(counts, record.duration_s, record.energy_j, busy))
+                seconds[clock] = seconds.get(clock, 0.0) + busy
+            merged.append(WindowRecord(seconds, record.duration_s, record.energy_j, dict(seconds)))
         estimator = EnergyEstimator(self.blocking_power_w)
         estimator.extend(merged)
         estimate = estimator.estimate()
-        powers = {int(label): est.power_w for label, est in estimate.labels.items() if est.power_w}
+        powers = {int(label): est.energy_j for label, est in estimate.labels.items()}
+        if len(powers) >= SMOOTH_MIN_CLOCKS:
+            clocks = np.array(sorted(powers), dtype=float)
+            errors = np.array([estimate.labels[str(int(c))].stderr_j for c in clocks])
+            weights = 1.0 / np.maximum(errors, 1e-3 * np.mean([powers[int(c)] for c in clocks]))
+            scale = clocks.max()
+            coefficients = np.polyfit(clocks / scale, [powers[int(c)] for c in clocks], 2, w=weights)
+            powers = {int(c): float(np.polyval(coefficients, c / scale)) for c in clocks}
         return powers, estimate.idle_power_w
 
-    def measurements(self) -> StageMeasurements:
-        """The stage's profile rows: per-kind energies when the windows separate forward from
-        backward well, otherwise the per-clock power model."""
-        clocks = [c for c in self.profiled_clocks if ("backward", c) in self.durations]
+    def measurements(self, only: list[int] | None = None) -> StageMeasurements:
+        """The stage's profile rows (restricted to clocks `only`, if given): per-kind energies
+        when the windows separate forward from backward well, else the per-clock power model."""
+        clocks = [c for c in self.profiled_clocks if ("backward", c) in self.durations
+                  and (only is None or c in only)]
         if not clocks:
             raise MeasurementError(f"stage {self.stage}: no computation was profiled")
         rows: list[dict[str, object]] = []

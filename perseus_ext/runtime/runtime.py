@@ -57,18 +57,24 @@ def profile_sidecar(path: str | Path) -> Path:
     return Path(f"{path}.json")
 
 
-def build_policy(section: dict | None) -> OperatingPointPolicy:
-    """The config's `policy` sub-section as a policy object (default: Perseus straggler policy)."""
+def build_policy(section: dict | None, gpu: GPU | None = None) -> OperatingPointPolicy:
+    """The config's `policy` sub-section as a frontier policy (default: Perseus' straggler
+    policy). Cost policies (Zeus, Chase) price time at one GPU's maximum power limit, read from
+    `gpu` unless the section sets `max_power_w`."""
     if section is None:
         return StragglerPolicy()
-    try:
-        from perseus_ext.policies import build_policy as build
-    except ImportError:
+    from perseus_ext.policies import PolicyConfig
+
+    parsed = PolicyConfig.parse(section)
+    if parsed.mode != "frontier":
         raise ConfigError(
-            f"{PREFIX}.policy is set but this perseus-ext has no policy builder "
-            f"(perseus_ext.policies.build_policy); remove {PREFIX}.policy"
-        ) from None
-    return build(section)
+            f"{PREFIX}.policy.mode {parsed.mode!r} is not run by the pipeline runtime, which picks "
+            f"frontier plans; use mode 'frontier'"
+        )
+    max_power = None
+    if gpu is not None and parsed.max_power_w is None:
+        max_power = float(gpu.power_limit_range_w()[1])
+    return parsed.build_policy(max_power)
 
 
 class PerseusRuntime:
@@ -107,7 +113,7 @@ class PerseusRuntime:
                            "are not paced, so energy reflects idle power only", PREFIX)
         self.candidate_clocks, self.communication_clock = self._check_clocks()
         self.policy = policy if policy is not None else build_policy(
-            dict(config.policy) if config.policy is not None else None
+            dict(config.policy) if config.policy is not None else None, self.gpu
         )
         self.saved_profile = self._check_saved_profile()
         self.solver_options = self._check_solver_options()
@@ -142,6 +148,7 @@ class PerseusRuntime:
         self._solve_started = 0.0
         self._iteration_clocks: tuple[int, ...] | None = None
         self._clock_locked = False
+        self._requested_clock: int | None = None
         self._position = 0
         self._in_computation: Computation | None = None
         self._computation_start = 0.0
@@ -254,8 +261,7 @@ class PerseusRuntime:
             self._compute_end = None
             self._iteration_clocks = self._clocks_for_iteration()
             if self._iteration_clocks is None and self._clock_locked:
-                self.controller.reset()
-                self._clock_locked = False
+                self._release_clock()
             self._iteration_start, self._iteration_start_mj = self._read_energy()
             if self._profiling_now:
                 self.profiler.on_counter(self._iteration_start, self._iteration_start_mj)
@@ -278,13 +284,15 @@ class PerseusRuntime:
                         f"(position {self._position}); is the configured schedule the one running?"
                     )
             clock = self._planned_clock()
-            if clock is not None:
+            if clock is not None and clock != self._requested_clock:
                 self.controller.set_clock(clock)
+                self._requested_clock = clock
                 self._clock_locked = True
+                if self._simulated:
+                    # Simulated kernels start synchronously on this thread, so a new clock must
+                    # be in place first; real kernels are asynchronous and nothing waits here.
+                    self.controller.flush(SIM_FLUSH_TIMEOUT_S)
             if self._simulated:
-                # Simulated kernels start synchronously on this thread, so the clock must be in
-                # place first; real kernels are asynchronous and nothing waits here.
-                self.controller.flush(SIM_FLUSH_TIMEOUT_S)
                 self.gpu.mark()
             elif self._profiling_now:
                 self._synchronize_device()
@@ -318,8 +326,10 @@ class PerseusRuntime:
     def before_communication(self) -> None:
         """Optionally drop to the communication clock while blocked on a receive/all-reduce."""
         if (self.communication_clock is not None and self.phase is Phase.DEPLOYED
-                and self.fallback_reason is None and not self._closed):
+                and self.fallback_reason is None and not self._closed
+                and self._requested_clock != self.communication_clock):
             self.controller.set_clock(self.communication_clock)
+            self._requested_clock = self.communication_clock
             self._clock_locked = True
 
     def mark_compute_end(self) -> None:
@@ -334,6 +344,9 @@ class PerseusRuntime:
             return
         try:
             end, end_mj = self._read_energy()
+            disabled = getattr(self.controller, "disabled_reason", None)
+            if self.fallback_reason is None and disabled is not None:
+                self._fall_back(f"GPU clock control failed ({disabled})")
             if self.fallback_reason is None and self._position != len(self.order):
                 self._fall_back(
                     f"the iteration ran {self._position} computations on stage {self.stage}, "
@@ -438,12 +451,15 @@ class PerseusRuntime:
         if not all_done:
             return
         measurements: StageMeasurements | None = None
-        if self.fallback_reason is None:
-            try:
-                measurements = profiler.measurements()
-                self.profile_method = measurements.method
-            except Exception as err:  # this stage's gap is reported by the pipeline leader
-                logger.error("perseus-ext: stage %d: profiling produced no usable data (%s)", self.stage, err)
+        # A rank that fell back cannot vouch for the clocks it was asked to run; its default
+        # clock (the maximum) is real, so the planner keeps that stage at the maximum clock.
+        clocks = None if self.fallback_reason is None else self.candidate_clocks[:1]
+        try:
+            measurements = profiler.measurements(clocks)
+            self.profile_method = measurements.method
+        except Exception as err:  # this stage's gap is reported by the pipeline leader
+            level = logging.WARNING if self.fallback_reason else logging.ERROR  # cause logged already
+            logger.log(level, "perseus-ext: stage %d: profiling produced no usable data (%s)", self.stage, err)
         (profiling_iterations,) = self.comm.all_max([self.profiling_iterations])
         logger.info("perseus-ext: profiling finished after %d iteration(s) (stage %d: %s)",
                     int(profiling_iterations), self.stage, profiler.stop_reason)
@@ -465,7 +481,7 @@ class PerseusRuntime:
         by_stage: dict[int, list[StageMeasurements]] = {}
         for member, measured in gathered:
             if measured is None:
-                logger.error("perseus-ext: rank %d (stage %d) has no profile; pipeline %d stays at "
+                logger.warning("perseus-ext: rank %d (stage %d) has no profile; pipeline %d stays at "
                              "default clocks", member.rank, member.stage, member.pipeline)
                 return None
             by_stage.setdefault(member.stage, []).append(measured)
@@ -518,7 +534,7 @@ class PerseusRuntime:
             return
         result = self.comm.broadcast_pipeline(self._solve_result if self.comm.is_pipeline_leader else None)
         if "error" in result:
-            logger.error("perseus-ext: pipeline %d has no frontier (%s); staying at default clocks",
+            logger.warning("perseus-ext: pipeline %d has no frontier (%s); staying at default clocks",
                          self.comm.pipeline, result["error"])
             self._set_phase(Phase.OBSERVING)
             return
@@ -538,12 +554,15 @@ class PerseusRuntime:
 
     def _deployed_step(self) -> None:
         self._deployed_iterations += 1
-        # Normalise to the fastest plan so a pipeline that slowed down on purpose never looks
-        # like a straggler (see straggler.py).
-        self._check_times.append(self.history[-1]["compute_s"] * self.frontier.fastest.time / self.plan.time)
+        # What this iteration would have taken at the fastest plan: plans lengthen the compute
+        # by their model time difference, while overheads (communication, optimizer) stay put.
+        # A pipeline that slowed down on purpose therefore never looks like a straggler.
+        self._check_times.append(
+            self.history[-1]["compute_s"] - (self.plan.time - self.frontier.fastest.time)
+        )
         if self._deployed_iterations % self.config.straggler_check_interval:
             return
-        own = statistics.median(self._check_times) if self._check_times else 0.0
+        own = statistics.median(self._check_times)
         self._check_times = []
         kind, value = self._announced or ("", 0.0)
         rows = self.comm.all_gather_floats([
@@ -554,20 +573,20 @@ class PerseusRuntime:
         for pipeline, seconds, _, _ in rows:
             pipeline_time[int(pipeline)] = max(pipeline_time.get(int(pipeline), 0.0), seconds)
         mine = pipeline_time[self.comm.pipeline]
-        if mine <= 0:
-            return
-        straggler = max(pipeline_time.values())
-        announced_factor = max(r[2] for r in rows)
-        announced_time = max(r[3] for r in rows)
-        if announced_factor > 0:
-            straggler = max(straggler, announced_factor * min(pipeline_time.values()))
-        straggler = max(straggler, announced_time)
-        ratio = straggler / mine
-        if self.tracker.update(ratio):
-            factor = self.tracker.factor
-            deadline = None if factor <= 1.0 else self.frontier.fastest.time * factor
-            self._switch_plan(self.policy.select(self.frontier, deadline), factor=factor,
-                              reason=f"straggler ratio {ratio:.3f}")
+        normal = min(pipeline_time.values())
+        straggler = max(
+            max(pipeline_time.values()),
+            max(r[2] for r in rows) * normal,  # announced factor of the normal iteration time
+            max(r[3] for r in rows),  # announced iteration time
+        )
+        # This pipeline may take (straggler - mine) longer without slowing the job down.
+        ratio = 1.0 + (straggler - mine) / self.frontier.fastest.time
+        self.tracker.update(ratio)
+        factor = self.tracker.factor
+        deadline = None if factor <= 1.0 else self.frontier.fastest.time * factor
+        # Re-selected at every check: cost policies (Chase's carbon price) change over time.
+        self._switch_plan(self.policy.select(self.frontier, deadline), factor=factor,
+                          reason=f"slowest pipeline {straggler:.4f} s, this one {mine:.4f} s")
 
     def _switch_plan(self, plan: Plan, *, factor: float, reason: str) -> None:
         index = self.frontier.plans.index(plan) if plan in self.frontier.plans else -1
@@ -598,9 +617,16 @@ class PerseusRuntime:
         logger.error("perseus-ext: rank %d stage %d: %s; this rank runs at default clocks from now on",
                      self.comm.rank, self.stage, reason)
         try:
-            self.controller.reset()
+            self._release_clock()
         except Exception:  # the controller never raises, but a fallback must not either
             pass
+
+    def _release_clock(self) -> None:
+        """Back to the driver's default clocks."""
+        self.controller.reset()
+        if self._simulated:
+            self.controller.flush(SIM_FLUSH_TIMEOUT_S)
+        self._requested_clock = None
         self._clock_locked = False
 
     # ------------------------------------------------------------------ measurement
@@ -696,6 +722,10 @@ class PerseusRuntime:
         self._closed = True
         if self._solver is not None:
             self._solver.cancel()
+        try:
+            self.policy.close()
+        except Exception as err:
+            logger.error("perseus-ext: closing the policy failed: %r", err)
         try:
             self.controller.close()
         except Exception as err:

@@ -1,9 +1,13 @@
-"""Straggler detection with hysteresis: how much slower than this pipeline the slowest one is.
+"""Straggler detection with hysteresis: how much longer than this pipeline the slowest one takes.
 
 Pipelines compare *normalised* compute times: a pipeline's measured compute time (before the
-gradient all-reduce wait) scaled by `fastest.time / current_plan.time`, i.e. what it would take
-at its fastest plan. A pipeline that slowed down on purpose therefore never looks like a straggler
-itself, and a straggler's own ratio is 1, so it keeps the fastest plan.
+gradient all-reduce wait) minus the extra model time of the plan it runs (`plan.time -
+fastest.time`), i.e. what it would take at its fastest plan. Subtracting (rather than scaling)
+matches how plans change an iteration: they lengthen the computations, while communication and
+optimizer overheads stay the same. A pipeline that slowed down on purpose therefore never looks
+like a straggler itself, and the straggler's own ratio is 1, so it keeps the fastest plan.
+The ratio fed to the tracker is 1 + (straggler time - own time) / fastest plan time: the factor by
+which this pipeline's plan may be longer than the fastest plan without slowing the job.
 """
 
 from __future__ import annotations

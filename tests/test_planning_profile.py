@@ -1,0 +1,112 @@
+"""Profile CSV loading, validation errors and Pareto filtering."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from perseus_ext.errors import ProfileError
+from perseus_ext.planning.profile import Profile, load_profile
+
+PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
+
+GOOD = """stage,instruction,frequency,time,energy
+0,forward,1410,0.05,24
+0,forward,1200,0.06,20
+0,backward,1410,0.10,48
+0,backward,1200,0.12,40
+1,forward,1410,0.05,24
+1,forward,1200,0.06,20
+1,backward,1410,0.10,48
+1,backward,1200,0.12,40
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "profile.csv"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in PROFILES.glob("*.csv")))
+def test_shipped_profiles_load(name: str) -> None:
+    profile = load_profile(PROFILES / name)
+    assert profile.num_stages == 8
+    for op in profile.points.values():
+        # Pareto: faster options cost more energy, slower ones less.
+        assert np.all(np.diff(op.times) > 0)
+        assert np.all(np.diff(op.energies) < 0)
+        assert np.all(np.diff(op.frequencies) < 0)
+
+
+def test_good_profile_round_trips(tmp_path: Path) -> None:
+    profile = load_profile(write(tmp_path, GOOD))
+    assert profile.num_stages == 2
+    assert profile[1, "backward"].frequencies.tolist() == [1410, 1200]
+    out = tmp_path / "saved.csv"
+    profile.save(out)
+    again = load_profile(out)
+    assert again.rows() == profile.rows()
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda t: t.replace("stage,", "stages,"), r"row 1: unknown column\(s\) \['stages'\]"),
+        (lambda t: t.replace(",energy", ",energy,extra"), r"unknown column\(s\) \['extra'\]"),
+        (lambda t: t.replace("time,energy", "time"), r"missing column\(s\) \['energy'\]"),
+        (lambda t: t.replace("0,forward,1410,0.05,24", "0,forward,1410,nan,24"), r"row 2: field 'time' is 'nan'"),
+        (lambda t: t.replace("0,forward,1410,0.05,24", "0,forward,1410,-0.05,24"), r"row 2: field 'time'.*positive"),
+        (lambda t: t.replace("0,forward,1410,0.05,24", "0,forward,1410,0,24"), r"row 2: field 'time'.*positive"),
+        (lambda t: t.replace("0,forward,1410,0.05,24", "0,forward,1410,0.05,abc"), r"row 2: field 'energy' is 'abc'"),
+        (lambda t: t.replace("0,forward,1410,0.05,24", "x,forward,1410,0.05,24"), r"row 2: field 'stage' is 'x'"),
+        (lambda t: t.replace("0,forward,1410,0.05,24", "0,,1410,0.05,24"), r"row 2: field 'instruction' is empty"),
+        (lambda t: t + "0,forward,1410,0.05,24\n", r"row 10: duplicate of row 2"),
+        (lambda t: t.replace("1,backward,1410,0.10,48\n1,backward,1200,0.12,40\n", ""), r"stage 1 has no 'backward'"),
+        (lambda t: t.replace("0,backward,1200,0.12,40\n", ""), r"stage 0 instruction 'backward' lacks clock\(s\) \[1200\]"),
+        (lambda t: t.replace("0,", "2,"), r"stage 0 has no"),
+    ],
+)
+def test_bad_profiles_name_file_row_and_field(tmp_path: Path, mutate, message: str) -> None:
+    path = write(tmp_path, mutate(GOOD))
+    with pytest.raises(ProfileError, match=message) as info:
+        load_profile(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ProfileError, match="no such profile file"):
+        load_profile(tmp_path / "nope.csv")
+
+
+def test_pareto_filter_drops_noise_and_logs_it(caplog: pytest.LogCaptureFixture) -> None:
+    rows = [
+        # 1300 MHz measured faster than 1410 (noise): 1410 is dominated.
+        {"stage": 0, "instruction": "forward", "frequency": 1410, "time": 0.051, "energy": 24},
+        {"stage": 0, "instruction": "forward", "frequency": 1300, "time": 0.050, "energy": 22},
+        {"stage": 0, "instruction": "forward", "frequency": 1100, "time": 0.060, "energy": 18},
+        # Below the minimum-energy clock energy rises again: 900 is dominated.
+        {"stage": 0, "instruction": "forward", "frequency": 900, "time": 0.070, "energy": 19},
+        {"stage": 0, "instruction": "backward", "frequency": 1410, "time": 0.1, "energy": 40},
+        {"stage": 0, "instruction": "backward", "frequency": 1300, "time": 0.11, "energy": 38},
+        {"stage": 0, "instruction": "backward", "frequency": 1100, "time": 0.12, "energy": 36},
+        {"stage": 0, "instruction": "backward", "frequency": 900, "time": 0.13, "energy": 35},
+    ]
+    with caplog.at_level(logging.INFO, logger="perseus_ext.planning.profile"):
+        profile = Profile.from_rows(rows, source="noisy").pareto()
+    assert profile[0, "forward"].frequencies.tolist() == [1300, 1100]
+    assert profile[0, "backward"].frequencies.tolist() == [1410, 1300, 1100, 900]
+    assert sorted(profile.dropped) == [(0, "forward", 900), (0, "forward", 1410)]
+    assert "stage 0 forward: dropped 2 dominated clock(s) [1410, 900]" in caplog.text
+
+
+def test_scaling_multiplies_time_and_energy(tmp_path: Path) -> None:
+    profile = load_profile(write(tmp_path, GOOD)).scaled(10, 80)
+    op = profile[0, "forward"]
+    assert op.times.tolist() == pytest.approx([0.5, 0.6])
+    assert op.energies.tolist() == pytest.approx([1920, 1600])
+    with pytest.raises(ProfileError):
+        profile.scaled(0, 1)

@@ -1,0 +1,121 @@
+"""The frontier solver: exactness on small pipelines, the paper's intrinsic savings, invariants."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from perseus_ext.errors import SolverError
+from perseus_ext.planning.energy import CostModel
+from perseus_ext.planning.exact import brute_force_min_energy, exact_min_energy
+from perseus_ext.planning.profile import Profile, load_profile
+from perseus_ext.planning.schedule import interleaved, one_f_one_b
+from perseus_ext.planning.solver import SolverOptions, solve_frontier
+
+PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
+A100 = PROFILES / "gpt3-175b-a100_sxm.csv"
+P_BLOCK_A100 = 83.64
+
+
+@pytest.fixture(scope="module")
+def raw_a100() -> Profile:
+    return load_profile(A100, pareto=False)
+
+
+def sub_profile(raw: Profile, stages: int, clocks: tuple[int, ...]) -> Profile:
+    """The first `stages` stages of a published profile, measured at `clocks` only."""
+    rows = [r for r in raw.rows() if r["stage"] < stages and r["frequency"] in clocks]
+    return Profile.from_rows(rows, source=f"{A100.name}[{stages} stages, {clocks}]").pareto()
+
+
+def test_exact_milp_agrees_with_brute_force(raw_a100: Profile) -> None:
+    profile = sub_profile(raw_a100, 2, (1410, 1200, 1050))
+    model = CostModel(one_f_one_b(2, 3), profile, P_BLOCK_A100)
+    t_min = model.replay(model.fastest_choice())[0]
+    for factor in (1.0, 1.04, 1.1, 1.25):
+        energy, choice = exact_min_energy(model, t_min * factor)
+        assert energy == pytest.approx(brute_force_min_energy(model, t_min * factor), rel=1e-9)
+        assert model.replay(choice)[0] <= t_min * factor + 1e-6
+    assert exact_min_energy(model, t_min * 0.99) is None
+
+
+SMALL_CASES = [
+    (2, 3, (1410, 1200, 1050)),
+    (2, 4, (1410, 1275, 1140, 1005)),
+    (3, 3, (1410, 1200, 1050)),
+    (3, 4, (1410, 1290, 1170, 1050)),
+    (3, 4, (1410, 1350, 1215, 1080)),
+    (2, 3, (1410, 1380, 1350, 1320)),
+    (2, 3, (1410, 1365, 1020, 975)),
+    (3, 4, (1410, 1080, 960)),
+]
+
+
+@pytest.mark.parametrize("stages, microbatches, clocks", SMALL_CASES)
+def test_within_half_a_percent_of_optimal_at_every_deadline(
+    raw_a100: Profile, stages: int, microbatches: int, clocks: tuple[int, ...]
+) -> None:
+    profile = sub_profile(raw_a100, stages, clocks)
+    schedule = one_f_one_b(stages, microbatches)
+    model = CostModel(schedule, profile, P_BLOCK_A100)
+    frontier = solve_frontier(schedule, profile, P_BLOCK_A100)
+    t_min, t_end = frontier.plans[0].time, frontier.plans[-1].time
+    worst = 0.0
+    for deadline in np.linspace(t_min, t_end * 1.02, 30):
+        optimum, choice = exact_min_energy(model, deadline)
+        # The MILP meets the deadline up to HiGHS' feasibility tolerance (~1e-7 s).
+        ours = frontier.plan_for_deadline(max(deadline, model.replay(choice)[0]))
+        worst = max(worst, ours.energy / optimum - 1)
+    assert worst <= 0.005, f"{100 * worst:.3f}% above the exact optimum"
+
+
+@pytest.fixture(scope="module", params=[12, 24, 48, 96])
+def gpt3_frontier(request):
+    profile = load_profile(A100)
+    schedule = one_f_one_b(8, request.param)
+    return request.param, CostModel(schedule, profile, P_BLOCK_A100), solve_frontier(schedule, profile, P_BLOCK_A100)
+
+
+PAPER_INTRINSIC_SAVING = {12: 0.152, 24: 0.142, 48: 0.136, 96: 0.133}
+
+
+def test_gpt3_fastest_plan_is_free_and_saves_what_the_paper_reports(gpt3_frontier) -> None:
+    microbatches, model, frontier = gpt3_frontier
+    all_max = model.replay(model.fastest_choice())
+    assert frontier.fastest.time <= all_max[0] + 1e-9
+    assert frontier.baseline.energy == pytest.approx(all_max[1])
+    assert frontier.intrinsic_saving() >= PAPER_INTRINSIC_SAVING[microbatches]
+
+
+def test_gpt3_frontier_invariants(gpt3_frontier) -> None:
+    _, model, frontier = gpt3_frontier
+    times = np.array([p.time for p in frontier.plans])
+    assert np.all(np.diff(times) >= 0)
+    assert np.diff(times).max() <= 1e-3  # points at most 1 ms apart
+    assert frontier.min_energy.energy < frontier.fastest.energy
+    # Reported figures are exact replays of the discrete clocks.
+    for plan in frontier.plans[:: max(1, len(frontier.plans) // 25)]:
+        time, energy = model.replay(model.choice_of(plan))
+        assert plan.time == pytest.approx(time, abs=1e-12)
+        assert plan.energy == pytest.approx(energy, rel=1e-12)
+    # The straggler lookup meets the deadline and never picks a dominated plan.
+    for deadline in np.linspace(times[0], times[-1] * 1.1, 17):
+        plan = frontier.plan_for_deadline(deadline)
+        assert plan.time <= deadline + 1e-12
+        assert plan.energy == min(p.energy for p in frontier.plans if p.time <= deadline + 1e-12)
+
+
+def test_interleaved_frontier_meets_its_schedule(raw_a100: Profile) -> None:
+    profile = sub_profile(raw_a100, 4, tuple(range(1410, 1000, -60)))
+    schedule = interleaved(4, 8, 2)
+    frontier = solve_frontier(schedule, profile, P_BLOCK_A100)
+    assert frontier.schedule == {"kind": "interleaved", "stages": 4, "microbatches": 8, "virtual_stages": 2}
+    assert frontier.fastest.frequencies.shape == (4, 32)
+    assert frontier.intrinsic_saving() > 0.05
+
+
+def test_bad_solver_options_are_rejected(raw_a100: Profile) -> None:
+    with pytest.raises(SolverError, match="resolution"):
+        solve_frontier(one_f_one_b(2, 2), sub_profile(raw_a100, 2, (1410, 1200)), 83.64, SolverOptions(resolution=0))

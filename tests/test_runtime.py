@@ -1,0 +1,335 @@
+"""Single-process tests of the framework-agnostic runtime (config, profiler, lifecycle, fallbacks).
+
+They drive `PerseusRuntime` the way an adapter does, on a simulated A100 with a virtual clock
+(`pace=0`), so whole training runs take milliseconds and are exactly reproducible.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import sys
+
+import numpy as np
+import pytest
+
+from perseus_ext.errors import ConfigError, PerseusError
+from perseus_ext.measurement.gpu import open_gpu
+from perseus_ext.measurement.windows import EnergyMeter
+from perseus_ext.planning.schedule import Kind, build_schedule
+from perseus_ext.runtime import PerseusConfig, PerseusRuntime, Phase
+from perseus_ext.runtime.profiler import StageProfiler, build_windows, locate_updates
+from perseus_ext.runtime.straggler import SlowdownTracker
+
+FORWARD_S, BACKWARD_S = 0.010, 0.020
+
+
+def make_config(**overrides) -> PerseusConfig:
+    section = {
+        "enabled": True,
+        "warmup_iterations": 1,
+        "clock_stride": 6,
+        "straggler_check_interval": 3,
+        "log_interval": 0,
+        "solve_in_background": False,
+        "solver": {"min_grid_points": 200},
+        "simulated_workload": {"forward_seconds": FORWARD_S, "backward_seconds": BACKWARD_S},
+    }
+    section.update(overrides)
+    return PerseusConfig.from_dict(section)
+
+
+def virtual_gpu(**options: str):
+    query = "&".join(f"{k}={v}" for k, v in {"pace": "0", **options}.items())
+    return open_gpu(f"sim:a100_sxm?{query}", seed=3)
+
+
+def train(runtime: PerseusRuntime, iterations: int, seed: int = 0) -> None:
+    """What an adapter does for a 1-stage pipeline, with random blocking waits between
+    computations (a real pipeline blocks on its neighbours)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(iterations):
+        runtime.iteration_start()
+        for computation in runtime.order:
+            runtime.gpu.wait(float(rng.uniform(0.0, 0.01)))
+            runtime.before_computation(computation.kind, computation.microbatch)
+            runtime.after_computation(computation.kind, computation.microbatch)
+        runtime.mark_compute_end()
+        runtime.gpu.wait(0.02)  # optimizer step, data-parallel all-reduce
+        runtime.iteration_end()
+
+
+@pytest.fixture
+def schedule():
+    return build_schedule("1f1b", 1, 4)
+
+
+# --------------------------------------------------------------------------- config
+def test_config_round_trip_and_defaults():
+    config = make_config(candidate_clocks=[1200, 1410], policy={"name": "perseus"})
+    assert config.candidate_clocks == (1410, 1200)  # sorted fastest first
+    assert PerseusConfig.from_dict(config.to_dict()) == config
+    assert PerseusConfig.from_dict(None).enabled is False
+
+
+def test_config_imports_without_torch_or_numpy():
+    import subprocess
+
+    code = ("import sys; from perseus_ext.runtime import PerseusConfig; "
+            "PerseusConfig.from_dict({'enabled': True}); "
+            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("section, key", [
+    ({"profiling_iterations_per_clock": 0}, "perseus.profiling_iterations_per_clock must be >= 1"),
+    ({"bogus": 1}, "perseus.bogus"),
+    ({"enabled": "yes"}, "perseus.enabled must be true or false"),
+    ({"warmup_iterations": 1.5}, "perseus.warmup_iterations must be an integer"),
+    ({"candidate_clocks": [1410, "fast"]}, "perseus.candidate_clocks[1]"),
+    ({"candidate_clocks": [1410, 1410]}, "perseus.candidate_clocks lists a clock twice"),
+    ({"straggler_threshold": 0}, "perseus.straggler_threshold must be > 0"),
+    ({"straggler_threshold": 0.02, "straggler_hysteresis": 0.05}, "perseus.straggler_hysteresis"),
+    ({"mode": "turbo"}, "perseus.mode must be one of"),
+    ({"communication_clock": "max"}, "perseus.communication_clock"),
+    ({"blocking_power_w": -3}, "perseus.blocking_power_w must be > 0"),
+    ({"simulated_workload": {"forward_seconds": 0.01}}, "perseus.simulated_workload.backward_seconds"),
+    ({"simulated_workload": {"forward_seconds": 0.01, "backward_seconds": [0.02, 0]}},
+     "perseus.simulated_workload.backward_seconds[1] must be > 0"),
+    ({"policy": "zeus"}, "perseus.policy must be an object"),
+])
+def test_config_errors_name_the_key(section, key):
+    with pytest.raises(ConfigError) as error:
+        PerseusConfig.from_dict(section)
+    assert key in str(error.value)
+
+
+def test_runtime_rejects_clocks_the_gpu_does_not_support(schedule):
+    with pytest.raises(ConfigError, match=r"perseus.candidate_clocks: 1234 MHz is not supported .*nearest 1230"):
+        PerseusRuntime(make_config(candidate_clocks=[1410, 1234]), schedule=schedule, stage=0, gpu=virtual_gpu())
+    with pytest.raises(ConfigError, match="perseus.communication_clock: 5 MHz"):
+        PerseusRuntime(make_config(communication_clock=5), schedule=schedule, stage=0, gpu=virtual_gpu())
+
+
+def test_runtime_rejects_workload_of_wrong_length_and_unknown_solver_keys(schedule):
+    two = build_schedule("1f1b", 2, 4)
+    config = make_config(simulated_workload={"forward_seconds": [0.01, 0.02, 0.03], "backward_seconds": 0.02})
+    with pytest.raises(ConfigError, match="forward_seconds has 3 entries but the pipeline has 2 stages"):
+        PerseusRuntime(config, schedule=two, stage=0, gpu=virtual_gpu())
+    with pytest.raises(ConfigError, match="perseus.solver.speed"):
+        PerseusRuntime(make_config(solver={"speed": 2}), schedule=schedule, stage=0, gpu=virtual_gpu())
+
+
+# --------------------------------------------------------------------------- straggler hysteresis
+def test_slowdown_tracker_hysteresis():
+    tracker = SlowdownTracker(threshold=0.05, hysteresis=0.02)
+    assert not tracker.update(1.04) and tracker.factor == 1.0  # below threshold: noise
+    assert tracker.update(1.20) and tracker.factor == 1.20  # straggler detected
+    assert not tracker.update(1.21) and tracker.factor == 1.20  # within hysteresis: no flapping
+    assert tracker.update(1.30) and tracker.factor == 1.30  # straggler got worse
+    assert tracker.update(1.04) and tracker.factor == 1.04  # milder, still above the exit level
+    assert not tracker.update(1.035) and tracker.factor == 1.04  # within hysteresis: hold
+    assert tracker.update(1.01) and tracker.factor == 1.0  # recovered
+
+
+# --------------------------------------------------------------------------- profiler
+def test_locate_updates_recovers_a_periodic_counter():
+    period, phase = 0.1, 0.037
+    rng = np.random.default_rng(0)
+    reads = np.cumsum(rng.uniform(0.002, 0.03, 400))
+    ticks = np.floor((reads - phase) / period)
+    changes = [(a, b) for a, b, ta, tb in zip(reads, reads[1:], ticks, ticks[1:]) if tb != ta]
+    located = np.array(locate_updates(changes))
+    truth = phase + np.floor((np.array([b for _, b in changes]) - phase) / period) * period
+    assert np.max(np.abs(located - truth)) < 0.002  # well below the ~16 ms read interval
+
+
+def test_build_windows_splits_computations_at_counter_updates():
+    # The counter updates at 0.1, 0.2, 0.3 s; reads bracket each update by 1 ms.
+    reads = [(0.0, 0), (0.099, 0), (0.101, 100), (0.199, 100), (0.201, 300), (0.299, 300), (0.301, 450)]
+    computations = [("forward@1410", 0.02, 0.12), ("backward@1410", 0.15, 0.25)]
+    windows = build_windows(reads, computations)
+    assert [w.energy_j for w in windows] == [0.2, 0.15]
+    first, second = windows
+    assert first.duration_s == pytest.approx(0.1, abs=0.002)
+    assert first.counts["forward@1410"] == pytest.approx(0.2, abs=0.02)  # 0.10..0.12 of 0.02..0.12
+    assert first.counts["backward@1410"] == pytest.approx(0.5, abs=0.02)
+    assert second.counts == pytest.approx({"backward@1410": 0.5}, abs=0.02)
+    assert sum(first.busy_s.values()) + first.idle_s == pytest.approx(first.duration_s)
+    assert build_windows([(0.0, 0), (0.1, None), (0.2, 100)], computations) == []  # failed read
+
+
+def test_profiler_estimates_energy_and_stops_early():
+    gpu = virtual_gpu()
+    meter = EnergyMeter(gpu)
+    clocks = gpu.supported_sm_clocks()[::4]
+    profiler = StageProfiler(0, clocks, iterations_per_clock=1, early_stop=True, patience=2)
+    rng = np.random.default_rng(1)
+    order = ["forward", "forward", "backward", "forward", "backward", "forward", "backward", "backward"]
+    while not profiler.done:
+        clock = profiler.current_clock
+        gpu.set_locked_sm_clocks(clock)
+        for kind in order:
+            gpu.wait(float(rng.uniform(0.0, 0.012)))
+            profiler.on_counter(*meter.read())
+            start = gpu.timestamp()
+            gpu.run(FORWARD_S if kind == "forward" else BACKWARD_S, kind)
+            profiler.on_computation(kind, clock, start, gpu.timestamp())
+            profiler.on_counter(*meter.read())
+        profiler.end_iteration()
+    assert "early stop" in profiler.stop_reason
+    assert len(profiler.profiled_clocks) < len(clocks)  # never profiled the lowest clocks
+    best = gpu.preset.min_energy_clock()
+    assert min(profiler.profiled_clocks) < best  # but went past the energy minimum
+    measured = profiler.measurements()
+    assert measured.blocking_power_w == pytest.approx(gpu.preset.idle_power_w, rel=0.25)
+    errors = []
+    for row in measured.rows:
+        seconds = FORWARD_S if row["instruction"] == "forward" else BACKWARD_S
+        true_time, true_energy = gpu.expected(seconds, row["frequency"])
+        assert row["time"] == pytest.approx(true_time, rel=1e-6)
+        errors.append(row["energy"] / true_energy - 1)
+    assert np.sqrt(np.mean(np.square(errors))) < 0.12
+
+
+# --------------------------------------------------------------------------- lifecycle
+def test_lifecycle_profiles_solves_deploys_and_restores_clocks(schedule, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="perseus_ext")
+    config = make_config(profile_path=str(tmp_path / "profile.csv"), frontier_path=str(tmp_path / "frontier.json"),
+                         log_path=str(tmp_path / "log-{rank}.jsonl"), summary_path=str(tmp_path / "summary-{rank}.json"))
+    gpu = virtual_gpu()
+    runtime = PerseusRuntime(config, schedule=schedule, stage=0, gpu=gpu)
+    train(runtime, 30)
+    assert runtime.phase is Phase.DEPLOYED
+    assert runtime.plan == runtime.frontier.fastest
+    assert 1 <= runtime.profiling_iterations <= len(runtime.candidate_clocks)
+    assert set(gpu.clock_history) - {None} <= set(runtime.candidate_clocks)
+    assert (tmp_path / "profile.csv").is_file() and (tmp_path / "frontier.json").is_file()
+    runtime.close()
+    runtime.close()  # idempotent
+    assert gpu.locked_clock is None
+    summary = runtime.summary()
+    assert summary["final_phase"] == "deployed" and summary["deployed"]["iterations"] > 0
+    assert (tmp_path / "summary-0.json").is_file()
+    assert len((tmp_path / "log-0.jsonl").read_text().splitlines()) == 30
+    runtime.iteration_start()  # hooks after close are ignored, never raise
+    assert "profiling finished after" in caplog.text
+
+    # A restarted job loads the saved profile and skips profiling.
+    restarted = PerseusRuntime(config, schedule=schedule, stage=0, gpu=virtual_gpu())
+    train(restarted, 5)
+    assert restarted.phase is Phase.DEPLOYED and restarted.profiling_iterations == 0
+    restarted.close()
+
+
+def test_schedule_mismatch_logs_once_and_falls_back(schedule, caplog):
+    gpu = virtual_gpu()
+    runtime = PerseusRuntime(make_config(warmup_iterations=0), schedule=schedule, stage=0, gpu=gpu)
+    train(runtime, 2)  # now profiling: the clock is locked
+    assert gpu.locked_clock is not None
+    runtime.iteration_start()
+    runtime.before_computation(Kind.BACKWARD, 3)  # the schedule expects forward 0
+    runtime.after_computation(Kind.BACKWARD, 3)
+    runtime.iteration_end()
+    train(runtime, 3)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "expects F0@s0" in errors[0].getMessage()
+    assert runtime.fallback_reason is not None
+    runtime.controller.flush()
+    assert gpu.locked_clock is None  # default clocks for the rest of the run
+    runtime.close()
+
+
+def test_no_clock_permission_means_dry_run(schedule, caplog):
+    gpu = virtual_gpu(privileged="0")
+    runtime = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=gpu)
+    train(runtime, 6)
+    assert runtime.controller.dry_run
+    assert "DRY-RUN" in caplog.text
+    assert runtime.phase is Phase.OBSERVING  # nothing to profile without clock control
+    assert gpu.clock_history == []
+    runtime.close()
+
+
+def test_controller_errors_never_reach_training(schedule):
+    gpu = virtual_gpu()
+    gpu.inject_fault("set_locked_sm_clocks", times=None)
+    runtime = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=gpu)
+    train(runtime, 12)
+    runtime.close()
+    assert runtime.controller.error_count >= 1
+    assert gpu.locked_clock is None
+
+
+def test_observe_mode_never_touches_clocks(schedule):
+    gpu = virtual_gpu()
+    runtime = PerseusRuntime(make_config(mode="observe"), schedule=schedule, stage=0, gpu=gpu)
+    train(runtime, 5)
+    runtime.close()
+    assert gpu.clock_history == [] and runtime.phase is Phase.OBSERVING
+    assert runtime.summary()["default_clocks"]["iterations"] == 4
+    assert gpu.run_counts == {"forward": 20, "backward": 20}  # paced all the same
+
+
+def test_announce_slowdown_validates_input(schedule):
+    runtime = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=virtual_gpu())
+    runtime.announce_slowdown(1.2)
+    runtime.announce_slowdown(datetime.timedelta(seconds=0.3))
+    runtime.announce_slowdown(None)
+    with pytest.raises(PerseusError):
+        runtime.announce_slowdown(0.5)
+    with pytest.raises(PerseusError):
+        runtime.announce_slowdown(datetime.timedelta(0))
+    runtime.close()
+
+
+def test_announced_slowdown_moves_a_single_pipeline_to_a_slower_plan(schedule):
+    runtime = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=virtual_gpu())
+    train(runtime, 20)
+    assert runtime.plan == runtime.frontier.fastest
+    runtime.announce_slowdown(1.15)
+    train(runtime, 3)  # next straggler check
+    assert runtime.plan.time > runtime.frontier.fastest.time
+    # The slowest pipeline takes 15% longer than the normal iteration: that much extra time.
+    normal = np.median([r["compute_s"] for r in runtime.history[-6:-3]])
+    assert runtime.plan.time <= runtime.frontier.fastest.time + 0.15 * normal + 1e-9
+    runtime.announce_slowdown(None)
+    train(runtime, 3)
+    assert runtime.plan == runtime.frontier.fastest
+    runtime.close()
+
+
+def test_policy_section_selects_a_cost_policy(schedule):
+    from perseus_ext.policies import StragglerPolicy, ZeusPolicy
+
+    runtime = PerseusRuntime(make_config(policy={"type": "zeus", "eta": 1.0}), schedule=schedule, stage=0,
+                             gpu=virtual_gpu())
+    assert isinstance(runtime.policy, ZeusPolicy)
+    train(runtime, 20)
+    assert runtime.phase is Phase.DEPLOYED
+    assert runtime.plan == runtime.frontier.min_energy  # eta = 1: energy only
+    runtime.close()
+    default = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=virtual_gpu())
+    assert isinstance(default.policy, StragglerPolicy)
+    default.close()
+    with pytest.raises(ConfigError, match="perseus.policy.mode 'power_limit'"):
+        PerseusRuntime(make_config(policy={"type": "zeus", "mode": "power_limit"}), schedule=schedule, stage=0,
+                       gpu=virtual_gpu())
+    with pytest.raises(ConfigError, match="perseus.policy.eta"):
+        PerseusRuntime(make_config(policy={"type": "zeus", "eta": 2}), schedule=schedule, stage=0, gpu=virtual_gpu())
+
+
+def test_communication_clock_is_requested_around_blocking_waits(schedule):
+    gpu = virtual_gpu()
+    runtime = PerseusRuntime(make_config(communication_clock="min"), schedule=schedule, stage=0, gpu=gpu)
+    train(runtime, 20)
+    assert runtime.phase is Phase.DEPLOYED
+    runtime.before_communication()
+    runtime.controller.flush()
+    assert gpu.locked_clock == gpu.supported_sm_clocks()[-1]
+    first = runtime.order[0]
+    runtime.iteration_start()
+    runtime.before_computation(first.kind, first.microbatch)
+    assert gpu.locked_clock == runtime.plan.frequencies[0][0]  # back to the plan's clock
+    runtime.close()
+    assert gpu.locked_clock is None
