@@ -29,7 +29,7 @@ SCRIPT = ROOT / "examples" / "megatron_gpt3" / "pretrain_gpt3.py"
 LAUNCHER = ROOT / "tests" / "megatron_cpu.py"
 
 TINY = ["--model", "tiny", "--seq-length", "32", "--vocab-size", "128", "--micro-batch-size", "1"]
-ITERATIONS = 15
+ITERATIONS = 17
 PERSEUS = {
     "gpu": "sim:a100_sxm?noise=0&period=0.01",  # a fine energy counter: per-iteration figures
     "warmup_iterations": 1,
@@ -159,7 +159,7 @@ def pp2(tmp_path_factory) -> dict[str, Run]:
     tmp = tmp_path_factory.mktemp("megatron_pp2")
     return launch(tmp, 2, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"], {
         "off": {"perseus": None},
-        "observe": {"perseus": "observe", "iterations": 8},
+        "observe": {"perseus": "observe", "iterations": 10},
         "optimize": {"perseus": "optimize"},
         "misplanned": {"perseus": "optimize", "misplan": True, "iterations": 4},
     }, timeout=240)
@@ -190,7 +190,7 @@ def pp2_dp2(tmp_path_factory) -> dict[str, Run]:
     straggler = {"PERSEUS_SIM_SLOWDOWN": "1.2", "PERSEUS_SIM_SLOWDOWN_RANKS": "1,3"}
     return launch(tmp, 4, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"], {
         "off": {"perseus": None},
-        "observe": {"perseus": "observe", "iterations": 8},
+        "observe": {"perseus": "observe", "iterations": 10},
         "optimize": {"perseus": "optimize"},
         "straggler": {"perseus": "optimize", "env": straggler, "iterations": 17},
     }, timeout=420)
@@ -237,7 +237,7 @@ def interleaved(tmp_path_factory) -> dict[str, Run]:
               "2", "--global-batch-size", "4"]
     return launch(tmp, 2, layout, {
         "off": {"perseus": None},
-        "observe": {"perseus": "observe", "iterations": 8},
+        "observe": {"perseus": "observe", "iterations": 10},
         "optimize": {"perseus": "optimize"},
     }, timeout=240)
 

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 _EPS = 1e-9
 _GAP_ROUNDS = 3  # stretch rounds; each fills the gaps the previous one opened
 _FILL_BIN = 0.45  # gap-fill bin width as a fraction of the resolution
+_CHUNK = 1024  # plans processed at once by the batched DAG passes
 
 
 @dataclass(frozen=True)
@@ -182,8 +183,8 @@ def _slowest_fitting(option_times: np.ndarray, window: np.ndarray) -> np.ndarray
     return np.maximum(np.searchsorted(option_times, window + _EPS, side="right") - 1, 0)
 
 
-def round_to_options(model: CostModel, durations: np.ndarray, mode: str = "down") -> np.ndarray:
-    """Per plan (column), each relaxed duration to a profiled clock.
+def round_to_options(model: CostModel, durations: np.ndarray) -> dict[str, np.ndarray]:
+    """Per plan (column), each relaxed duration rounded to a profiled clock, three ways.
 
     `down`: the slowest clock no slower than the duration, so the relaxation's deadline holds.
     `up` / `nearest`: the next slower / the nearest clock; such plans overshoot the deadline a
@@ -191,17 +192,12 @@ def round_to_options(model: CostModel, durations: np.ndarray, mode: str = "down"
     """
     option_times = _option_times(model)
     down = np.stack([_slowest_fitting(option_times[i], durations[i]) for i in range(len(durations))])
-    if mode == "down":
-        return down
+    t_down = np.take_along_axis(model.times, down, axis=1)
     last = (model.num_options - 1)[:, None]
-    up = np.where(np.take_along_axis(model.times, down, axis=1) < durations - _EPS, np.minimum(down + 1, last), down)
-    if mode == "up":
-        return up
-    if mode == "nearest":
-        t_down = np.take_along_axis(model.times, down, axis=1)
-        t_up = np.take_along_axis(model.times, up, axis=1)
-        return np.where(t_up - durations < durations - t_down, up, down)
-    raise ValueError(f"unknown rounding mode {mode!r}")
+    up = np.where(t_down < durations - _EPS, np.minimum(down + 1, last), down)
+    t_up = np.take_along_axis(model.times, up, axis=1)
+    nearest = np.where(t_up - durations < durations - t_down, up, down)
+    return {"down": down, "up": up, "nearest": nearest}
 
 
 def reclaim_slack(
@@ -221,9 +217,20 @@ def reclaim_slack(
     Durations only grow and every plan still meets its deadline. `cap` (same shape as
     `choice`), if given, bounds how slow each computation may become.
     """
+    if choice.shape[1] > _CHUNK:  # bound memory: a few (N, _CHUNK) matrices at a time
+        return np.concatenate(
+            [
+                reclaim_slack(
+                    model, choice[:, k : k + _CHUNK], deadlines[k : k + _CHUNK],
+                    None if cap is None else cap[:, k : k + _CHUNK], backward_first,
+                )
+                for k in range(0, choice.shape[1], _CHUNK)
+            ],
+            axis=1,
+        )
     dag = model.dag
     option_times = _option_times(model)
-    choice = choice.copy()
+    choice = choice.astype(np.int64)
     durations = np.take_along_axis(model.times, choice, axis=1)
 
     def refit(node: int, window: np.ndarray) -> None:
@@ -308,7 +315,7 @@ def repair_deadline(
 def polish(model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: int = 20) -> np.ndarray:
     """Local search on each plan (column): a move puts one computation at any other clock,
     repairs the deadline (`repair_deadline`, the moved computation frozen) and reclaims slack;
-    the best improving neighbour is kept until none improves.
+    the best improving neighbour (either reclaim direction) is kept until none improves.
 
     Rounding and greedy reclaim can settle on a distribution of clocks that no single-step
     change improves; a move here changes many computations at once. A round evaluates N x K
@@ -335,14 +342,21 @@ def polish(model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: 
         frozen[node, column] = True
         plan_deadlines = np.repeat(deadlines[active], width)
         repaired = repair_deadline(model, base, plan_deadlines, frozen)
-        neighbours = reclaim_slack(model, repaired, plan_deadlines, cap=np.where(frozen, repaired, model.times.shape[1] - 1))
+        cap = np.where(frozen, repaired, model.times.shape[1] - 1)
+        # Both reclaim directions: freed time can be worth most early or late in the iteration.
+        neighbours = np.concatenate(
+            [reclaim_slack(model, repaired, plan_deadlines, cap, backward_first=b) for b in (False, True)],
+            axis=1,
+        )
         times, energies = model.replay(neighbours)
-        energies = np.where(valid & (times <= plan_deadlines + _EPS), energies, np.inf)
-        energies = energies.reshape(active.size, width)
+        ok = np.tile(valid, 2) & (times <= np.tile(plan_deadlines, 2) + _EPS)
+        energies = np.where(ok, energies, np.inf).reshape(2, active.size, width)
+        energies = energies.transpose(1, 0, 2).reshape(active.size, 2 * width)
         best = energies.argmin(axis=1)
         best_energy = energies[np.arange(active.size), best]
         improved = best_energy < energy[active] - 1e-9
-        chosen = neighbours[:, np.arange(active.size) * width + best]
+        direction, offset = np.divmod(best, width)
+        chosen = neighbours[:, direction * base.shape[1] + np.arange(active.size) * width + offset]
         choice[:, active[improved]] = chosen[:, improved]
         energy[active[improved]] = best_energy[improved]
         active = active[improved]
@@ -381,11 +395,9 @@ class FrontierSolver:
 
         relaxed, num_anchors = self._relaxed_durations(grid, t_min, t_max)
         rounded = round_to_options(model, relaxed)
-        pool.add(reclaim_slack(model, rounded, grid))
-        pool.add(reclaim_slack(model, rounded, grid, backward_first=True))
-        overshooting = np.concatenate(
-            [round_to_options(model, relaxed, "up"), round_to_options(model, relaxed, "nearest")], axis=1
-        )
+        pool.add(reclaim_slack(model, rounded["down"], grid))
+        pool.add(reclaim_slack(model, rounded["down"], grid, backward_first=True))
+        overshooting = np.concatenate([rounded["up"], rounded["nearest"]], axis=1)
         pool.add(reclaim_slack(model, overshooting, pool.model_makespan(overshooting)))
         # Rounding loses more at some deadlines than at others. Give every deadline a second
         # chance: the best plan found for any earlier deadline, stretched into the new slack.
@@ -449,14 +461,19 @@ class FrontierSolver:
 class _CandidatePool:
     """Every candidate plan found so far (columns), with its replayed time and energy."""
 
+    # Option indices fit in int16; a pool holds tens of thousands of plans of thousands of
+    # computations, so this keeps it a few tens of MiB.
+    DTYPE = np.int16
+
     def __init__(self, model: CostModel, choices: np.ndarray):
         self.model = model
-        self.choices = choices
+        self.choices = choices.astype(self.DTYPE)
         self.times, self.energies = model.replay(choices)
 
     def add(self, choices: np.ndarray) -> None:
-        times, energies = self.model.replay(choices)
-        self.choices = np.concatenate([self.choices, choices], axis=1)
+        parts = [self.model.replay(choices[:, k : k + _CHUNK]) for k in range(0, choices.shape[1], _CHUNK)]
+        times, energies = np.concatenate([t for t, _ in parts]), np.concatenate([e for _, e in parts])
+        self.choices = np.concatenate([self.choices, choices.astype(self.DTYPE)], axis=1)
         self.times = np.r_[self.times, times]
         self.energies = np.r_[self.energies, energies]
 

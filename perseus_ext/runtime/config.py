@@ -72,6 +72,7 @@ class PerseusConfig:
     straggler_check_interval: int = 10
     straggler_threshold: float = 0.05
     straggler_hysteresis: float = 0.02
+    straggler_confirmations: int = 2
     communication_clock: int | str | None = None
     log_interval: int = 1
     log_path: str | None = None
@@ -262,6 +263,7 @@ _PARSERS = {
     "straggler_check_interval": _int_at_least(1),
     "straggler_threshold": _positive_fraction,
     "straggler_hysteresis": _fraction,
+    "straggler_confirmations": _int_at_least(1),
     "communication_clock": _communication_clock,
     "log_interval": _int_at_least(0),
     "log_path": _optional_str,

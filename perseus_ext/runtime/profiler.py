@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 MAX_RELATIVE_STDERR = 0.05  # above this, per-kind energies are too noisy: use the power model
 SMOOTH_MIN_CLOCKS = 4  # from this many profiled clocks on, power is fitted as a function of clock
+OVERHEAD_PERCENTILE = 20  # of the gaps between computations: framework work without waiting
 
 
 def _label(kind: str, clock: int) -> str:
@@ -42,6 +43,7 @@ class StageMeasurements:
     rows: list[dict[str, object]]
     blocking_power_w: float
     method: str  # "per-kind" or "power-model": how energies were separated
+    overhead_s: float = 0.0  # framework time per computation, included in the rows' times
 
 
 def locate_updates(changes: list[tuple[float, float]]) -> list[float]:
@@ -135,6 +137,8 @@ class StageProfiler:
         self.reads: list[tuple[float, int | None]] = []
         self.computations: list[tuple[str, float, float]] = []  # (label, start, end)
         self.block_energy: dict[int, float] = {}  # clock -> estimated J of one forward+backward
+        self.gaps: list[float] = []  # time between consecutive computations of an iteration
+        self._last_end: float | None = None
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -160,11 +164,15 @@ class StageProfiler:
             return
         self.durations.setdefault((kind, clock), []).append(end - start)
         self.computations.append((_label(kind, clock), start, end))
+        if self._last_end is not None:
+            self.gaps.append(start - self._last_end)
+        self._last_end = end
 
     def end_iteration(self) -> None:
         """Advance the clock schedule; decide the early stop after each clock's block."""
         if self.done:
             return
+        self._last_end = None  # the gap across iterations holds the optimizer step
         self.iterations += 1
         if self.iterations % self.iterations_per_clock:
             return
@@ -280,12 +288,27 @@ class StageProfiler:
                 for clock in clocks if clock in powers
                 for kind in ("forward", "backward")
             }
+        blocking = max(blocking, 0.0)
+        overhead = self.overhead_s
         for (kind, clock), energy in sorted(energies.items()):
             rows.append({
                 "stage": self.stage,
                 "instruction": kind,
                 "frequency": clock,
-                "time": self._median_time(kind, clock),
-                "energy": max(energy, 1e-9),
+                "time": self._median_time(kind, clock) + overhead,
+                "energy": max(energy, 1e-9) + overhead * blocking,
             })
-        return StageMeasurements(self.stage, rows, max(blocking, 0.0), method)
+        return StageMeasurements(self.stage, rows, blocking, method, overhead)
+
+    @property
+    def overhead_s(self) -> float:
+        """The framework's own time between two computations when nothing is waited for.
+
+        Gaps between consecutive computations are framework work (sending, receiving, loading)
+        plus waits for other stages; the low end of their distribution is the work alone. The
+        planner's model has no such term, so it is added to every computation's time (and its
+        blocking energy to its energy): plans then never spend slack the framework needs.
+        """
+        if not self.gaps:
+            return 0.0
+        return max(float(np.percentile(self.gaps, OVERHEAD_PERCENTILE)), 0.0)

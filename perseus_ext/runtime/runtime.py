@@ -128,7 +128,8 @@ class PerseusRuntime:
         self._now: Callable[[], float] = self.gpu.timestamp if self.gpu is not None else time.perf_counter
         self.comm = ControlPlane(stage=stage, dp_group=dp_group, timeout_s=config.control_timeout_s)
         self.profiler: StageProfiler | None = None
-        self.tracker = SlowdownTracker(config.straggler_threshold, config.straggler_hysteresis)
+        self.tracker = SlowdownTracker(config.straggler_threshold, config.straggler_hysteresis,
+                                       config.straggler_confirmations)
 
         self.phase = Phase.WARMUP if config.mode == "optimize" else Phase.OBSERVING
         self.iteration = 0

@@ -22,11 +22,15 @@ class SlowdownTracker:
     threshold: a ratio must exceed 1 + threshold before a pipeline slows down at all.
     hysteresis: once slowed, the target only moves when the ratio changes by more than this
     (relative), and recovery happens below 1 + threshold - hysteresis, so plans do not flap.
+    confirmations: how many checks in a row must ask for a move before it happens, so a
+    transient hiccup (a slow checkpoint write, a noisy neighbour) moves nothing.
     """
 
     threshold: float
     hysteresis: float
+    confirmations: int = 1
     factor: float = 1.0  # the slowdown currently planned for (1.0 = fastest plan)
+    _pending: int = 0
 
     def update(self, ratio: float) -> bool:
         """Feed the latest straggler ratio; True when `factor` changed."""
@@ -39,6 +43,12 @@ class SlowdownTracker:
             target = ratio
         else:
             target = self.factor
-        changed = target != self.factor
+        if target == self.factor:
+            self._pending = 0
+            return False
+        self._pending += 1
+        if self._pending < self.confirmations:
+            return False
+        self._pending = 0
         self.factor = target
-        return changed
+        return True
