@@ -398,7 +398,7 @@ class FrontierSolver:
         pool.add(reclaim_slack(model, rounded["down"], grid))
         pool.add(reclaim_slack(model, rounded["down"], grid, backward_first=True))
         overshooting = np.concatenate([rounded["up"], rounded["nearest"]], axis=1)
-        pool.add(reclaim_slack(model, overshooting, pool.model_makespan(overshooting)))
+        pool.add(overshooting)
         # Rounding loses more at some deadlines than at others. Give every deadline a second
         # chance: the best plan found for any earlier deadline, stretched into the new slack.
         pool.add(reclaim_slack(model, pool.best_for(grid), grid))
@@ -476,9 +476,6 @@ class _CandidatePool:
         self.choices = np.concatenate([self.choices, choices.astype(self.DTYPE)], axis=1)
         self.times = np.r_[self.times, times]
         self.energies = np.r_[self.energies, energies]
-
-    def model_makespan(self, choices: np.ndarray) -> np.ndarray:
-        return self.model.dag.makespan(np.take_along_axis(self.model.times, choices, axis=1))
 
     def best_for(self, deadlines: np.ndarray) -> np.ndarray:
         """Choices of the lowest-energy plan meeting each deadline."""

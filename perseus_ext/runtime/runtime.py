@@ -263,6 +263,8 @@ class PerseusRuntime:
             self._iteration_clocks = self._clocks_for_iteration()
             if self._iteration_clocks is None and self._clock_locked:
                 self._release_clock()
+            else:
+                self._request_clock(self._planned_clock())
             self._iteration_start, self._iteration_start_mj = self._read_energy()
             if self._profiling_now:
                 self.profiler.on_counter(self._iteration_start, self._iteration_start_mj)
@@ -285,14 +287,11 @@ class PerseusRuntime:
                         f"(position {self._position}); is the configured schedule the one running?"
                     )
             clock = self._planned_clock()
-            if clock is not None and clock != self._requested_clock:
-                self.controller.set_clock(clock)
-                self._requested_clock = clock
-                self._clock_locked = True
-                if self._simulated:
-                    # Simulated kernels start synchronously on this thread, so a new clock must
-                    # be in place first; real kernels are asynchronous and nothing waits here.
-                    self.controller.flush(SIM_FLUSH_TIMEOUT_S)
+            self._request_clock(clock)
+            if self._simulated and clock is not None and self.controller.current_clock != clock:
+                # Simulated kernels start synchronously on this thread, so the clock must be in
+                # place first; real kernels are asynchronous and nothing waits here.
+                self.controller.flush(SIM_FLUSH_TIMEOUT_S)
             if self._simulated:
                 self.gpu.mark()
             elif self._profiling_now:
@@ -321,6 +320,10 @@ class PerseusRuntime:
                 self.profiler.on_counter(*self._read_energy())
             self._in_computation = None
             self._position += 1
+            if self.communication_clock is None:
+                # Ask for the next computation's clock now: the change happens while this rank
+                # communicates, off the next computation's critical path.
+                self._request_clock(self._planned_clock())
         except Exception as err:
             self._fall_back(f"after_computation failed: {err!r}")
 
@@ -621,6 +624,13 @@ class PerseusRuntime:
             self._release_clock()
         except Exception:  # the controller never raises, but a fallback must not either
             pass
+
+    def _request_clock(self, clock: int | None) -> None:
+        """Queue `clock` (non-blocking) unless it is already the requested one."""
+        if clock is not None and clock != self._requested_clock:
+            self.controller.set_clock(clock)
+            self._requested_clock = clock
+            self._clock_locked = True
 
     def _release_clock(self) -> None:
         """Back to the driver's default clocks."""

@@ -1,0 +1,81 @@
+"""`perseus-ext frontier`: JSON output, plot, summary and error handling."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from perseus_ext.cli import main
+from perseus_ext.planning.energy import CostModel
+from perseus_ext.planning.frontier import Plan
+from perseus_ext.planning.profile import Profile, load_profile
+from perseus_ext.planning.schedule import one_f_one_b
+
+A100 = Path(__file__).resolve().parents[1] / "examples" / "profiles" / "gpt3-175b-a100_sxm.csv"
+
+
+@pytest.fixture()
+def four_stage_profile(tmp_path: Path) -> Path:
+    raw = load_profile(A100, pareto=False)
+    rows = [r for r in raw.rows() if r["stage"] < 4 and r["frequency"] >= 1200]
+    path = tmp_path / "slice-4stages.csv"  # names no GPU: no default blocking power
+    Profile.from_rows(rows).save(path)
+    return path
+
+
+def test_frontier_writes_json_plot_and_summary(tmp_path: Path, four_stage_profile: Path, capsys) -> None:
+    out, plot = tmp_path / "frontier.json", tmp_path / "frontier.png"
+    code = main([
+        "frontier", "--profile", str(four_stage_profile), "--microbatches", "6",
+        "--blocking-power", "83.64", "--out", str(out), "--plot", str(plot),
+    ])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["schedule"] == {"kind": "1f1b", "stages": 4, "microbatches": 6, "virtual_stages": 1}
+    times = [p["time"] for p in data["plans"]]
+    assert times == sorted(times)
+    assert all(len(p["frequencies"]) == 4 and len(p["frequencies"][0]) == 12 for p in data["plans"])
+    # Each plan's numbers are the replay of its clocks.
+    model = CostModel(one_f_one_b(4, 6), load_profile(four_stage_profile), 83.64)
+    for entry in data["plans"][:: max(1, len(data["plans"]) // 10)]:
+        plan = Plan.from_dict(entry)
+        time, energy = model.replay(model.choice_of(plan))
+        assert entry["time"] == pytest.approx(time) and entry["energy"] == pytest.approx(energy)
+    assert plot.stat().st_size > 10_000
+    summary = capsys.readouterr().out
+    assert "T_min" in summary and "intrinsic saving" in summary and "T* (min energy)" in summary
+
+
+def test_shipped_profile_by_name_and_interleaved(tmp_path: Path) -> None:
+    out = tmp_path / "f.json"
+    assert main([
+        "frontier", "--profile", "gpt3-175b-a40", "--stages", "8", "--microbatches", "8",
+        "--schedule", "interleaved", "--virtual-stages", "2", "--out", str(out),
+    ]) == 0
+    data = json.loads(out.read_text())
+    assert data["blocking_power"] == 70.38  # published A40 value, from the profile's name
+    assert np.array(data["plans"][0]["frequencies"]).shape == (8, 32)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--profile", "nope"], "no such file, nor a shipped profile"),
+        (["--profile", "gpt3-175b-a100_sxm", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "3"],
+         "microbatches >= stages"),
+        (["--profile", "gpt3-175b-a100_sxm", "--stages", "4"], "has 8 stages but the schedule has 4"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(args: list[str], message: str, capsys) -> None:
+    if "--microbatches" not in args:
+        args = args + ["--microbatches", "8"]
+    assert main(["frontier", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_gpu_needs_blocking_power(four_stage_profile: Path, capsys) -> None:
+    assert main(["frontier", "--profile", str(four_stage_profile), "--microbatches", "4"]) == 2
+    assert "--blocking-power is needed" in capsys.readouterr().err
