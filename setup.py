@@ -24,7 +24,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["perseus_ext", "perseus_ext.*"]),
-    install_requires=["numpy>=1.24", "scipy>=1.11", "networkx>=3.0", "tqdm>=4.60"],
+    install_requires=["numpy>=1.24", "scipy>=1.11", "highspy>=1.7", "networkx>=3.0", "tqdm>=4.60"],
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["perseus-ext = perseus_ext.cli:main"]},
 )

@@ -3,24 +3,29 @@
 Problem: pick one clock per computation to minimise energy subject to the iteration's longest
 path meeting a deadline T, for every T from T_min (all clocks at max) to the minimum-energy plan.
 With the energy model of `energy.py`, at a fixed T this is minimising sum_i c_i(t_i) with
-c_i = e_i - P_block t_i, a discrete time–cost tradeoff on the DAG.
+c_i = e_i - P_block t_i: a discrete time–cost tradeoff on the DAG (NP-hard in general).
 
-Method (three vectorised steps, no per-deadline graph algorithm in Python):
+Method. Plans are columns of one (computations x plans) matrix, and every step below works on
+all of them at once with numpy, so there is no per-deadline graph algorithm in Python:
 
-1. *Convex relaxation, solved exactly at a few anchor deadlines.* Each computation's cost is
-   replaced by the lower convex hull of its (time, cost) points; the problem becomes an LP
-   (start times + hull-segment fills) solved with HiGHS, warm-started from one anchor to the next.
-   Between anchors, the convex combination of the two neighbouring LP solutions is feasible for
-   the interpolated deadline (the constraints are linear), so every grid deadline gets a
-   continuous plan in O(N).
-2. *Rounding.* Each relaxed duration is rounded to the slowest profiled clock that is no slower
-   than it, so the deadline still holds.
-3. *Slack reclaim.* Rounding leaves slack; a forward and a backward pass over the DAG's levels
-   (for all grid deadlines at once, as columns of one matrix) give each computation the slowest
-   clock that fits inside its slack window.
+1. *Convex relaxation at anchor deadlines.* Each computation's cost is replaced by the lower
+   convex hull of its (time, cost) points; the problem becomes an LP (start times + hull-segment
+   fills) solved exactly with HiGHS, warm-started from one anchor to the next. Between anchors,
+   the convex combination of the two neighbouring LP solutions is feasible for the interpolated
+   deadline (the constraints are linear), so every grid deadline gets a relaxed plan in O(N).
+2. *Rounding.* Relaxed durations are rounded down to a profiled clock (the deadline holds), and
+   also up / to the nearest clock (plans that are best at their own, slightly longer, time).
+3. *Slack reclaim.* Rounding leaves slack; forward and backward passes over the DAG give each
+   computation the slowest clock that fits in its slack window (`reclaim_slack`).
+4. *Carry and stretch.* Each deadline also gets the best plan of any earlier deadline, stretched
+   into its slack; plans inside gaps of the frontier are stretched until no step between plans
+   exceeds the resolution.
+5. *Polish* (while its cost fits `polish_budget`, i.e. for small pipelines): local search that
+   moves one computation to any clock, repairs the deadline by speeding up the cheapest critical
+   computations and reclaims slack (`polish`).
 
-Every candidate plan is then replayed on the discrete profile (`CostModel.replay`) and the
-Pareto-optimal ones form the frontier, so reported times and energies are exact replays.
+Every candidate is replayed on the discrete profile (`CostModel.replay`); the Pareto-optimal
+ones (plus gap fillers) form the frontier, so reported times and energies are exact replays.
 """
 
 from __future__ import annotations
@@ -69,7 +74,6 @@ class _ConvexRelaxation:
         p = model.blocking_power
         # Lower convex hull of (time, cost) per node; nodes sharing options share hulls.
         seg_node, seg_len, seg_slope = [], [], []
-        self.hull_times: list[np.ndarray] = []
         cache: dict[bytes, np.ndarray] = {}
         for i in range(n):
             k = model.num_options[i]
@@ -80,7 +84,6 @@ class _ConvexRelaxation:
                 cache[key] = _lower_hull(t, c)
             hull = cache[key]
             ht, hc = t[hull], c[hull]
-            self.hull_times.append(ht)
             for j in range(len(hull) - 1):
                 seg_node.append(i)
                 seg_len.append(ht[j + 1] - ht[j])
@@ -91,39 +94,22 @@ class _ConvexRelaxation:
         self.t_min = model.times[:, 0].copy()
         m = len(seg_node)
 
-        # Variables: [start_0..start_{n-1}, fill_0..fill_{m-1}, T]
-        edges = np.array(dag.edges(), dtype=np.int64).reshape(-1, 2)
-        sinks = np.flatnonzero((dag.succs == -1).all(axis=1))
-        # Rows (all "<= rhs"):
-        #   edge p->i : start_p - start_i + sum fills(p) <= -t_min_p
-        #   sink i    : start_i + sum fills(i) - T <= -t_min_i
-        rows, cols, vals = [], [], []
-        r = 0
+        # Variables: [start_0..start_{n-1}, fill_0..fill_{m-1}, T]. Every row says "node a
+        # finishes before b starts" (b a successor's start, or T for a sink):
+        #   start_a + sum fills(a) - x_b <= -t_min_a
+        t_col = n + m
         fills_of = [[] for _ in range(n)]
         for s, node in enumerate(seg_node):
             fills_of[node].append(n + s)
-        rhs = []
-        for pnode, inode in edges:
-            rows += [r, r]
-            cols += [pnode, inode]
-            vals += [1.0, -1.0]
-            for f in fills_of[pnode]:
-                rows.append(r)
-                cols.append(f)
-                vals.append(1.0)
-            rhs.append(-self.t_min[pnode])
-            r += 1
-        t_col = n + m
-        for inode in sinks:
-            rows += [r, r]
-            cols += [inode, t_col]
-            vals += [1.0, -1.0]
-            for f in fills_of[inode]:
-                rows.append(r)
-                cols.append(f)
-                vals.append(1.0)
-            rhs.append(-self.t_min[inode])
-            r += 1
+        rows, cols, vals, rhs = [], [], [], []
+        sinks = np.flatnonzero((dag.succs == -1).all(axis=1))
+        for r, (node, later) in enumerate([*dag.edges(), *((int(i), t_col) for i in sinks)]):
+            row_cols = [node, later, *fills_of[node]]
+            rows += [r] * len(row_cols)
+            cols += row_cols
+            vals += [1.0, -1.0] + [1.0] * len(fills_of[node])
+            rhs.append(-self.t_min[node])
+        r = len(rhs)
         a = sparse.csc_matrix((vals, (rows, cols)), shape=(r, n + m + 1))
 
         lp = highspy.HighsLp()
