@@ -45,7 +45,7 @@ def _median(values) -> float:
 def two_stage_job(tmp_path_factory):
     demo = _demo()
     scenario = demo.Scenario(
-        out_dir=str(tmp_path_factory.mktemp("two-stage")), stages=2, pipelines=1, iterations=30,
+        out_dir=str(tmp_path_factory.mktemp("two-stage")), stages=2, pipelines=1, iterations=40,
         straggler_pipeline=None, variants=["disabled", "observe", "perseus", "faulty"], fault_rank=1,
         perseus={"straggler_check_interval": CHECK_INTERVAL},
     )
@@ -56,8 +56,8 @@ def two_stage_job(tmp_path_factory):
 def straggler_job(tmp_path_factory):
     demo = _demo()
     scenario = demo.Scenario(
-        out_dir=str(tmp_path_factory.mktemp("straggler")), stages=2, pipelines=2, iterations=56,
-        straggler_pipeline=1, straggler_start=26, straggler_end=42, slowdown=1.2,
+        out_dir=str(tmp_path_factory.mktemp("straggler")), stages=2, pipelines=2, iterations=60,
+        straggler_pipeline=1, straggler_start=26, straggler_end=46, slowdown=1.2,
         variants=["observe", "perseus"], perseus={"straggler_check_interval": CHECK_INTERVAL},
     )
     return scenario, demo.launch(scenario, timeout_s=LAUNCH_TIMEOUT_S)
@@ -79,7 +79,7 @@ def test_profiling_completes_and_every_rank_deploys_the_fastest_plan(two_stage_j
     for rank in demo.by_variant(results, "perseus"):
         summary = rank["summary"]
         assert summary["final_phase"] == "deployed"
-        assert summary["deployed"]["iterations"] >= 10
+        assert summary["deployed"]["iterations"] >= 8
         assert 1 <= summary["profiling_iterations"] <= len(summary["profiled_clocks"])  # <= 1 per clock
         assert summary["plan_switches"][0]["reason"] == "deploy"
         assert summary["plan_switches"][0]["plan"] == 0
@@ -93,7 +93,7 @@ def test_energy_drops_at_unchanged_iteration_time(two_stage_job):
     scenario, results = two_stage_job
     comparison = demo.compare(scenario, results)
     window = comparison["windows"]["no straggler"]
-    assert window["iterations"][1] - window["iterations"][0] >= 10
+    assert window["iterations"][1] - window["iterations"][0] >= 8
     assert window["energy_saving"] > 0.03  # measured with the coarse counter, like NVML
     true_saving = 1 - window["perseus_true_energy_j"] / window["baseline_true_energy_j"]
     assert true_saving > 0.03  # and really (the simulator's exact energy)
@@ -131,7 +131,7 @@ def test_straggler_slows_the_other_pipeline_and_plans_return(straggler_job):
     # Detected at the second check that sees it (straggler_confirmations = 2).
     assert scenario.straggler_start <= slowed[0]["iteration"] <= scenario.straggler_start + 3 * CHECK_INTERVAL
     assert 1.1 <= slowed[0]["factor"] <= 1.3
-    assert returned and returned[0]["iteration"] <= scenario.straggler_end + 3 * CHECK_INTERVAL
+    assert returned and returned[0]["iteration"] <= scenario.straggler_end + 2 * CHECK_INTERVAL
     assert returned[0]["plan"] == 0
     # Both stages of a pipeline always run the same plan.
     for pipeline in (0, 1):

@@ -1,8 +1,9 @@
 """`perseus-ext demo`: the whole Perseus loop inside DeepSpeed on CPU with simulated GPUs.
 
 It launches a real DeepSpeed pipeline job with torchrun (gloo, one process per simulated A100):
-2 stages x 2 data-parallel pipelines by default. The same training runs twice from the same seed:
-once with perseus-ext only observing (default clocks: the baseline), once optimising. Midway,
+2 stages x 2 data-parallel pipelines by default. The same training runs twice from the same seed, side by side
+(one iteration each in turn, so machine noise hits both alike): once with perseus-ext only
+observing (default clocks: the baseline), once optimising. Midway,
 one pipeline's GPUs slow down by 1.2x (a straggler) and later recover. The command prints
 baseline vs perseus time and energy per iteration, splits the savings into intrinsic (fastest
 plan, no straggler) and extrinsic (slower plans while another pipeline straggles), and draws
@@ -85,60 +86,72 @@ class Scenario:
 
 
 # --------------------------------------------------------------------------- worker (per rank)
-def _run_variant(scenario: Scenario, variant: str) -> dict[str, Any]:
-    import deepspeed
-    import torch
-    from deepspeed.pipe import PipelineModule
+class _VariantRun:
+    """One variant's engine on this rank. All variants of a job train side by side, one
+    iteration each in turn, so a noisy machine slows every variant alike and comparisons stay
+    fair; they share nothing but the process."""
 
-    torch.manual_seed(1234)
-    layers = [torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh()) for _ in range(2 * scenario.stages)]
-    model = PipelineModule(layers=layers, num_stages=scenario.stages, loss_fn=torch.nn.MSELoss())
-    config = {
-        "train_micro_batch_size_per_gpu": 4,
-        "gradient_accumulation_steps": scenario.microbatches,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
-        "steps_per_print": 10**9,
-        "perseus": scenario.perseus_section(variant),
-    }
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    runtime = getattr(engine, "perseus", None)
-    gpu = runtime.gpu if runtime is not None else None
-    pipeline = engine.grid.get_data_parallel_rank()
-    if variant == "faulty" and engine.global_rank == scenario.fault_rank:
-        gpu.inject_fault("set_locked_sm_clocks", times=None)
-    generator = torch.Generator().manual_seed(pipeline)
-    batches = [(torch.randn(4, WIDTH, generator=generator), torch.randn(4, WIDTH, generator=generator))
-               for _ in range(4 * scenario.microbatches)]
-    iterator = iter(deepspeed.utils.RepeatingLoader(batches))
-    losses: list[str] = []
-    iterations: list[dict[str, Any]] = []
-    for iteration in range(scenario.iterations):
-        if gpu is not None and pipeline == scenario.straggler_pipeline:
+    def __init__(self, scenario: Scenario, variant: str) -> None:
+        import deepspeed
+        import torch
+        from deepspeed.pipe import PipelineModule
+
+        self.scenario, self.variant = scenario, variant
+        torch.manual_seed(1234)
+        layers = [torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())
+                  for _ in range(2 * scenario.stages)]
+        model = PipelineModule(layers=layers, num_stages=scenario.stages, loss_fn=torch.nn.MSELoss())
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": scenario.microbatches,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+            "steps_per_print": 10**9,
+            "perseus": scenario.perseus_section(variant),
+        }
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        self.runtime = getattr(self.engine, "perseus", None)
+        self.gpu = self.runtime.gpu if self.runtime is not None else None
+        self.pipeline = self.engine.grid.get_data_parallel_rank()
+        if variant == "faulty" and self.engine.global_rank == scenario.fault_rank:
+            self.gpu.inject_fault("set_locked_sm_clocks", times=None)
+        generator = torch.Generator().manual_seed(self.pipeline)
+        batches = [(torch.randn(4, WIDTH, generator=generator), torch.randn(4, WIDTH, generator=generator))
+                   for _ in range(4 * scenario.microbatches)]
+        self.data = iter(deepspeed.utils.RepeatingLoader(batches))
+        self.losses: list[str] = []
+        self.iterations: list[dict[str, Any]] = []
+
+    def step(self, iteration: int) -> None:
+        scenario, gpu, runtime = self.scenario, self.gpu, self.runtime
+        if gpu is not None and self.pipeline == scenario.straggler_pipeline:
             straggling = scenario.straggler_start <= iteration < scenario.straggler_end
             gpu.slowdown = scenario.slowdown if straggling else 1.0
         true_before = gpu.true_energy_j if gpu is not None else 0.0
         started = time.perf_counter()
-        loss = engine.train_batch(iterator)
-        elapsed = time.perf_counter() - started
-        losses.append(float(loss).hex())
-        record: dict[str, Any] = {"time_s": elapsed}
+        loss = self.engine.train_batch(self.data)
+        record: dict[str, Any] = {"time_s": time.perf_counter() - started}
+        self.losses.append(float(loss).hex())
         if runtime is not None:
             logged = runtime.history[-1]
             record.update(energy_j=logged["energy_j"], phase=logged["phase"], plan=logged["plan"],
-                          factor=logged["factor"], true_energy_j=gpu.true_energy_j - true_before)
-        iterations.append(record)
-    summary = runtime.summary() if runtime is not None else None
-    engine.destroy()  # closes the runtime: clocks restored
-    return {
-        "variant": variant, "rank": engine.global_rank, "pipeline": pipeline, "stage": engine.stage_id,
-        "losses": losses, "iterations": iterations, "summary": summary,
-        "clocks_restored": gpu is None or gpu.locked_clock is None,
-        "controller_errors": runtime.controller.error_count if runtime is not None else 0,
-    }
+                          factor=logged["factor"], compute_s=logged["compute_s"],
+                          true_energy_j=gpu.true_energy_j - true_before)
+        self.iterations.append(record)
+
+    def finish(self) -> dict[str, Any]:
+        runtime = self.runtime
+        summary = runtime.summary() if runtime is not None else None
+        self.engine.destroy()  # closes the runtime: clocks restored
+        return {
+            "variant": self.variant, "rank": self.engine.global_rank, "pipeline": self.pipeline,
+            "stage": self.engine.stage_id, "losses": self.losses, "iterations": self.iterations,
+            "summary": summary, "clocks_restored": self.gpu is None or self.gpu.locked_clock is None,
+            "controller_errors": runtime.controller.error_count if runtime is not None else 0,
+        }
 
 
 def worker_main(scenario_path: str) -> None:
-    """Entry point of one torchrun rank: run every variant, write this rank's results."""
+    """Entry point of one torchrun rank: train every variant side by side, write the results."""
     import deepspeed
     import torch
 
@@ -148,7 +161,11 @@ def worker_main(scenario_path: str) -> None:
     scenario = Scenario(**json.loads(Path(scenario_path).read_text()))
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
-    results = [_run_variant(scenario, variant) for variant in scenario.variants]
+    runs = [_VariantRun(scenario, variant) for variant in scenario.variants]
+    for iteration in range(scenario.iterations):
+        for run in runs:
+            run.step(iteration)
+    results = [run.finish() for run in runs]
     rank = int(os.environ["RANK"])
     (Path(scenario.out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
 

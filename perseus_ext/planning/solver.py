@@ -59,9 +59,9 @@ class SolverOptions:
     grid_oversampling: int = 1  # grid deadlines per `resolution` (finer grid, denser frontier)
     min_grid_points: int = 2000  # short frontiers get a finer grid than `resolution`
     anchors: int = 32  # minimum LP solves between T_min and T_max (more: closer to the relaxation)
-    anchor_budget: int = 25_000  # small pipelines get up to anchor_budget / computations anchors
+    anchor_budget: int = 4_000  # small pipelines get up to anchor_budget / computations anchors
     progress: bool = False  # show a tqdm bar over the LP anchors
-    polish_budget: int = 20_000_000  # max deadlines x computations^2 x clocks for the local-search polish
+    polish_budget: int = 20_000_000  # max deadlines x (computations x clocks)^2 for the local-search polish
 
 
 class _ConvexRelaxation:
@@ -305,8 +305,8 @@ def polish(model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: 
 
     Rounding and greedy reclaim can settle on a distribution of clocks that no single-step
     change improves; a move here changes many computations at once. A round evaluates N x K
-    neighbours per plan, so the solver runs it only while deadlines x N^2 x K stays within
-    `SolverOptions.polish_budget`.
+    neighbours per plan, each repaired in up to ~K DAG passes of N nodes, so the solver runs it
+    only while deadlines x (N x K)^2 stays within `SolverOptions.polish_budget`.
     """
     choice = choice.copy()
     n, num_plans = choice.shape
@@ -399,7 +399,7 @@ class FrontierSolver:
                 break
             pool.add(reclaim_slack(model, pool.choices[:, keep[stretch_from]], stretch_to))
 
-        if len(grid) * model.num_nodes**2 * model.times.shape[1] <= self.options.polish_budget:
+        if len(grid) * (model.num_nodes * model.times.shape[1]) ** 2 <= self.options.polish_budget:
             # The best plan at every grid deadline, then every frontier plan at its own time
             # (a plan that ties a better one in time is only found there).
             pool.add(polish(model, pool.best_for(grid), grid))

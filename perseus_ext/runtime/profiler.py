@@ -279,8 +279,8 @@ class StageProfiler:
                     energies[kind, clock] = est.energy_j
             blocking = estimate.idle_power_w
         except (MeasurementError, KeyError) as err:
-            logger.info("perseus-ext: stage %d: forward/backward energies not separable (%s); "
-                        "using the per-clock power model", self.stage, err)
+            logger.debug("perseus-ext: stage %d: forward/backward energies not separable (%s); "
+                         "using the per-clock power model", self.stage, err)
             method = "power-model"
             powers, blocking = self._power_model()
             energies = {

@@ -122,8 +122,9 @@ class PerseusRuntime:
 
         self.controller = FrequencyController(self.gpu, dry_run=config.dry_run)
         if self.controller.dry_run:
-            logger.warning("perseus-ext: rank stage %d runs in DRY-RUN mode: clock changes are "
-                           "logged, not applied (no permission to set GPU clocks)", stage)
+            why = "as configured" if config.dry_run else "no permission to set GPU clocks"
+            logger.warning("perseus-ext: stage %d runs in DRY-RUN mode (%s): clock changes are "
+                           "recorded, not applied", stage, why)
         self.meter = EnergyMeter(self.gpu) if self.gpu is not None else None
         self._now: Callable[[], float] = self.gpu.timestamp if self.gpu is not None else time.perf_counter
         self.comm = ControlPlane(stage=stage, dp_group=dp_group, timeout_s=config.control_timeout_s)
@@ -151,7 +152,6 @@ class PerseusRuntime:
         self._clock_locked = False
         self._requested_clock: int | None = None
         self._position = 0
-        self._in_computation: Computation | None = None
         self._computation_start = 0.0
         self._iteration_start = 0.0
         self._iteration_start_mj: int | None = None
@@ -277,7 +277,6 @@ class PerseusRuntime:
             return
         try:
             computation = Computation(self.stage, chunk, microbatch, Kind(kind))
-            self._in_computation = computation
             if self.fallback_reason is None:
                 expected = self.order[self._position] if self._position < len(self.order) else None
                 if computation != expected:
@@ -318,7 +317,6 @@ class PerseusRuntime:
             if self._profiling_now and clock is not None:
                 self.profiler.on_computation(kind.value, clock, self._computation_start, end)
                 self.profiler.on_counter(*self._read_energy())
-            self._in_computation = None
             self._position += 1
             if self.communication_clock is None:
                 # Ask for the next computation's clock now: the change happens while this rank
@@ -465,8 +463,9 @@ class PerseusRuntime:
             level = logging.WARNING if self.fallback_reason else logging.ERROR  # cause logged already
             logger.log(level, "perseus-ext: stage %d: profiling produced no usable data (%s)", self.stage, err)
         (profiling_iterations,) = self.comm.all_max([self.profiling_iterations])
-        logger.info("perseus-ext: profiling finished after %d iteration(s) (stage %d: %s)",
-                    int(profiling_iterations), self.stage, profiler.stop_reason)
+        logger.info("perseus-ext: profiling finished after %d iteration(s) (stage %d: %s; energy "
+                    "from the %s)", int(profiling_iterations), self.stage, profiler.stop_reason,
+                    "per-kind fit" if self.profile_method == "per-kind" else "per-clock power model")
         gathered = self.comm.gather_pipeline(measurements)
         profile = None
         if self.comm.is_pipeline_leader:
@@ -587,7 +586,10 @@ class PerseusRuntime:
         ratio = 1.0 + (straggler - mine) / self.frontier.fastest.time
         self.tracker.update(ratio)
         factor = self.tracker.factor
-        deadline = None if factor <= 1.0 else self.frontier.fastest.time * factor
+        # The held factor may be up to `hysteresis` above the latest ratio; planning that much
+        # below it keeps this pipeline from ever becoming the slowest one.
+        margin = self.config.straggler_hysteresis
+        deadline = None if factor <= 1.0 else self.frontier.fastest.time * (factor - margin)
         # Re-selected at every check: cost policies (Chase's carbon price) change over time.
         self._switch_plan(self.policy.select(self.frontier, deadline), factor=factor,
                           reason=f"slowest pipeline {straggler:.4f} s, this one {mine:.4f} s")

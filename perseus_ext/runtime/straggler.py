@@ -22,8 +22,9 @@ class SlowdownTracker:
     threshold: a ratio must exceed 1 + threshold before a pipeline slows down at all.
     hysteresis: once slowed, the target only moves when the ratio changes by more than this
     (relative), and recovery happens below 1 + threshold - hysteresis, so plans do not flap.
-    confirmations: how many checks in a row must ask for a move before it happens, so a
-    transient hiccup (a slow checkpoint write, a noisy neighbour) moves nothing.
+    confirmations: how many checks in a row must ask for a slower plan before it happens, so a
+    transient hiccup (a slow checkpoint write, a noisy neighbour) slows nothing down. Moves to
+    a faster plan happen at once: lagging there would slow the whole job.
     """
 
     threshold: float
@@ -47,7 +48,7 @@ class SlowdownTracker:
             self._pending = 0
             return False
         self._pending += 1
-        if self._pending < self.confirmations:
+        if target > self.factor and self._pending < self.confirmations:
             return False
         self._pending = 0
         self.factor = target
