@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -35,10 +34,6 @@ def _demo():
     from perseus_ext.commands import demo
 
     return demo
-
-
-def _median(values) -> float:
-    return statistics.median(values)
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +89,8 @@ def test_energy_drops_at_unchanged_iteration_time(two_stage_job):
     comparison = demo.compare(scenario, results)
     window = comparison["windows"]["no straggler"]
     assert window["iterations"][1] - window["iterations"][0] >= 8
-    assert window["energy_saving"] > 0.03  # measured with the coarse counter, like NVML
-    true_saving = 1 - window["perseus_true_energy_j"] / window["baseline_true_energy_j"]
-    assert true_saving > 0.03  # and really (the simulator's exact energy)
+    assert window["energy_saving"] > 0.03  # the simulated GPUs' exact energy
+    assert window["measured_energy_saving"] > 0.03  # and as measured with the coarse counter
     assert window["time_change"] <= TIME_TOLERANCE, window
 
 
@@ -144,8 +138,9 @@ def test_straggler_energy_drops_further_without_slowing_the_job(straggler_job):
     scenario, results = straggler_job
     table = demo.compare(scenario, results)["windows"]
     calm, straggling = table["no straggler"], table["straggler"]
-    assert calm["energy_saving"] > 0.03
+    assert calm["energy_saving"] > 0.03 and calm["measured_energy_saving"] > 0.03
     assert straggling["energy_saving"] > calm["energy_saving"] + 0.01  # extrinsic savings on top
+    assert straggling["measured_energy_saving"] > 0.03
     assert straggling["time_change"] <= TIME_TOLERANCE, straggling
     assert calm["time_change"] <= TIME_TOLERANCE, calm
 

@@ -58,7 +58,7 @@ class SolverOptions:
     resolution: float = 1e-3  # seconds between grid deadlines (upper bound on frontier gaps)
     grid_oversampling: int = 1  # grid deadlines per `resolution` (finer grid, denser frontier)
     min_grid_points: int = 2000  # short frontiers get a finer grid than `resolution`
-    anchors: int = 32  # minimum LP solves between T_min and T_max (more: closer to the relaxation)
+    anchors: int = 128  # LP anchors from T_min to all-slowest (the walk stops past min energy)
     anchor_budget: int = 4_000  # small pipelines get up to anchor_budget / computations anchors
     progress: bool = False  # show a tqdm bar over the LP anchors
     polish_budget: int = 20_000_000  # max deadlines x (computations x clocks)^2 for the local-search polish
@@ -92,6 +92,7 @@ class _ConvexRelaxation:
         self.seg_len = np.array(seg_len)
         seg_slope = np.array(seg_slope)
         self.t_min = model.times[:, 0].copy()
+        self.base_cost = float((model.energies[:, 0] - p * self.t_min).sum())  # all fastest
         m = len(seg_node)
 
         # Variables: [start_0..start_{n-1}, fill_0..fill_{m-1}, T]. Every row says "node a
@@ -130,6 +131,11 @@ class _ConvexRelaxation:
         self.highs.passModel(lp)
         self.t_col = t_col
         self.n, self.m = n, m
+
+    def energy(self, deadline: float) -> float:
+        """Relaxed minimum energy at `deadline` (after `durations` solved it)."""
+        objective = self.highs.getInfo().objective_function_value
+        return self.base_cost + objective + self.model.blocking_power * self.model.num_stage_gpus * deadline
 
     def durations(self, deadline: float) -> np.ndarray:
         """Relaxed optimal durations at `deadline` (warm-started from the previous solve)."""
@@ -375,14 +381,14 @@ class FrontierSolver:
         fastest = model.fastest_choice()
         t_min = float(model.dag.makespan(model.times[:, 0]))
         slowest = model.num_options - 1
-        t_max = float(model.dag.makespan(model.times[np.arange(model.num_nodes), slowest]))
-        grid = self._deadline_grid(t_min, t_max)
+        t_slowest = float(model.dag.makespan(model.times[np.arange(model.num_nodes), slowest]))
+        anchors, anchor_durations = self._relaxed_anchors(t_min, t_slowest)
+        grid = self._deadline_grid(t_min, float(anchors[-1]))
+        relaxed = _interpolate(anchors, anchor_durations, grid)
         pool = _CandidatePool(model, fastest[:, None])
 
-        relaxed, num_anchors = self._relaxed_durations(grid, t_min, t_max)
         rounded = round_to_options(model, relaxed)
         pool.add(reclaim_slack(model, rounded["down"], grid))
-        pool.add(reclaim_slack(model, rounded["down"], grid, backward_first=True))
         overshooting = np.concatenate([rounded["up"], rounded["nearest"]], axis=1)
         pool.add(overshooting)
         # Rounding loses more at some deadlines than at others. Give every deadline a second
@@ -411,12 +417,12 @@ class FrontierSolver:
         frontier = Frontier(model.schedule.describe(), model.blocking_power, plans, model.to_plan(fastest))
         logger.info(
             "frontier: %d plans, T %.4f..%.4f s, energy %.1f..%.1f J (%d LP anchors)",
-            len(plans), plans[0].time, plans[-1].time, plans[0].energy, plans[-1].energy, num_anchors,
+            len(plans), plans[0].time, plans[-1].time, plans[0].energy, plans[-1].energy, len(anchors),
         )
         return frontier
 
     def _deadline_grid(self, t_min: float, t_max: float) -> np.ndarray:
-        """Deadlines from T_min to all-slowest: `resolution` apart, finer for short frontiers."""
+        """Deadlines from T_min to t_max: `resolution` apart, finer for short frontiers."""
         options = self.options
         step = min(options.resolution / options.grid_oversampling, (t_max - t_min) / options.min_grid_points)
         step = max(step, 1e-9)
@@ -424,24 +430,35 @@ class FrontierSolver:
         grid[-1] = max(grid[-1], t_max)
         return grid
 
-    def _relaxed_durations(self, grid: np.ndarray, t_min: float, t_max: float) -> tuple[np.ndarray, int]:
-        """Convex-relaxation durations at every grid deadline, interpolated between LP anchors."""
+    def _relaxed_anchors(self, t_min: float, t_slowest: float) -> tuple[np.ndarray, np.ndarray]:
+        """Convex-relaxation durations (N, anchors) at evenly spaced deadlines from T_min.
+
+        The walk stops once the relaxed energy has risen at two anchors past its minimum:
+        slower than the minimum-energy plan, energy only grows (blocking power outweighs what
+        slower clocks save), so deadlines there are not worth planning.
+        """
         n = self.model.num_nodes
-        num_anchors = min(len(grid), max(self.options.anchors, self.options.anchor_budget // n))
-        anchors = np.unique(np.linspace(t_min, t_max, max(num_anchors, 2)))
+        count = max(self.options.anchors, self.options.anchor_budget // n, 2)
+        spacing = (t_slowest - t_min) / (count - 1)
         relaxation = _ConvexRelaxation(self.model)
-        anchor_durations = np.empty((n, len(anchors)))
-        iterator = range(len(anchors))
+        anchors, durations, energies = [], [], []
+        progress = None
         if self.options.progress:
             from tqdm import tqdm
 
-            iterator = tqdm(iterator, desc="frontier LP anchors", unit="anchor")
-        for a in iterator:
-            anchor_durations[:, a] = relaxation.durations(float(anchors[a]))
-        hi = np.clip(np.searchsorted(anchors, grid, side="left"), 1, len(anchors) - 1)
-        lo = hi - 1
-        weight = (grid - anchors[lo]) / (anchors[hi] - anchors[lo])
-        return anchor_durations[:, lo] * (1 - weight) + anchor_durations[:, hi] * weight, len(anchors)
+            progress = tqdm(total=count, desc="frontier LP anchors", unit="anchor")
+        for k in range(count):
+            deadline = t_min + k * spacing if k < count - 1 else t_slowest
+            durations.append(relaxation.durations(deadline))
+            energies.append(relaxation.energy(deadline))
+            anchors.append(deadline)
+            if progress is not None:
+                progress.update()
+            if k >= 2 and min(energies[-2:]) > min(energies):
+                break
+        if progress is not None:
+            progress.close()
+        return np.array(anchors), np.stack(durations, axis=1)
 
 
 class _CandidatePool:
@@ -470,6 +487,17 @@ class _CandidatePool:
     def frontier(self, resolution: float) -> np.ndarray:
         """Indices of the Pareto plans plus the gap-filling ones, by time."""
         return np.array(_fill_gaps(self.times, self.energies, _pareto(self.times, self.energies), resolution))
+
+
+def _interpolate(anchors: np.ndarray, durations: np.ndarray, deadlines: np.ndarray) -> np.ndarray:
+    """Relaxed durations at each deadline: the convex combination of the two neighbouring
+    anchors' LP solutions, which is feasible for the interpolated deadline."""
+    if len(anchors) == 1:
+        return np.repeat(durations, len(deadlines), axis=1)
+    hi = np.clip(np.searchsorted(anchors, deadlines, side="left"), 1, len(anchors) - 1)
+    lo = hi - 1
+    weight = np.clip((deadlines - anchors[lo]) / (anchors[hi] - anchors[lo]), 0.0, 1.0)
+    return durations[:, lo] * (1 - weight) + durations[:, hi] * weight
 
 
 def _best_so_far(times: np.ndarray, energies: np.ndarray, deadlines: np.ndarray) -> np.ndarray:

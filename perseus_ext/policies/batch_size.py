@@ -241,10 +241,24 @@ class BatchSizeOptimizer:
                 isolation_level=None,
                 check_same_thread=False,
             )
-            db.execute("PRAGMA journal_mode=WAL")
+            self._enable_wal(db)
             db.execute("PRAGMA synchronous=NORMAL")  # WAL stays consistent; only skips fsyncs
             self._db, self._db_pid = db, os.getpid()
         return self._db
+
+    def _enable_wal(self, db: sqlite3.Connection) -> None:
+        """Switch the file to WAL mode. SQLite answers "database is locked" at once, without
+        calling the busy handler, when another process is creating the file or switching it
+        at the same moment, so retry until the busy timeout."""
+        deadline = time.monotonic() + self.busy_timeout_s
+        while True:
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as err:
+                if "locked" not in str(err) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:

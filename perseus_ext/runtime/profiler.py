@@ -6,11 +6,13 @@ The counter is coarse (it changes every ~100 ms), so single computations cannot 
 Instead its updates are located in time -- each lies between the last read showing the old value
 and the first showing the new one, and updates come at a steady period, so a line fitted through
 them pins every update down to well below one read interval -- and consecutive updates delimit
-windows of exactly known energy. Each window holds known (fractional) amounts of each labelled
-computation and of blocking time, and the device layer's least-squares `EnergyEstimator`
-recovers per-computation energy and the blocking power from many such windows. Profiling of a stage stops early once
-`early_stop_patience` clocks in a row cost more energy than the best clock so far (lower clocks
-only get worse from there), which keeps profiling to a handful of iterations.
+windows of exactly known energy. Each window holds known amounts of computing time at each clock
+(computations cut by a boundary count fractionally) and of blocking time, and the device layer's
+least-squares `EnergyEstimator` recovers the power at each clock and the blocking power from many
+such windows; a smooth fit of power over the clock pools the clocks against noise. Profiling of
+a stage stops early once the `early_stop_patience` clocks below its most efficient clock cost
+more energy (lower clocks only get worse from there), which keeps profiling to a handful of
+iterations.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from perseus_ext.planning.schedule import Kind
 
 logger = logging.getLogger(__name__)
 
-MAX_RELATIVE_STDERR = 0.05  # above this, per-kind energies are too noisy: use the power model
 SMOOTH_MIN_CLOCKS = 4  # from this many profiled clocks on, power is fitted as a function of clock
 OVERHEAD_PERCENTILE = 20  # of the gaps between computations: framework work without waiting
 
@@ -42,7 +43,6 @@ class StageMeasurements:
     stage: int
     rows: list[dict[str, object]]
     blocking_power_w: float
-    method: str  # "per-kind" or "power-model": how energies were separated
     overhead_s: float = 0.0  # framework time per computation, included in the rows' times
 
 
@@ -258,36 +258,25 @@ class StageProfiler:
         return powers, estimate.idle_power_w
 
     def measurements(self, only: list[int] | None = None) -> StageMeasurements:
-        """The stage's profile rows (restricted to clocks `only`, if given): per-kind energies
-        when the windows separate forward from backward well, else the per-clock power model."""
+        """The stage's profile rows (restricted to clocks `only`, if given).
+
+        A computation's energy is the fitted power at its clock times its median duration.
+        Forward and backward share the power of their clock: within an iteration they always
+        come in equal numbers, so windows separate them only with many more profiling
+        iterations, and GPUs draw nearly the same power for both (the published A100 profiles
+        differ by ~1%).
+        """
         clocks = [c for c in self.profiled_clocks if ("backward", c) in self.durations
                   and (only is None or c in only)]
         if not clocks:
             raise MeasurementError(f"stage {self.stage}: no computation was profiled")
+        powers, blocking = self._power_model()
+        energies = {
+            (kind, clock): powers[clock] * self._median_time(kind, clock)
+            for clock in clocks if clock in powers
+            for kind in ("forward", "backward")
+        }
         rows: list[dict[str, object]] = []
-        method = "per-kind"
-        try:
-            estimator = EnergyEstimator(self.blocking_power_w)
-            estimator.extend(self.windows)
-            estimate = estimator.estimate()
-            energies = {}
-            for clock in clocks:
-                for kind in ("forward", "backward"):
-                    est = estimate[_label(kind, clock)]
-                    if est.energy_j <= 0 or est.stderr_j > MAX_RELATIVE_STDERR * est.energy_j:
-                        raise MeasurementError(f"{est.label}: {est.energy_j:.3g} +- {est.stderr_j:.2g} J")
-                    energies[kind, clock] = est.energy_j
-            blocking = estimate.idle_power_w
-        except (MeasurementError, KeyError) as err:
-            logger.debug("perseus-ext: stage %d: forward/backward energies not separable (%s); "
-                         "using the per-clock power model", self.stage, err)
-            method = "power-model"
-            powers, blocking = self._power_model()
-            energies = {
-                (kind, clock): powers[clock] * self._median_time(kind, clock)
-                for clock in clocks if clock in powers
-                for kind in ("forward", "backward")
-            }
         blocking = max(blocking, 0.0)
         overhead = self.overhead_s
         for (kind, clock), energy in sorted(energies.items()):
@@ -298,7 +287,7 @@ class StageProfiler:
                 "time": self._median_time(kind, clock) + overhead,
                 "energy": max(energy, 1e-9) + overhead * blocking,
             })
-        return StageMeasurements(self.stage, rows, blocking, method, overhead)
+        return StageMeasurements(self.stage, rows, blocking, overhead)
 
     @property
     def overhead_s(self) -> float:

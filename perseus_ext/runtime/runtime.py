@@ -140,7 +140,7 @@ class PerseusRuntime:
         self.plan_switches: list[dict[str, Any]] = []
         self.fallback_reason: str | None = None
         self.profiling_iterations = 0
-        self.profile_method = ""
+        self.profile_overhead_s = 0.0
         self._phase_iterations = 0
         self._deployed_iterations = 0
         self._check_times: list[float] = []
@@ -458,14 +458,14 @@ class PerseusRuntime:
         clocks = None if self.fallback_reason is None else self.candidate_clocks[:1]
         try:
             measurements = profiler.measurements(clocks)
-            self.profile_method = measurements.method
+            self.profile_overhead_s = measurements.overhead_s
         except Exception as err:  # this stage's gap is reported by the pipeline leader
             level = logging.WARNING if self.fallback_reason else logging.ERROR  # cause logged already
             logger.log(level, "perseus-ext: stage %d: profiling produced no usable data (%s)", self.stage, err)
         (profiling_iterations,) = self.comm.all_max([self.profiling_iterations])
-        logger.info("perseus-ext: profiling finished after %d iteration(s) (stage %d: %s; energy "
-                    "from the %s)", int(profiling_iterations), self.stage, profiler.stop_reason,
-                    "per-kind fit" if self.profile_method == "per-kind" else "per-clock power model")
+        logger.info("perseus-ext: profiling finished after %d iteration(s) (stage %d: %s; "
+                    "framework overhead %.2f ms per computation)", int(profiling_iterations),
+                    self.stage, profiler.stop_reason, 1000 * self.profile_overhead_s)
         gathered = self.comm.gather_pipeline(measurements)
         profile = None
         if self.comm.is_pipeline_leader:
@@ -706,7 +706,7 @@ class PerseusRuntime:
             "iterations": len(self.history),
             "profiling_iterations": self.profiling_iterations,
             "profiled_clocks": self.profiler.profiled_clocks if self.profiler else [],
-            "profile_method": self.profile_method,
+            "profile_overhead_s": self.profile_overhead_s,
             "default_clocks": stats(default),
             "deployed": stats(deployed),
             "deployed_intrinsic": stats([r for r in deployed if r["factor"] == 1.0]),
