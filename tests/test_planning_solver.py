@@ -119,3 +119,19 @@ def test_interleaved_frontier_meets_its_schedule(raw_a100: Profile) -> None:
 def test_bad_solver_options_are_rejected(raw_a100: Profile) -> None:
     with pytest.raises(SolverError, match="resolution"):
         solve_frontier(one_f_one_b(2, 2), sub_profile(raw_a100, 2, (1410, 1200)), 83.64, SolverOptions(resolution=0))
+
+
+def test_profile_whose_slower_clocks_save_no_time(recwarn) -> None:
+    """Degenerate but valid input: every clock takes the same time (only energy differs)."""
+    rows = [
+        {"stage": s, "instruction": i, "frequency": f, "time": t, "energy": e}
+        for s in range(2)
+        for i, t in (("forward", 0.05), ("backward", 0.1))
+        for f, e in ((1410, 30.0), (1200, 25.0))
+    ]
+    profile = Profile.from_rows(rows).pareto()
+    frontier = solve_frontier(one_f_one_b(2, 3), profile, P_BLOCK_A100)
+    assert len(frontier.plans) == 1
+    # 1410 MHz is dominated (same time, more energy): every computation runs at 1200 MHz.
+    assert set(frontier.fastest.frequencies.ravel().tolist()) == {1200}
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]

@@ -439,7 +439,9 @@ class FrontierSolver:
         """
         n = self.model.num_nodes
         count = max(self.options.anchors, self.options.anchor_budget // n, 2)
-        spacing = (t_slowest - t_min) / (count - 1)
+        if t_slowest - t_min < _EPS:  # slower clocks save no time: a single deadline
+            count = 1
+        spacing = (t_slowest - t_min) / max(count - 1, 1)
         relaxation = _ConvexRelaxation(self.model)
         anchors, durations, energies = [], [], []
         progress = None
@@ -448,7 +450,7 @@ class FrontierSolver:
 
             progress = tqdm(total=count, desc="frontier LP anchors", unit="anchor")
         for k in range(count):
-            deadline = t_min + k * spacing if k < count - 1 else t_slowest
+            deadline = t_min + k * spacing if k < count - 1 else max(t_slowest, t_min)
             durations.append(relaxation.durations(deadline))
             energies.append(relaxation.energy(deadline))
             anchors.append(deadline)
