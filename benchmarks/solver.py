@@ -14,6 +14,7 @@ lowtime is optional (`pip install lowtime==0.3.0`, extra `reference`); without i
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import resource
 import time
@@ -146,6 +147,10 @@ def main() -> None:
     parser.add_argument("--blocking-power", type=float, default=83.64)
     parser.add_argument("--lowtime-max-microbatches", type=int, default=96)
     parser.add_argument("--lowtime-limit", type=float, default=3600.0, help="seconds per lowtime run")
+    parser.add_argument(
+        "--save-reference", type=Path,
+        help="directory to write lowtime's plans to (lowtime-<M>.json), to compare later runs without re-solving",
+    )
     args = parser.parse_args()
     try:
         import lowtime  # noqa: F401
@@ -177,6 +182,11 @@ def main() -> None:
             row += f"{'-':>11} {'-':>10} {'-':>8} {'-':>9} {'-':>9}"
         else:
             t_ref, freqs_ref, _ = ref
+            if args.save_reference:
+                args.save_reference.mkdir(parents=True, exist_ok=True)
+                (args.save_reference / f"lowtime-{m}.json").write_text(
+                    json.dumps({"seconds": t_ref, "plans": [[list(row) for row in f] for f in freqs_ref]})
+                )
             gmax, gmean, _ = energy_gap(ours_te, replay(model, freqs_ref))
             row += f"{len(freqs_ref):>11} {t_ref:>10.2f} {t_ref / t_ours:>7.0f}x {gmax:>9.2f} {gmean:>9.2f}"
         print(row + f" {saving:>8.2f}", flush=True)

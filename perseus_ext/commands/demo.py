@@ -324,34 +324,24 @@ def print_report(scenario: Scenario, comparison: dict[str, Any], results: list[l
 
 
 def plot(scenario: Scenario, comparison: dict[str, Any], results: list[list[dict[str, Any]]]) -> list[Path]:
-    """frontier.png (time-energy frontier with the plans used) and timeline.png."""
+    """frontier.png (time-energy frontier with the plans used) and timeline.png (time and
+    energy of every iteration, baseline vs perseus)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     from perseus_ext.planning.frontier import Frontier
+    from perseus_ext.plotting import plot_frontier
 
     out = Path(scenario.out_dir)
     paths = []
     frontier_file = out / "frontier-perseus.json"
     if frontier_file.is_file():
         frontier = Frontier.load(frontier_file)
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([p.time for p in frontier.plans], [p.energy for p in frontier.plans], ".-", label="frontier")
-        ax.plot(frontier.baseline.time, frontier.baseline.energy, "rx", markersize=9, label="all max clock")
-        ax.plot(frontier.fastest.time, frontier.fastest.energy, "go", label="fastest plan (intrinsic)")
         used = {s["plan"] for s in straggler_response(scenario, by_variant(results, "perseus"))[0]}
-        for index in sorted(used - {0}):
-            plan = frontier.plans[index]
-            ax.plot(plan.time, plan.energy, "ms", label=f"plan {index} (straggler)")
-        ax.set_xlabel("iteration time (s, model)")
-        ax.set_ylabel("energy per iteration (J, model)")
-        ax.set_title("Pipeline 0 time-energy frontier")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "frontier.png", dpi=120)
-        plt.close(fig)
+        marks = {f"plan {index} (straggler)": frontier.plans[index] for index in sorted(used - {0})}
+        plot_frontier(frontier, out / "frontier.png", marks=marks, title="Pipeline 0 time-energy frontier")
         paths.append(out / "frontier.png")
     series = comparison["series"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)

@@ -46,9 +46,9 @@ from perseus_ext.planning.schedule import PipelineSchedule
 logger = logging.getLogger(__name__)
 
 _EPS = 1e-9
-_GAP_ROUNDS = 3  # stretch rounds; each fills the gaps the previous one opened
-_FILL_BIN = 0.45  # gap-fill bin width as a fraction of the resolution
-_CHUNK = 1024  # plans processed at once by the batched DAG passes
+_GAP_ROUNDS = 6  # stretch rounds; each fills the gaps the previous one opened
+_FILL_BIN = 0.5  # gap-fill bin width as a fraction of the resolution
+_CHUNK = 2560  # plans processed at once by the batched DAG passes (bounds peak memory)
 
 
 @dataclass(frozen=True)
@@ -182,8 +182,13 @@ def round_to_options(model: CostModel, durations: np.ndarray) -> dict[str, np.nd
     `up` / `nearest`: the next slower / the nearest clock; such plans overshoot the deadline a
     little but are often the best plans at their own, slightly longer, time.
     """
-    option_times = _option_times(model)
-    down = np.stack([_slowest_fitting(option_times[i], durations[i]) for i in range(len(durations))])
+    down = np.empty(durations.shape, dtype=np.int64)
+    # Computations of one stage and kind share their option table: one search per table.
+    tables, table_of = np.unique(model.times, axis=0, return_inverse=True)
+    for t, table in enumerate(tables):
+        nodes = np.flatnonzero(table_of.ravel() == t)
+        options = table[np.isfinite(table)]
+        down[nodes] = _slowest_fitting(options, durations[nodes])
     t_down = np.take_along_axis(model.times, down, axis=1)
     last = (model.num_options - 1)[:, None]
     up = np.where(t_down < durations - _EPS, np.minimum(down + 1, last), down)
@@ -222,7 +227,7 @@ def reclaim_slack(
         )
     dag = model.dag
     option_times = _option_times(model)
-    choice = choice.astype(np.int64)
+    choice = np.ascontiguousarray(choice, dtype=np.int64)  # row-wise passes need C order
     durations = np.take_along_axis(model.times, choice, axis=1)
 
     def refit(node: int, window: np.ndarray) -> None:
@@ -521,7 +526,7 @@ def _gap_deadlines(kept_times: np.ndarray, resolution: float) -> tuple[np.ndarra
     bin_width = resolution * _FILL_BIN
     for k, (a, b) in enumerate(zip(kept_times[:-1], kept_times[1:])):
         if b - a > 2 * bin_width:
-            inner = np.arange(a + bin_width / 2, b, bin_width / 2)
+            inner = np.arange(a + bin_width, b, bin_width)
             starts += [k] * len(inner)
             deadlines += inner.tolist()
     return np.array(starts, dtype=np.int64), np.array(deadlines)
@@ -529,8 +534,8 @@ def _gap_deadlines(kept_times: np.ndarray, resolution: float) -> tuple[np.ndarra
 
 def _fill_gaps(times: np.ndarray, energies: np.ndarray, keep: list[int], resolution: float) -> list[int]:
     """Add, inside every gap wider than `resolution` between Pareto plans, the lowest-energy
-    candidate of each bin (bins narrower than half the resolution, so filled bins leave no
-    step wider than `resolution`).
+    candidate of each bin (bins half the resolution wide: plans in neighbouring bins are less
+    than `resolution` apart).
 
     Such gaps only occur where the frontier is flat (a slower plan cannot beat a faster one by
     more than rounding noise); the fill keeps the promised time resolution, and the straggler

@@ -85,13 +85,19 @@ class ControlPlane:
     def all_max(self, values: Sequence[float]) -> list[float]:
         return self._all_reduce(values, "max")
 
+    def all_sum(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sum over every rank of the job (the power-limit optimizer's all-reduce:
+        one global limit is priced on the energy of all GPUs)."""
+        return self._all_reduce(values, "sum")
+
     def _all_reduce(self, values: Sequence[float], op: str) -> list[float]:
         if self._dist is None:
             return [float(v) for v in values]
         import torch
 
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        reduce_op = self._dist.ReduceOp.MIN if op == "min" else self._dist.ReduceOp.MAX
+        reduce_op = {"min": self._dist.ReduceOp.MIN, "max": self._dist.ReduceOp.MAX,
+                     "sum": self._dist.ReduceOp.SUM}[op]
         self._dist.all_reduce(tensor, op=reduce_op, group=self._world)
         return tensor.tolist()
 

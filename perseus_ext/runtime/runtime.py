@@ -3,6 +3,9 @@
 warm-up (default clocks) -> profiling (candidate clocks, all stages in parallel, early stop)
 -> solving (frontier solved off the training thread, training goes on at default clocks)
 -> deployed (fastest plan; straggler checks every N iterations move to slower plans and back).
+With `policy.mode: "power_limit"` (Zeus' global knob, also for jobs without pipeline parallelism)
+the clocks stay at their defaults and warm-up is followed by the power-limit phase instead: every
+rank walks the same GPU power limits, the job-wide cost picks one, and it is restored at close.
 
 Adapters call, on every rank: `iteration_start()`, `before_computation()` /
 `after_computation()` around every forward and backward, optionally `mark_compute_end()` right
@@ -17,11 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import statistics
 import enum
 import json
 import logging
 import math
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -32,7 +35,9 @@ from perseus_ext.measurement.windows import EnergyMeter
 from perseus_ext.planning.frontier import Frontier, Plan
 from perseus_ext.planning.profile import Profile, load_profile
 from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule
+from perseus_ext.policies import CarbonLedger, PolicyConfig, PowerLimitOptimizer
 from perseus_ext.policies.base import OperatingPointPolicy, StragglerPolicy
+from perseus_ext.policies.chase import CarbonCost
 from perseus_ext.runtime.comm import ControlPlane
 from perseus_ext.runtime.config import PREFIX, PerseusConfig
 from perseus_ext.runtime.profiler import StageMeasurements, StageProfiler
@@ -49,6 +54,7 @@ class Phase(str, enum.Enum):
     PROFILING = "profiling"
     SOLVING = "solving"
     DEPLOYED = "deployed"
+    POWER_LIMIT = "power_limit"  # policy.mode power_limit: profiling, then holding one GPU power limit
     OBSERVING = "observing"  # default clocks for the rest of the run (observe mode or fallback)
 
 
@@ -57,24 +63,58 @@ def profile_sidecar(path: str | Path) -> Path:
     return Path(f"{path}.json")
 
 
-def build_policy(section: dict | None, gpu: GPU | None = None) -> OperatingPointPolicy:
+def build_policy(section: dict | PolicyConfig | None, gpu: GPU | None = None) -> OperatingPointPolicy:
     """The config's `policy` sub-section as a frontier policy (default: Perseus' straggler
     policy). Cost policies (Zeus, Chase) price time at one GPU's maximum power limit, read from
     `gpu` unless the section sets `max_power_w`."""
     if section is None:
         return StragglerPolicy()
-    from perseus_ext.policies import PolicyConfig
-
-    parsed = PolicyConfig.parse(section)
+    parsed = section if isinstance(section, PolicyConfig) else PolicyConfig.parse(section)
     if parsed.mode != "frontier":
         raise ConfigError(
-            f"{PREFIX}.policy.mode {parsed.mode!r} is not run by the pipeline runtime, which picks "
-            f"frontier plans; use mode 'frontier'"
+            f"{PREFIX}.policy.mode {parsed.mode!r} sets a GPU power limit, not a frontier plan; "
+            f"PerseusRuntime runs it itself (build_policy only builds frontier policies)"
         )
     max_power = None
     if gpu is not None and parsed.max_power_w is None:
         max_power = float(gpu.power_limit_range_w()[1])
     return parsed.build_policy(max_power)
+
+
+class ControlledPowerLimits:
+    """The power-limit optimizer's view of one GPU: limits go through the rank's
+    FrequencyController, so they are applied off the training thread and restored on close,
+    exit, signals and (watchdog) SIGKILL like clocks are. After `release()` (the rank fell back)
+    the initial limit is back and further limits are ignored, while the optimizer keeps joining
+    its all-reduces so the other ranks never wait for this one."""
+
+    def __init__(self, gpu: GPU, controller: Any, initial_w: float, settle: Callable[[], None]) -> None:
+        self.gpu = gpu
+        self.controller = controller
+        self.initial_w = initial_w
+        self.requested_w = initial_w
+        self.released = False
+        self._settle = settle
+
+    def power_limit_range_w(self) -> tuple[float, float]:
+        return self.gpu.power_limit_range_w()
+
+    def set_power_limit_w(self, watts: float) -> None:
+        if self.released:
+            return
+        self.controller.set_power_limit(watts)
+        self.requested_w = float(watts)
+        self._settle()
+
+    def reset_power_limit(self) -> None:
+        self.controller.set_power_limit(self.initial_w)
+        self.requested_w = self.initial_w
+        self._settle()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.reset_power_limit()
 
 
 class PerseusRuntime:
@@ -112,9 +152,18 @@ class PerseusRuntime:
             logger.warning("perseus-ext: simulated GPU without %s.simulated_workload: computations "
                            "are not paced, so energy reflects idle power only", PREFIX)
         self.candidate_clocks, self.communication_clock = self._check_clocks()
-        self.policy = policy if policy is not None else build_policy(
-            dict(config.policy) if config.policy is not None else None, self.gpu
+        self.policy_config: PolicyConfig | None = (
+            PolicyConfig.parse(dict(config.policy)) if config.policy is not None else None
         )
+        self.power_limit_mode = self.policy_config is not None and self.policy_config.mode == "power_limit"
+        if self.power_limit_mode:
+            if policy is not None:
+                raise ConfigError(f"{PREFIX}.policy.mode 'power_limit' picks a power limit, not frontier "
+                                  f"plans; drop the policy object or set {PREFIX}.policy.mode 'frontier'")
+            self._check_power_limits()
+            self.policy: OperatingPointPolicy | None = None
+        else:
+            self.policy = policy if policy is not None else build_policy(self.policy_config, self.gpu)
         self.saved_profile = self._check_saved_profile()
         self.solver_options = self._check_solver_options()
 
@@ -158,6 +207,18 @@ class PerseusRuntime:
         self._compute_end: float | None = None
         self._closed = False
         self._summary: dict[str, Any] | None = None
+        # Policy agreement: the deadline of the latest straggler check and the deployed
+        # iteration at which a time-varying policy (Chase) is evaluated again.
+        self._deadline: float | None = None
+        self._policy_check_at: int | None = None
+        # Power-limit mode.
+        self.power_limits: ControlledPowerLimits | None = None
+        self.limit_optimizer: PowerLimitOptimizer | None = None
+        self.power_limit_switches: list[dict[str, Any]] = []
+        # Emissions accounting (Chase): this GPU's mean energy per iteration at default settings.
+        self._carbon_ledger: Any = None
+        self._default_energy_sum = 0.0
+        self._default_energy_count = 0
         self._log_file = self._open_log(config.log_path)
         logger.info(
             "perseus-ext: stage %d/%d pipeline %d ready on %s (%s); %d candidate clocks",
@@ -206,6 +267,18 @@ class PerseusRuntime:
         nearest = min(supported, key=lambda c: abs(c - clock))
         return (f"{key}: {clock} MHz is not supported by {self.gpu.name} (supported "
                 f"{supported[-1]}-{supported[0]} MHz; nearest {nearest} MHz)")
+
+    def _check_power_limits(self) -> None:
+        """Explicit `policy.power_limit.limits_w` must fit this GPU (checked now, not at the end
+        of warm-up inside a training step)."""
+        listed = self.policy_config.power_limit.get("limits_w")
+        if listed is None or self.gpu is None:
+            return
+        low, high = self.gpu.power_limit_range_w()
+        outside = [w for w in listed if not low <= w <= high]
+        if outside:
+            raise ConfigError(f"{PREFIX}.policy.power_limit.limits_w: {outside} W outside {self.gpu.name}'s "
+                              f"power-limit range {low:g}-{high:g} W")
 
     def _check_saved_profile(self) -> tuple[Profile, float] | None:
         path = self.config.profile_path
@@ -269,7 +342,7 @@ class PerseusRuntime:
             if self._profiling_now:
                 self.profiler.on_counter(self._iteration_start, self._iteration_start_mj)
         except Exception as err:  # never break the training step
-            self._fall_back(f"iteration_start failed: {err!r}")
+            self.fall_back(f"iteration_start failed: {err!r}")
 
     def before_computation(self, kind: Kind | str, microbatch: int, chunk: int = 0) -> None:
         """Enqueue the planned clock of the next computation (never blocks on a real GPU)."""
@@ -280,7 +353,7 @@ class PerseusRuntime:
             if self.fallback_reason is None:
                 expected = self.order[self._position] if self._position < len(self.order) else None
                 if computation != expected:
-                    self._fall_back(
+                    self.fall_back(
                         f"the framework ran {computation} where the {self.schedule.kind.value} "
                         f"schedule expects {expected if expected else 'no more computations'} "
                         f"(position {self._position}); is the configured schedule the one running?"
@@ -299,7 +372,7 @@ class PerseusRuntime:
             if self._profiling_now:
                 self.profiler.on_counter(*self._read_energy())
         except Exception as err:
-            self._fall_back(f"before_computation failed: {err!r}")
+            self.fall_back(f"before_computation failed: {err!r}")
 
     def after_computation(self, kind: Kind | str, microbatch: int, chunk: int = 0) -> None:
         """Pace a simulated computation; record durations and energy while profiling."""
@@ -323,7 +396,7 @@ class PerseusRuntime:
                 # communicates, off the next computation's critical path.
                 self._request_clock(self._planned_clock())
         except Exception as err:
-            self._fall_back(f"after_computation failed: {err!r}")
+            self.fall_back(f"after_computation failed: {err!r}")
 
     def before_communication(self) -> None:
         """Optionally drop to the communication clock while blocked on a receive/all-reduce."""
@@ -348,9 +421,9 @@ class PerseusRuntime:
             end, end_mj = self._read_energy()
             disabled = getattr(self.controller, "disabled_reason", None)
             if self.fallback_reason is None and disabled is not None:
-                self._fall_back(f"GPU clock control failed ({disabled})")
+                self.fall_back(f"GPU clock control failed ({disabled})")
             if self.fallback_reason is None and self._position != len(self.order):
-                self._fall_back(
+                self.fall_back(
                     f"the iteration ran {self._position} computations on stage {self.stage}, "
                     f"the schedule has {len(self.order)}"
                 )
@@ -358,14 +431,15 @@ class PerseusRuntime:
             energy = (None if end_mj is None or self._iteration_start_mj is None
                       else (end_mj - self._iteration_start_mj) / 1000.0)
             self._record(end - self._iteration_start, compute_end - self._iteration_start, energy)
+            self._account_carbon(energy)
         except Exception as err:
-            self._fall_back(f"iteration_end failed: {err!r}")
+            self.fall_back(f"iteration_end failed: {err!r}")
         try:
             self._advance()
         except Exception as err:
             # Most likely a control-plane collective timed out (a rank died or stalled): the
             # groups are unusable, so stop all lifecycle collectives on this rank.
-            self._fall_back(f"lifecycle step failed: {err!r}")
+            self.fall_back(f"lifecycle step failed: {err!r}")
             self._set_phase(Phase.OBSERVING)
         self.iteration += 1
 
@@ -419,12 +493,19 @@ class PerseusRuntime:
             self._solving_step()
         elif self.phase is Phase.DEPLOYED:
             self._deployed_step()
+        elif self.phase is Phase.POWER_LIMIT:
+            self._power_limit_step()
 
     def _end_warmup(self) -> None:
-        have_profile, can_profile = self.comm.all_min([
+        if self.power_limit_mode:
+            self._start_power_limit()
+            return
+        have_profile, can_set_clocks, none_fell_back = self.comm.all_min([
             float(self.saved_profile is not None),
-            float(not self.controller.dry_run and self.fallback_reason is None and bool(self.candidate_clocks)),
+            float(not self.controller.dry_run and bool(self.candidate_clocks)),
+            float(self.fallback_reason is None),
         ])
+        can_profile = can_set_clocks and none_fell_back
         if have_profile:
             logger.info("perseus-ext: using saved profile %s; skipping profiling", self.config.profile_path)
             self._start_solve(self.saved_profile if self.comm.is_pipeline_leader else None)
@@ -436,6 +517,11 @@ class PerseusRuntime:
                 blocking_power_w=self.config.blocking_power_w,
             )
             self._set_phase(Phase.PROFILING)
+        elif not none_fell_back:
+            logger.warning("perseus-ext: a rank fell back to default clocks during warm-up (its error "
+                           "says why) and there is no saved profile (%s.profile_path): nothing to "
+                           "profile, staying at default clocks", PREFIX)
+            self._set_phase(Phase.OBSERVING)
         else:
             logger.warning("perseus-ext: some rank cannot set GPU clocks and there is no saved "
                            "profile (%s.profile_path): nothing to profile, staying at default "
@@ -615,8 +701,10 @@ class PerseusRuntime:
         self.phase = phase
         self._phase_iterations = 0
 
-    def _fall_back(self, reason: str) -> None:
-        """Stop steering clocks on this rank for good (it still joins every collective)."""
+    def fall_back(self, reason: str) -> None:
+        """Stop steering clocks (and the power limit) on this rank for good; it still joins
+        every collective, so the other ranks carry on. Adapters call it when they cannot tell
+        which computation the framework runs. Logs `reason` once; never raises."""
         if self.fallback_reason is not None:
             return
         self.fallback_reason = reason
@@ -624,6 +712,8 @@ class PerseusRuntime:
                      self.comm.rank, self.stage, reason)
         try:
             self._release_clock()
+            if self.power_limits is not None:
+                self.power_limits.release()
         except Exception:  # the controller never raises, but a fallback must not either
             pass
 
