@@ -32,7 +32,6 @@ def make_config(**overrides) -> PerseusConfig:
         "straggler_check_interval": 3,
         "log_interval": 0,
         "solve_in_background": False,
-        "solver": {"min_grid_points": 200},
         "simulated_workload": {"forward_seconds": FORWARD_S, "backward_seconds": BACKWARD_S},
     }
     section.update(overrides)
@@ -252,6 +251,20 @@ def test_schedule_mismatch_logs_once_and_falls_back(schedule, caplog):
     runtime.close()
 
 
+def test_fallback_during_warmup_is_not_reported_as_missing_clock_control(schedule, caplog):
+    runtime = PerseusRuntime(make_config(warmup_iterations=2), schedule=schedule, stage=0, gpu=virtual_gpu())
+    runtime.fall_back("the adapter cannot identify a computation")
+    runtime.fall_back("a second reason")  # only the first one counts
+    train(runtime, 3)
+    assert runtime.phase is Phase.OBSERVING and runtime.fallback_reason.startswith("the adapter")
+    assert "cannot set GPU clocks" not in caplog.text
+    assert "a rank fell back to default clocks during warm-up" in caplog.text
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
+        "perseus-ext: rank 0 stage 0: the adapter cannot identify a computation; this rank runs at "
+        "default clocks from now on"]
+    runtime.close()
+
+
 def test_no_clock_permission_means_dry_run(schedule, caplog):
     gpu = virtual_gpu(privileged="0")
     runtime = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=gpu)
@@ -325,9 +338,12 @@ def test_policy_section_selects_a_cost_policy(schedule):
     default = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=virtual_gpu())
     assert isinstance(default.policy, StragglerPolicy)
     default.close()
-    with pytest.raises(ConfigError, match="perseus.policy.mode 'power_limit'"):
+    with pytest.raises(ConfigError, match="perseus.policy.mode 'power_limit' picks a power limit"):
         PerseusRuntime(make_config(policy={"type": "zeus", "mode": "power_limit"}), schedule=schedule, stage=0,
-                       gpu=virtual_gpu())
+                       gpu=virtual_gpu(), policy=StragglerPolicy())
+    with pytest.raises(ConfigError, match=r"limits_w: \[50\] W outside"):
+        PerseusRuntime(make_config(policy={"type": "zeus", "mode": "power_limit", "power_limit": {"limits_w": [500, 50]}}),
+                       schedule=schedule, stage=0, gpu=virtual_gpu())
     with pytest.raises(ConfigError, match="perseus.policy.eta"):
         PerseusRuntime(make_config(policy={"type": "zeus", "eta": 2}), schedule=schedule, stage=0, gpu=virtual_gpu())
 

@@ -340,7 +340,7 @@ class MegatronPerseus:
                 return original(*args, **kwargs)
             bound = signature.bind_partial(*args, **kwargs).arguments
             identity = self._identify(iteration, kind, bound)
-            if identity is None:  # the runtime notices the missing computation and falls back
+            if identity is None:  # the runtime fell back: default clocks for this rank
                 return original(*args, **kwargs)
             microbatch, chunk = identity
             self.runtime.before_computation(kind, microbatch, chunk=chunk)
@@ -380,8 +380,7 @@ class MegatronPerseus:
     def _cannot_identify(self, what: str) -> None:
         if self._unidentified is None:
             self._unidentified = what
-            log.warning("perseus: megatron-core ran %s; the runtime will fall back to default "
-                        "clocks for this stage", what)
+            self.runtime.fall_back(f"megatron-core ran {what}, which perseus cannot place in the plan")
         return None
 
     def _start_iteration(self, bound: dict, original: Callable) -> bool:

@@ -72,7 +72,6 @@ class Scenario:
             "straggler_check_interval": 4,
             "log_interval": 10,
             "control_timeout_s": 120.0,
-            "solver": {"min_grid_points": 300},  # a coarser grid: the toy frontier solves in ~1 s
             "simulated_workload": {
                 "forward_seconds": self.forward_seconds,
                 "backward_seconds": self.backward_seconds,
@@ -146,6 +145,7 @@ class _VariantRun:
             "variant": self.variant, "rank": self.engine.global_rank, "pipeline": self.pipeline,
             "stage": self.engine.stage_id, "losses": self.losses, "iterations": self.iterations,
             "summary": summary, "clocks_restored": self.gpu is None or self.gpu.locked_clock is None,
+            "power_limit_w": self.gpu.power_limit_w() if self.gpu is not None else None,
             "controller_errors": runtime.controller.error_count if runtime is not None else 0,
         }
 

@@ -638,7 +638,7 @@ class PerseusRuntime:
                     self.frontier.save(self.config.frontier_path)
                 except OSError as err:
                     logger.error("perseus-ext: cannot save the frontier to %s: %s", self.config.frontier_path, err)
-        self._switch_plan(self.policy.select(self.frontier, None), factor=1.0, reason="deploy")
+        self._agree_plan(None, factor=1.0, reason="deploy")
         self._set_phase(Phase.DEPLOYED)
 
     def _deployed_step(self) -> None:
@@ -649,8 +649,13 @@ class PerseusRuntime:
         self._check_times.append(
             self.history[-1]["compute_s"] - (self.plan.time - self.frontier.fastest.time)
         )
-        if self._deployed_iterations % self.config.straggler_check_interval:
-            return
+        if self._deployed_iterations % self.config.straggler_check_interval == 0:
+            self._straggler_check()
+        elif self._policy_check_at is not None and self._deployed_iterations >= self._policy_check_at:
+            self._agree_plan(self._deadline, factor=self.tracker.factor,
+                             reason=f"{self.policy.name} re-evaluated (period {self.policy.period_s:g} s)")
+
+    def _straggler_check(self) -> None:
         own = statistics.median(self._check_times)
         self._check_times = []
         kind, value = self._announced or ("", 0.0)
@@ -675,10 +680,123 @@ class PerseusRuntime:
         # The held factor may be up to `hysteresis` above the latest ratio; planning that much
         # below it keeps this pipeline from ever becoming the slowest one.
         margin = self.config.straggler_hysteresis
-        deadline = None if factor <= 1.0 else self.frontier.fastest.time * (factor - margin)
+        self._deadline = None if factor <= 1.0 else self.frontier.fastest.time * (factor - margin)
         # Re-selected at every check: cost policies (Chase's carbon price) change over time.
-        self._switch_plan(self.policy.select(self.frontier, deadline), factor=factor,
-                          reason=f"slowest pipeline {straggler:.4f} s, this one {mine:.4f} s")
+        self._agree_plan(self._deadline, factor=factor,
+                         reason=f"slowest pipeline {straggler:.4f} s, this one {mine:.4f} s")
+
+    def _agree_plan(self, deadline: float | None, *, factor: float, reason: str) -> None:
+        """Deploy the pipeline leader's choice on every rank of the pipeline.
+
+        Called by all ranks of a pipeline at the same iteration (deploy, straggler checks, and
+        the iterations the leader scheduled for re-evaluation). Every rank evaluates the policy,
+        which keeps its own carbon reading current for its emissions ledger, but ranks may read a
+        time-varying signal at slightly different moments, so only the leader's plan index
+        counts. The leader also says when to evaluate again: a time-varying policy wants it every
+        `period_s` seconds, converted to iterations with the leader's recent iteration time."""
+        try:
+            chosen = self.frontier.plans.index(self.policy.select(self.frontier, deadline))
+        except Exception as err:  # a failing policy must not skip the broadcast below
+            logger.error("perseus-ext: the %s policy failed (%r); deploying the fastest plan",
+                         getattr(self.policy, "name", "?"), err)
+            chosen = 0
+        proposal = (chosen, self._policy_interval()) if self.comm.is_pipeline_leader else None
+        index, interval = self.comm.broadcast_pipeline(proposal)
+        self._policy_check_at = None if interval is None else self._deployed_iterations + interval
+        self._switch_plan(self.frontier.plans[index], factor=factor, reason=reason)
+
+    def _policy_interval(self) -> int | None:
+        """Deployed iterations until a time-varying policy is evaluated again (None: never,
+        besides straggler checks)."""
+        period = self.policy.period_s
+        if period is None:
+            return None
+        recent = [r["time_s"] for r in self.history[-10:]]
+        return max(1, int(period / max(statistics.median(recent), 1e-6))) if recent else 1
+
+    # ------------------------------------------------------------------ power-limit mode
+    def _start_power_limit(self) -> None:
+        """End of warm-up in power-limit mode: every rank starts the optimizer, or none does."""
+        initial_w = self._initial_power_limit()
+        (can_control,) = self.comm.all_min([float(initial_w is not None)])
+        optimizer = None
+        if can_control:
+            self.power_limits = ControlledPowerLimits(self.gpu, self.controller, initial_w, self._settle_power_limit)
+            optimizer = self.policy_config.build_power_limit_optimizer(self.power_limits, all_reduce=self.comm.all_sum)
+        (started,) = self.comm.all_min([float(optimizer is not None and optimizer.profiling)])
+        if not started:
+            if optimizer is not None:
+                optimizer.close()
+                optimizer.cost.close()
+            self.power_limits = None
+            logger.warning("perseus-ext: some rank cannot set its GPU power limit (dry-run, no GPU, a "
+                           "fallback or an unreadable limit): staying at the default power limit")
+            self._set_phase(Phase.OBSERVING)
+            return
+        self.limit_optimizer = optimizer
+        if isinstance(optimizer.cost, CarbonCost):
+            self._carbon_ledger = CarbonLedger(optimizer.cost)
+        if self.comm.rank == 0:
+            logger.info("perseus-ext: power-limit mode (%s, eta %g): profiling limits from %.0f W down",
+                        self.policy_config.type, self.policy_config.eta, optimizer.limit_w)
+        self._set_phase(Phase.POWER_LIMIT)
+
+    def _initial_power_limit(self) -> float | None:
+        """This rank's current power limit (restored at the end), or None when it cannot take
+        part: dry-run, no GPU, a fallback or an unreadable limit."""
+        if self.gpu is None or self.controller.dry_run or self.fallback_reason is not None:
+            return None
+        try:
+            return float(self.gpu.power_limit_w())
+        except Exception as err:
+            logger.warning("perseus-ext: rank %d cannot read its GPU power limit: %s", self.comm.rank, err)
+            return None
+
+    def _settle_power_limit(self) -> None:
+        """A simulated GPU runs the next computation synchronously: the limit must be in place."""
+        if self._simulated:
+            self.controller.flush(SIM_FLUSH_TIMEOUT_S)
+
+    def _power_limit_step(self) -> None:
+        """Feed the iteration to the optimizer (collective while it profiles: all ranks call it)."""
+        optimizer = self.limit_optimizer
+        record = self.history[-1]
+        was_profiling, before = optimizer.profiling, optimizer.limit_w
+        energy = record["energy_j"] if record["energy_j"] is not None else math.nan
+        limit = optimizer.on_iteration_end(record["time_s"], energy)
+        if limit != before or (was_profiling and not optimizer.profiling):
+            reason = "profiling" if optimizer.profiling else "chosen"
+            self.power_limit_switches.append({"iteration": self.iteration, "limit_w": limit, "reason": reason})
+            if not optimizer.profiling and self.comm.rank == 0:
+                measured = {m.limit_w: m for m in optimizer.measurements}
+                best = measured.get(limit)
+                logger.info("perseus-ext: iteration %d: power limit %.0f W (%s %s, eta %g) after "
+                            "profiling %d limits%s", self.iteration, limit, self.policy_config.type,
+                            "re-evaluated" if not was_profiling else "chose", self.policy_config.eta,
+                            len(optimizer.measurements),
+                            f": {best.time_s:.4f} s, {best.energy_j:.1f} J per iteration (all GPUs)"
+                            if best else "")
+
+    # ------------------------------------------------------------------ emissions (Chase)
+    def _account_carbon(self, energy_j: float | None) -> None:
+        """Chase's emissions ledger, once per iteration: this GPU's energy against its mean
+        energy per iteration at default settings (the warm-up and solving iterations; the
+        first one carries one-off costs). Without such a measurement nothing is claimed saved."""
+        if energy_j is None:
+            return
+        default_phase = self.phase in (Phase.WARMUP, Phase.SOLVING, Phase.OBSERVING)
+        if default_phase and self.iteration > 0 and self.fallback_reason is None:
+            self._default_energy_sum += energy_j
+            self._default_energy_count += 1
+        ledger = self._carbon_ledger
+        if ledger is None:
+            ledger = self.policy if hasattr(self.policy, "record_iteration") else None
+        if ledger is None:
+            return
+        baseline = energy_j
+        if not default_phase and self._default_energy_count:
+            baseline = self._default_energy_sum / self._default_energy_count
+        ledger.record_iteration(energy_j, baseline)
 
     def _switch_plan(self, plan: Plan, *, factor: float, reason: str) -> None:
         index = self.frontier.plans.index(plan) if plan in self.frontier.plans else -1
@@ -751,6 +869,8 @@ class PerseusRuntime:
             plan = f"plan {self.frontier.plans.index(self.plan) if self.plan in self.frontier.plans else -1}"
         elif self._profiling_now:
             plan = f"profile@{self.profiler.current_clock}"
+        elif self.phase is Phase.POWER_LIMIT and self.limit_optimizer.limit_w is not None:
+            plan = f"limit {self.limit_optimizer.limit_w:g} W"
         else:
             plan = "default"
         record = {
@@ -803,6 +923,7 @@ class PerseusRuntime:
             "deployed_extrinsic": stats([r for r in deployed if r["factor"] and r["factor"] > 1.0]),
             "plan_switches": list(self.plan_switches),
             "controller_errors": self.controller.error_count,
+            "policy": self._policy_summary(),
         }
         if self.frontier is not None:
             result["frontier"] = {
@@ -818,6 +939,32 @@ class PerseusRuntime:
             result["throughput_change"] = base["time_s"] / dep["time_s"] - 1.0
         return result
 
+    def _policy_summary(self) -> dict[str, Any]:
+        """Which policy ran; in power-limit mode the limits measured and the one chosen; with
+        Chase this GPU's emissions (kgCO2 emitted, and saved against its default-clock energy)."""
+        config = self.policy_config
+        result: dict[str, Any] = {
+            "mode": config.mode if config else "frontier",
+            "type": config.type if config else (self.policy.name if self.policy else None),
+        }
+        if config is not None and config.type != "perseus":
+            result["eta"] = config.eta
+        optimizer = self.limit_optimizer
+        if optimizer is not None:
+            result.update(
+                limit_w=None if optimizer.profiling else optimizer.limit_w,
+                profiling=optimizer.profiling,
+                measurements=[dataclasses.asdict(m) for m in optimizer.measurements],
+                switches=list(self.power_limit_switches),
+            )
+        elif self.power_limit_mode:
+            result.update(limit_w=None, profiling=False, measurements=[], switches=[])
+        ledger = self._carbon_ledger if self._carbon_ledger is not None else self.policy
+        report = getattr(ledger, "report", None)
+        if report is not None:
+            result["carbon"] = {**dataclasses.asdict(report), "summary": report.summary()}
+        return result
+
     def close(self) -> None:
         """Restore default clocks and report; idempotent, never raises."""
         if self._closed:
@@ -826,7 +973,13 @@ class PerseusRuntime:
         if self._solver is not None:
             self._solver.cancel()
         try:
-            self.policy.close()
+            if self.policy is not None:
+                self.policy.close()
+            if self.limit_optimizer is not None:
+                self.limit_optimizer.close()  # queues the initial limit through the controller
+                self.limit_optimizer.cost.close()
+                if self._carbon_ledger is not None and self._carbon_ledger.report.iterations:
+                    logger.info("perseus-ext: rank %d chase: %s", self.comm.rank, self._carbon_ledger.report.summary())
         except Exception as err:
             logger.error("perseus-ext: closing the policy failed: %r", err)
         try:
