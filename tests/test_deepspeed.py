@@ -157,6 +157,7 @@ def test_example_script_under_torchrun_saves_a_profile(tmp_path):
     config = json.loads((REPO / "examples/deepspeed/ds_config.json").read_text())
     config["perseus"].update(
         profile_path=str(tmp_path / "profile.csv"), summary_path=str(tmp_path / "summary-{rank}.json"),
+        solver={"min_grid_points": 300},  # deploy within the short run
     )
     config_path = tmp_path / "ds_config.json"
     config_path.write_text(json.dumps(config))

@@ -102,6 +102,9 @@ def test_power_limit_mode_walks_the_limits_picks_one_and_restores_it():
     assert policy["switches"][-1] == {"iteration": 16, "limit_w": chosen, "reason": "chosen"}
     assert runtime.history[-1]["plan"] == f"limit {chosen:g} W" and runtime.history[-1]["phase"] == "power_limit"
     assert gpu.power_limit_w() == DEFAULT_LIMIT_W  # restored at close
+    summary = runtime.summary()
+    assert summary["deployed"]["iterations"] == 24 - 17  # at the chosen limit
+    assert summary["energy_saving_vs_default"] is not None and summary["default_clocks"]["iterations"] == 1
 
 
 def test_power_limit_eta_trades_time_for_energy():

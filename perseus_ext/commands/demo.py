@@ -72,6 +72,7 @@ class Scenario:
             "straggler_check_interval": 4,
             "log_interval": 10,
             "control_timeout_s": 120.0,
+            "solver": {"min_grid_points": 300},  # a coarser grid: the toy frontier solves in ~1 s
             "simulated_workload": {
                 "forward_seconds": self.forward_seconds,
                 "backward_seconds": self.backward_seconds,

@@ -765,7 +765,7 @@ class PerseusRuntime:
         energy = record["energy_j"] if record["energy_j"] is not None else math.nan
         limit = optimizer.on_iteration_end(record["time_s"], energy)
         if limit != before or (was_profiling and not optimizer.profiling):
-            reason = "profiling" if optimizer.profiling else "chosen"
+            reason = "profiling" if optimizer.profiling else ("chosen" if was_profiling else "re-evaluated")
             self.power_limit_switches.append({"iteration": self.iteration, "limit_w": limit, "reason": reason})
             if not optimizer.profiling and self.comm.rank == 0:
                 measured = {m.limit_w: m for m in optimizer.measurements}
@@ -908,6 +908,9 @@ class PerseusRuntime:
         # The first iteration carries one-off costs (buffer allocation), so it is no baseline.
         default = [r for r in self.history[1:] if r["phase"] in ("warmup", "solving", "observing")]
         deployed = [r for r in self.history if r["phase"] == "deployed"]
+        chosen_at = next((s["iteration"] for s in self.power_limit_switches if s["reason"] == "chosen"), None)
+        if chosen_at is not None:  # power-limit mode: the iterations at the chosen limit
+            deployed = [r for r in self.history if r["phase"] == "power_limit" and r["iteration"] > chosen_at]
         result: dict[str, Any] = {
             "rank": self.comm.rank, "pipeline": self.comm.pipeline, "stage": self.stage,
             "gpu": self.gpu.name if self.gpu is not None else None,
