@@ -276,6 +276,13 @@ def test_no_clock_permission_means_dry_run(schedule, caplog):
     runtime.close()
 
 
+def test_strict_mode_fails_fast_without_clock_permission(schedule):
+    from perseus_ext.measurement.gpu import GPUPermissionError
+
+    with pytest.raises(GPUPermissionError, match="CAP_SYS_ADMIN|root"):
+        PerseusRuntime(make_config(strict=True), schedule=schedule, stage=0, gpu=virtual_gpu(privileged="0"))
+
+
 def test_controller_errors_never_reach_training(schedule):
     gpu = virtual_gpu()
     gpu.inject_fault("set_locked_sm_clocks", times=None)

@@ -57,6 +57,7 @@ class PerseusConfig:
     gpu: str | None = None
     seed: int = 0
     dry_run: bool | None = None
+    strict: bool = False
     warmup_iterations: int = 2
     profiling_iterations_per_clock: int = 1
     candidate_clocks: tuple[int, ...] | None = None
@@ -248,6 +249,7 @@ _PARSERS = {
     "gpu": _optional_str,
     "seed": _int_at_least(0),
     "dry_run": _optional_bool,
+    "strict": _bool,
     "warmup_iterations": _int_at_least(0),
     "profiling_iterations_per_clock": _int_at_least(1),
     "candidate_clocks": _clock_list,

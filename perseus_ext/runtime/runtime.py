@@ -169,7 +169,7 @@ class PerseusRuntime:
 
         from perseus_ext.actuation.controller import FrequencyController
 
-        self.controller = FrequencyController(self.gpu, dry_run=config.dry_run)
+        self.controller = FrequencyController(self.gpu, dry_run=config.dry_run, strict=config.strict)
         if self.controller.dry_run:
             why = "as configured" if config.dry_run else "no permission to set GPU clocks"
             logger.warning("perseus-ext: stage %d runs in DRY-RUN mode (%s): clock changes are "
