@@ -185,7 +185,10 @@ def test_set_clock_is_safe_from_many_threads():
 # ----------------------------------------------------------------------------- process exits
 TRAINER = textwrap.dedent(
     """
-    import os, sys, time
+    import os, signal, sys, time
+    # A trainer in a terminal gets KeyboardInterrupt on SIGINT, whatever the test runner inherited
+    # (CI harnesses may start us with SIGINT ignored, which the controller rightly leaves alone).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from perseus_ext.measurement.gpu import SimulatedGPU
     from perseus_ext.actuation.controller import FrequencyController
 
