@@ -17,57 +17,25 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from perseus_ext.errors import ConfigError
-from perseus_ext.measurement.gpu import open_gpu
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.runtime import PerseusConfig, PerseusRuntime, Phase
+from runtime_helpers import make_config as base_config, train, virtual_gpu
 
-FORWARD_S, BACKWARD_S = 0.010, 0.020
 DEFAULT_LIMIT_W = 500.0  # the simulated A100's default (and maximum) power limit
 LIMITS_W = [500.0, 400.0, 300.0, 200.0, 100.0]
 WORKER_TIMEOUT_S = 120
 
 
 def make_config(**overrides) -> PerseusConfig:
-    section = {
-        "enabled": True,
-        "warmup_iterations": 2,
-        "clock_stride": 6,
-        "straggler_check_interval": 3,
-        "log_interval": 0,
-        "solve_in_background": False,
-        "simulated_workload": {"forward_seconds": FORWARD_S, "backward_seconds": BACKWARD_S},
-    }
-    section.update(overrides)
-    return PerseusConfig.from_dict(section)
+    return base_config(**{"warmup_iterations": 2, **overrides})
 
 
 def power_limit_policy(eta: float) -> dict:
     return {"type": "zeus", "eta": eta, "mode": "power_limit",
             "power_limit": {"warmup_iters": 1, "profile_iters": 2, "step_w": 100}}
-
-
-def virtual_gpu(seed: int = 3):
-    return open_gpu("sim:a100_sxm?pace=0", seed=seed)
-
-
-def train(runtime: PerseusRuntime, iterations: int, seed: int = 0, sleep_s: float = 0.0) -> None:
-    """What an adapter does for one stage, with random blocking waits between computations."""
-    rng = np.random.default_rng(seed)
-    for _ in range(iterations):
-        runtime.iteration_start()
-        for computation in runtime.order:
-            runtime.gpu.wait(float(rng.uniform(0.0, 0.01)))
-            runtime.before_computation(computation.kind, computation.microbatch)
-            runtime.after_computation(computation.kind, computation.microbatch)
-        runtime.mark_compute_end()
-        runtime.gpu.wait(0.02)  # optimizer step, data-parallel all-reduce
-        runtime.iteration_end()
-        if sleep_s:
-            time.sleep(sleep_s)  # wall time for the carbon trace, which follows the real clock
 
 
 # --------------------------------------------------------------------------- power-limit mode

@@ -14,48 +14,13 @@ import numpy as np
 import pytest
 
 from perseus_ext.errors import ConfigError, PerseusError
-from perseus_ext.measurement.gpu import open_gpu
 from perseus_ext.measurement.windows import EnergyMeter
 from perseus_ext.planning.schedule import Kind, build_schedule
 from perseus_ext.runtime import PerseusConfig, PerseusRuntime, Phase
 from perseus_ext.runtime.profiler import StageProfiler, build_windows, locate_updates
 from perseus_ext.runtime.straggler import SlowdownTracker
 
-FORWARD_S, BACKWARD_S = 0.010, 0.020
-
-
-def make_config(**overrides) -> PerseusConfig:
-    section = {
-        "enabled": True,
-        "warmup_iterations": 1,
-        "clock_stride": 6,
-        "straggler_check_interval": 3,
-        "log_interval": 0,
-        "solve_in_background": False,
-        "simulated_workload": {"forward_seconds": FORWARD_S, "backward_seconds": BACKWARD_S},
-    }
-    section.update(overrides)
-    return PerseusConfig.from_dict(section)
-
-
-def virtual_gpu(**options: str):
-    query = "&".join(f"{k}={v}" for k, v in {"pace": "0", **options}.items())
-    return open_gpu(f"sim:a100_sxm?{query}", seed=3)
-
-
-def train(runtime: PerseusRuntime, iterations: int, seed: int = 0) -> None:
-    """What an adapter does for a 1-stage pipeline, with random blocking waits between
-    computations (a real pipeline blocks on its neighbours)."""
-    rng = np.random.default_rng(seed)
-    for _ in range(iterations):
-        runtime.iteration_start()
-        for computation in runtime.order:
-            runtime.gpu.wait(float(rng.uniform(0.0, 0.01)))
-            runtime.before_computation(computation.kind, computation.microbatch)
-            runtime.after_computation(computation.kind, computation.microbatch)
-        runtime.mark_compute_end()
-        runtime.gpu.wait(0.02)  # optimizer step, data-parallel all-reduce
-        runtime.iteration_end()
+from runtime_helpers import BACKWARD_S, FORWARD_S, make_config, train, virtual_gpu  # noqa: E402
 
 
 @pytest.fixture
