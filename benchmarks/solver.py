@@ -8,7 +8,9 @@ point (T_L, E_L), perseus-ext's best plan with time <= T_L minus E_L (negative =
     python benchmarks/solver.py --microbatches 12 24 48 96 [--lowtime-limit 3600]
 
 lowtime is optional (`pip install lowtime==0.3.0`, extra `reference`); without it, or above
-`--lowtime-max-microbatches`, only perseus-ext runs.
+`--lowtime-max-microbatches`, only perseus-ext runs. `--save-reference DIR` keeps lowtime's plans
+and time; `--reference DIR` compares a new perseus-ext run against them without re-running
+lowtime (lowtime at 96 microbatches takes over 20 minutes).
 """
 
 from __future__ import annotations
@@ -148,6 +150,10 @@ def main() -> None:
     parser.add_argument("--lowtime-max-microbatches", type=int, default=96)
     parser.add_argument("--lowtime-limit", type=float, default=3600.0, help="seconds per lowtime run")
     parser.add_argument(
+        "--reference", type=Path,
+        help="directory of a saved lowtime run (--save-reference): compare against it instead of re-running lowtime",
+    )
+    parser.add_argument(
         "--save-reference", type=Path,
         help="directory to write lowtime's plans to (lowtime-<M>.json), to compare later runs without re-solving",
     )
@@ -176,7 +182,11 @@ def main() -> None:
         saving = 100 * (1 - ours_te[1][np.argmin(ours_te[0])] / baseline_e)
         row = f"{m:>4} {len(freqs_ours):>8} {t_ours:>8.2f} {mem_ours:>8.0f} "
         ref = None
-        if have_lowtime and m <= args.lowtime_max_microbatches:
+        saved = args.reference / f"lowtime-{m}.json" if args.reference else None
+        if saved is not None and saved.is_file():
+            data = json.loads(saved.read_text())
+            ref = (data["seconds"], [np.array(f) for f in data["plans"]], None)
+        elif have_lowtime and m <= args.lowtime_max_microbatches:
             ref = _run(run_lowtime, (args.profile, args.stages, m, args.blocking_power), args.lowtime_limit)
         if ref is None:
             row += f"{'-':>11} {'-':>10} {'-':>8} {'-':>9} {'-':>9}"

@@ -58,7 +58,7 @@ class SolverOptions:
     resolution: float = 1e-3  # seconds between grid deadlines (upper bound on frontier gaps)
     grid_oversampling: int = 1  # grid deadlines per `resolution` (finer grid, denser frontier)
     min_grid_points: int = 500  # short frontiers get a finer grid than `resolution`
-    anchors: int = 128  # LP anchors from T_min to all-slowest (the walk stops past min energy)
+    anchors: int = 256  # LP anchors from T_min to all-slowest (the walk stops past min energy)
     anchor_budget: int = 4_000  # small pipelines get up to anchor_budget / computations anchors
     progress: bool = False  # show a tqdm bar over the LP anchors
     polish_budget: int = 20_000_000  # max deadlines x (computations x clocks)^2 for the local-search polish
