@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import time
-from functools import partial
 from typing import Iterator
 
 import torch
