@@ -9,6 +9,8 @@ solver minimises at each T.
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import numpy as np
 
 from perseus_ext.errors import ProfileError
@@ -62,6 +64,11 @@ class CostModel:
             self.energies[i, :k] = op.energies * scale
             self.frequencies[i, :k] = op.frequencies
         self.schedule = schedule
+
+    @cached_property
+    def option_times(self) -> list[np.ndarray]:
+        """Each node's option times, fastest first, without padding (for `np.searchsorted`)."""
+        return [self.times[i, :k] for i, k in enumerate(self.num_options)]
 
     @property
     def num_nodes(self) -> int:

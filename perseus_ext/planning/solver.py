@@ -165,11 +165,6 @@ def _lower_hull(t: np.ndarray, c: np.ndarray) -> np.ndarray:
     return np.array(hull, dtype=np.int64)
 
 
-def _option_times(model: CostModel) -> list[np.ndarray]:
-    """Each node's option times (ascending), without padding, for `np.searchsorted`."""
-    return [model.times[i, : model.num_options[i]] for i in range(model.num_nodes)]
-
-
 def _slowest_fitting(option_times: np.ndarray, window: np.ndarray) -> np.ndarray:
     """Index of the slowest option whose time fits in `window` (0 if even the fastest does not)."""
     return np.maximum(np.searchsorted(option_times, window + _EPS, side="right") - 1, 0)
@@ -207,8 +202,8 @@ def reclaim_slack(
     """Slow computations into their slack, for every plan (column) at once.
 
     Forward pass: latest finish times with the current durations bound each computation; walking
-    the DAG level by level, a computation starts as early as its (possibly slowed) predecessors
-    allow and takes the slowest clock that still finishes by its latest finish time. The
+    the DAG in topological order, a computation starts as early as its (possibly slowed)
+    predecessors allow and takes the slowest clock that still finishes by its latest finish time. The
     backward pass mirrors it (latest starts), handing leftover slack to later computations;
     `backward_first` swaps the passes, favouring late computations.
     Durations only grow and every plan still meets its deadline. `cap` (same shape as
@@ -226,7 +221,7 @@ def reclaim_slack(
             axis=1,
         )
     dag = model.dag
-    option_times = _option_times(model)
+    option_times = model.option_times
     choice = np.ascontiguousarray(choice, dtype=np.int64)  # row-wise passes need C order
     durations = np.take_along_axis(model.times, choice, axis=1)
 
