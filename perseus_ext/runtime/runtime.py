@@ -63,18 +63,12 @@ def profile_sidecar(path: str | Path) -> Path:
     return Path(f"{path}.json")
 
 
-def build_policy(section: dict | PolicyConfig | None, gpu: GPU | None = None) -> OperatingPointPolicy:
-    """The config's `policy` sub-section as a frontier policy (default: Perseus' straggler
-    policy). Cost policies (Zeus, Chase) price time at one GPU's maximum power limit, read from
-    `gpu` unless the section sets `max_power_w`."""
-    if section is None:
+def _frontier_policy(parsed: PolicyConfig | None, gpu: GPU | None) -> OperatingPointPolicy:
+    """The parsed `policy` sub-section as a frontier policy (None: Perseus' straggler policy).
+    Cost policies (Zeus, Chase) price time at one GPU's maximum power limit, read from `gpu`
+    unless the section sets `max_power_w`."""
+    if parsed is None:
         return StragglerPolicy()
-    parsed = section if isinstance(section, PolicyConfig) else PolicyConfig.parse(section)
-    if parsed.mode != "frontier":
-        raise ConfigError(
-            f"{PREFIX}.policy.mode {parsed.mode!r} sets a GPU power limit, not a frontier plan; "
-            f"PerseusRuntime runs it itself (build_policy only builds frontier policies)"
-        )
     max_power = None
     if gpu is not None and parsed.max_power_w is None:
         max_power = float(gpu.power_limit_range_w()[1])
@@ -163,7 +157,7 @@ class PerseusRuntime:
             self._check_power_limits()
             self.policy: OperatingPointPolicy | None = None
         else:
-            self.policy = policy if policy is not None else build_policy(self.policy_config, self.gpu)
+            self.policy = policy if policy is not None else _frontier_policy(self.policy_config, self.gpu)
         self.saved_profile = self._check_saved_profile()
         self.solver_options = self._check_solver_options()
 
