@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -80,8 +79,7 @@ def run(args: argparse.Namespace) -> int:
     )
     elapsed = time.perf_counter() - started
     if args.out:
-        data = frontier.to_dict()
-        args.out.write_text(json.dumps(data))
+        frontier.save(args.out)
     if args.plot:
         from perseus_ext.plotting import plot_frontier
 
