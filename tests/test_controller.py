@@ -205,6 +205,7 @@ TRAINER = textwrap.dedent(
             os._exit(0)
         print("child", child, flush=True)
     print("ready", flush=True)
+    sys.stdin.readline()  # the test checks the locked clocks first, then lets us go on
     if mode == "normal-exit":
         sys.exit(0)  # no close(): atexit has to restore
     if mode == "exception":
@@ -219,7 +220,7 @@ def _start_trainer(mode: str, state: Path) -> tuple[subprocess.Popen, int | None
     env = dict(os.environ, PYTHONPATH=str(REPO))
     process = subprocess.Popen(
         [sys.executable, "-c", TRAINER, mode, str(state)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
     )
     child = None
     line = process.stdout.readline().split()
@@ -229,6 +230,9 @@ def _start_trainer(mode: str, state: Path) -> tuple[subprocess.Popen, int | None
     assert line == ["ready"], process.stderr.read()
     state_now = read_state_file(state)
     assert state_now["locked_sm_clock"] == 1005 and state_now["power_limit_w"] == 300
+    assert process.stdin is not None
+    process.stdin.write("go\n")
+    process.stdin.flush()
     return process, child
 
 
