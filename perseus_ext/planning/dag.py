@@ -27,7 +27,7 @@ class PipelineDAG:
         for order in schedule.orders:
             for before, after in zip(order, order[1:]):
                 stage_pred[after] = before
-        data_pred = {c: self._data_dependency(c) for order in schedule.orders for c in order}
+        data_pred = {c: self.schedule.producer_of(c) for order in schedule.orders for c in order}
 
         # Kahn's algorithm by levels: level = number of edges on the longest path to the node.
         nodes = [c for order in schedule.orders for c in order]
@@ -73,23 +73,6 @@ class PipelineDAG:
         self.levels: list[slice] = [
             slice(int(a), int(b)) for a, b in zip(np.r_[0, bounds], np.r_[bounds, n])
         ]
-
-    def _data_dependency(self, c: Computation) -> Computation | None:
-        """The computation on another virtual stage whose output `c` consumes."""
-        s = self.schedule
-        v = s.virtual_stage(c)
-        last = s.num_virtual_stages - 1
-        if c.kind is Kind.FORWARD:
-            if v == 0:
-                return None
-            v -= 1
-            kind = Kind.FORWARD
-        elif v == last:
-            kind = Kind.FORWARD  # the loss: backward of the last stage needs its own forward
-        else:
-            v += 1
-            kind = Kind.BACKWARD
-        return Computation(v % s.num_stages, v // s.num_stages, c.microbatch, kind)
 
     def __len__(self) -> int:
         return len(self.computations)
