@@ -34,15 +34,17 @@ class ClockTrajectory:
         self.transition_s = transition_s
         self._times = [start_s]
         self._values = [float(initial_mhz)]
+        self._last_landing_s = start_s
 
     def request(self, issued_at_s: float, target_mhz: float) -> None:
         """A clock change requested at `issued_at_s` (when the set call returned)."""
         lands_at = issued_at_s + self.switch_s
-        if lands_at < self._times[-1]:
+        if lands_at < self._last_landing_s:
             raise ValueError(
                 f"clock request landing at {lands_at:.6f} s is earlier than one already placed "
-                f"at {self._times[-1]:.6f} s; requests must come in time order"
+                f"at {self._last_landing_s:.6f} s; requests must come in time order"
             )
+        self._last_landing_s = lands_at
         origin = self.value_at(lands_at)
         del self._values[bisect.bisect_right(self._times, lands_at):]
         del self._times[len(self._values):]
