@@ -73,7 +73,9 @@ class ClockTrajectory:
         """The clock once every placed request has landed."""
         return self._values[-1]
 
-    def segments(self, start_s: float, end_s: float = math.inf) -> Iterator[tuple[float, float, float]]:
+    def segments(
+        self, start_s: float, end_s: float = math.inf
+    ) -> Iterator[tuple[float, float, float]]:
         """(from, to, clock) pieces covering [start_s, end_s); the last one may end at inf."""
         index = max(0, bisect.bisect_right(self._times, start_s) - 1)
         at = start_s

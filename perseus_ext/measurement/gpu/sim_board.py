@@ -31,7 +31,9 @@ POLL_S = 0.0005  # how often a waiting device engine looks for its keys
 def board_directory(job_id: str) -> Path:
     """Where the board of `job_id` lives (under the system temp directory)."""
     if not job_id:
-        raise GPUError("the simulated device board needs a non-empty job_id (the same on all ranks)")
+        raise GPUError(
+            "the simulated device board needs a non-empty job_id (the same on all ranks)"
+        )
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:64]
     digest = hashlib.sha1(job_id.encode()).hexdigest()[:10]
     return Path(tempfile.gettempdir()) / f"perseus-sim-board-{safe}-{digest}"
@@ -71,7 +73,9 @@ class Board:
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
-            raise GPUError(f"simulated device board {self.directory}: key {key!r} unreadable ({exc})")
+            raise GPUError(
+                f"simulated device board {self.directory}: key {key!r} unreadable ({exc})"
+            ) from exc
 
     def close(self) -> None:
         """Leave the board; remove it when no member is left."""

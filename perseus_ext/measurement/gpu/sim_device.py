@@ -281,14 +281,15 @@ class SimDevice:
         return start
 
     def _advance(self, t: float) -> None:
-        while self._pos < t:
+        """Integrate the device up to `t`, completing everything that ends by then."""
+        while True:
             if not self._queue:
                 self._idle_until(t)
                 break
             head = self._queue[0]
             if head.start is None:
                 start = self._start_time(head)
-                if start is None or start >= t:
+                if start is None or start > t:
                     self._idle_until(t)
                     break
                 self._idle_until(start)
@@ -314,6 +315,8 @@ class SimDevice:
 
         With commit, integrate energy and coverage and consume the work done."""
         remaining = work.remaining
+        if remaining <= 0:
+            return start
         for low, high, locked, cap in self._segments(start, limit):
             clock = min(locked, cap)
             seconds_per_unit = self.preset.time_factor(clock) * work.slowdown
@@ -409,11 +412,6 @@ class SimulatedTimeline(DeviceTimeline):
         self._slowdown = slowdown
         if board is not None:
             with device.cond:
-                if device.board is not None and device.board is not board:
-                    raise GPUError(
-                        f"simulated GPU already has a timeline on board {device.board.job_id!r}; "
-                        "close it before opening another"
-                    )
                 device.board = board
 
     def record_marker(self) -> DeviceMarker:

@@ -250,11 +250,18 @@ class SimulatedGPU(GPU):
         raise error
 
     # ----------------------------------------------------------------- work and energy
-    def open_timeline(self, *, job_id: str | None = None, rank: int | None = None) -> SimulatedTimeline:
+    def open_timeline(
+        self, *, job_id: str | None = None, rank: int | None = None
+    ) -> SimulatedTimeline:
         """This GPU's compute stream; with a job_id (paced GPUs), joined to that job's
         cross-rank board so launches can wait for and publish keys of other ranks."""
         if job_id is None or not self.pace:
             return self._stream
+        if self.device.board is not None:
+            raise GPUError(
+                f"{self.name}: a timeline on board {self.device.board.job_id!r} is open; close it "
+                "before opening another"
+            )
         board = Board(job_id, self.rank if rank is None else rank, transfer_s=self.transfer_s)
         return SimulatedTimeline(self.device, kind_counts=self.run_counts,
                                  slowdown=lambda: self._slowdown, board=board)

@@ -60,7 +60,7 @@ CONSERVATIVE_SWITCH_LATENCY = SwitchLatency(0.050, 0.020)
 
 @dataclass
 class CoverageTally:
-    """Device compute time that had a planned clock, and how much of it ran at exactly that clock."""
+    """Device compute time that had a planned clock, and how much ran at exactly that clock."""
 
     planned_s: float = 0.0  # device compute time that had a planned clock
     covered_s: float = 0.0  # of which ran at exactly that clock
