@@ -86,6 +86,22 @@ class PipelineDAG:
         """Node indices of each stage in that stage's execution order."""
         return [np.array([self.index[c] for c in order]) for order in self.schedule.orders]
 
+    @cached_property
+    def stage_prev(self) -> np.ndarray:
+        """Node run just before each node on its stage (NO_NODE for a stage's first)."""
+        prev = np.full(len(self), NO_NODE, dtype=np.int64)
+        for pos in self.stage_positions:
+            prev[pos[1:]] = pos[:-1]
+        return prev
+
+    @cached_property
+    def stage_next(self) -> np.ndarray:
+        """Node run just after each node on its stage (NO_NODE for a stage's last)."""
+        nxt = np.full(len(self), NO_NODE, dtype=np.int64)
+        for pos in self.stage_positions:
+            nxt[pos[:-1]] = pos[1:]
+        return nxt
+
     def edges(self) -> list[tuple[int, int]]:
         return [(int(p), i) for i in range(len(self)) for p in self.preds[i] if p != NO_NODE]
 

@@ -42,12 +42,14 @@ from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
+from perseus_ext.planning.switching import merge_switches, repair_latency
 
 logger = logging.getLogger(__name__)
 
 _EPS = 1e-9
 _GAP_ROUNDS = 6  # stretch rounds; each fills the gaps the previous one opened
 _FILL_BIN = 0.5  # gap-fill bin width as a fraction of the resolution
+_MERGE_FASTEST, _MERGE_SAMPLE = 128, 256  # Pareto plans the latency merge pass works on
 _CHUNK = 2560  # plans processed at once by the batched DAG passes (bounds peak memory)
 
 
@@ -319,7 +321,7 @@ def polish(model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: 
     width_k = model.times.shape[1]
     width = n * width_k
     node_of, option_of = np.divmod(np.arange(width), width_k)
-    _, energy = model.replay(choice)
+    _, energy = model.replay(choice, switch_latency_s=0.0)
     active = np.arange(num_plans)
     for _ in range(rounds):
         if not active.size:
@@ -340,7 +342,7 @@ def polish(model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: 
             [reclaim_slack(model, repaired, plan_deadlines, cap, backward_first=b) for b in (False, True)],
             axis=1,
         )
-        times, energies = model.replay(neighbours)
+        times, energies = model.replay(neighbours, switch_latency_s=0.0)
         ok = np.tile(valid, 2) & (times <= np.tile(plan_deadlines, 2) + _EPS)
         energies = np.where(ok, energies, np.inf).reshape(2, active.size, width)
         energies = energies.transpose(1, 0, 2).reshape(active.size, 2 * width)
@@ -360,12 +362,18 @@ def solve_frontier(
     profile: Profile,
     blocking_power: float,
     options: SolverOptions | None = None,
+    switch_latency_s: float = 0.0,
 ) -> Frontier:
-    """Every Pareto-optimal (iteration time, energy) plan from T_min to the min-energy plan."""
+    """Every Pareto-optimal (iteration time, energy) plan from T_min to the min-energy plan.
+
+    `switch_latency_s`: effective latency of a clock change (see `energy.py`); every plan's
+    time and energy are the latency-aware replay of its clocks, and changes that cost more
+    than they save are merged away. 0 plans for instant clock changes.
+    """
     options = options or SolverOptions()
     if options.resolution <= 0 or options.anchors < 2 or options.grid_oversampling < 1:
         raise SolverError("solver options: resolution > 0, anchors >= 2, grid_oversampling >= 1")
-    model = CostModel(schedule, profile, blocking_power)
+    model = CostModel(schedule, profile, blocking_power, switch_latency_s)
     return FrontierSolver(model, options).solve()
 
 
@@ -388,7 +396,10 @@ class FrontierSolver:
         pool = _CandidatePool(model, fastest[:, None])
 
         rounded = round_to_options(model, relaxed)
-        pool.add(reclaim_slack(model, rounded["down"], grid))
+        feasible = reclaim_slack(model, rounded["down"], grid)
+        pool.add(feasible)
+        if model.switch_latency_s > 0:
+            pool.add(repair_latency(model, feasible, grid))
         overshooting = np.concatenate([rounded["up"], rounded["nearest"]], axis=1)
         pool.add(overshooting)
         # Rounding loses more at some deadlines than at others. Give every deadline a second
@@ -411,6 +422,15 @@ class FrontierSolver:
             pool.add(polish(model, pool.best_for(grid), grid))
             keep = pool.frontier(resolution)
             pool.add(polish(model, pool.choices[:, keep], pool.times[keep]))
+
+        if model.switch_latency_s > 0:
+            # Merging pays most near T_min, where every switch on the critical path costs
+            # time: all the fastest Pareto plans, then an even sample of the rest.
+            keep = np.array(_pareto(pool.times, pool.energies))
+            rest = keep[_MERGE_FASTEST:]
+            sample = rest[np.linspace(0, len(rest) - 1, min(len(rest), _MERGE_SAMPLE)).astype(int)]
+            keep = np.r_[keep[:_MERGE_FASTEST], sample] if rest.size else keep
+            pool.add(merge_switches(model, pool.choices[:, keep], pool.times[keep]))
 
         keep = pool.frontier(resolution)
         plans = tuple(model.make_plans(pool.choices[:, keep], pool.times[keep], pool.energies[keep]))
@@ -553,8 +573,12 @@ def _fill_gaps(times: np.ndarray, energies: np.ndarray, keep: list[int], resolut
 
 
 def _pareto(times: np.ndarray, energies: np.ndarray) -> list[int]:
-    """Indices of Pareto-optimal (time, energy) points, by increasing time."""
-    order = np.lexsort((energies, times))
+    """Indices of Pareto-optimal (time, energy) points, by increasing time.
+
+    Times equal to 1e-12 s count as equal: replays of different plans along the same critical
+    path can differ by rounding, and a costlier plan must not win on that.
+    """
+    order = np.lexsort((energies, np.round(times, 12)))
     keep, best = [], np.inf
     for j in order:
         if energies[j] < best - 1e-9:
