@@ -63,7 +63,7 @@ class ClockSequencer:
         self._clocks = clocks
         self._position = 0
         self.trace = IterationTrace(iteration)
-        if clocks:
+        if clocks is not None:
             self.controller.set_clock(clocks[0], at=marker)
             self._locked = True
         elif self._locked:

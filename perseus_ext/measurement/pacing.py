@@ -75,6 +75,7 @@ class SimulatedWorkloadPacer(ComputationPacer):
         self.pipeline = pipeline
         self.num_pipelines = num_pipelines
         self._seconds = {Kind.FORWARD: list(forward_s), Kind.BACKWARD: list(backward_s)}
+        self._publishes = schedule.num_stages > 1  # another stage consumes this stage's outputs
 
     def _key(self, iteration: int, computation: Computation) -> str:
         return f"p{self.pipeline}.i{iteration}.{computation}"
@@ -91,8 +92,8 @@ class SimulatedWorkloadPacer(ComputationPacer):
 
     def compute(self, iteration: int, computation: Computation, planned_clock_mhz: int | None) -> None:
         self.timeline.launch(
-            str(computation), self._work_s(computation), planned_clock_mhz=planned_clock_mhz,
-            publish=self._key(iteration, computation),
+            computation.kind.value, self._work_s(computation), planned_clock_mhz=planned_clock_mhz,
+            publish=self._key(iteration, computation) if self._publishes else None,
         )
 
     def gradient_sync(self, iteration: int) -> None:

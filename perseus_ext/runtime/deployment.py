@@ -47,10 +47,19 @@ class PlanDeployment:
         self._deadline: float | None = None
         self._policy_check_at: int | None = None
         self._recent_times: list[float] = []
+        self._clock_cache: dict[tuple[int, int], tuple[int, ...]] = {}
 
     @property
     def plan(self) -> Plan:
         return self.frontier.plans[self.index]
+
+    def stage_clocks(self, stage: int) -> tuple[int, ...]:
+        """The deployed plan's clocks of `stage`, in its execution order (cached per plan)."""
+        key = (self.index, stage)
+        clocks = self._clock_cache.get(key)
+        if clocks is None:
+            clocks = self._clock_cache[key] = tuple(int(c) for c in self.plan.frequencies[stage])
+        return clocks
 
     @property
     def factor(self) -> float:

@@ -228,6 +228,10 @@ class PerseusRuntime:
         return self.recorder.history
 
     @property
+    def profiling_iterations(self) -> int:
+        return self.profiling.iterations if self.profiling is not None else 0
+
+    @property
     def candidate_clocks(self) -> list[int]:
         return self.setup.candidate_clocks
 
@@ -245,7 +249,7 @@ class PerseusRuntime:
     def _iteration_clocks(self) -> tuple[int, ...] | None:
         setting = self._setting
         if setting.plan is not None:
-            return self.deployment.plan.frequencies[self.stage]
+            return self.deployment.stage_clocks(self.stage)
         if setting.profiled_clock_mhz is not None:
             return (setting.profiled_clock_mhz,) * len(self.order)
         return None
