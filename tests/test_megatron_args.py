@@ -67,8 +67,8 @@ def test_bad_values_name_the_flag():
         config_from_args(parse("--perseus", "--perseus-straggler-threshold", "2"))
     with pytest.raises(ConfigError, match="cannot read"):
         config_from_args(parse("--perseus", "--perseus-config", "/nonexistent/perseus.json"))
-    with pytest.raises(SystemExit):  # argparse rejects a non-boolean for a boolean key
-        parse("--perseus", "--perseus-early-stop", "sometimes")
+    with pytest.raises(ConfigError, match=r"perseus.early_stop must be true or false.*--perseus-early-stop"):
+        config_from_args(parse("--perseus", "--perseus-early-stop", "sometimes"))
 
 
 def test_chain_extra_args_runs_every_provider_and_skips_none():
