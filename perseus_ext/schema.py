@@ -46,8 +46,9 @@ STRICT = ConfigDict(strict=True, extra="forbid", frozen=True, arbitrary_types_al
 _SHOWN_CHARS = 80
 
 
-def show(value: Any) -> str:
-    """A value as the user wrote it (JSON where possible), cut short: error lines stay lines."""
+def show(value: Any, limit: int | None = _SHOWN_CHARS) -> str:
+    """A value as the user wrote it (JSON where possible), cut short (`limit` characters) so
+    error lines stay lines; examples are shown whole, so they can be copied."""
     try:
         text = json.dumps(value)
     except (TypeError, ValueError, RecursionError):
@@ -55,7 +56,7 @@ def show(value: Any) -> str:
             text = repr(value)
         except (ValueError, RecursionError):  # e.g. an int past Python's digit limit
             text = f"<{type(value).__name__}>"
-    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 def value_error(text: str) -> PydanticCustomError:
@@ -89,7 +90,7 @@ class Rule:
 
     def error(self, value: Any, requirement: str | None = None) -> PydanticCustomError:
         return value_error(
-            f"must be {requirement or self.requirement}, got {show(value)}; e.g. {show(self.example)}"
+            f"must be {requirement or self.requirement}, got {show(value)}; e.g. {show(self.example, None)}"
         )
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
@@ -292,7 +293,7 @@ def section_keys(
     """`data` as a dict once it is an object whose keys are all known and whose required keys
     are present; otherwise one error naming the keys (and listing the known ones)."""
     if not isinstance(data, Mapping):
-        raise value_error(f"must be an object, got {show(data)}; e.g. {show(dict(example))}")
+        raise value_error(f"must be an object, got {show(data)}; e.g. {show(dict(example), None)}")
     known = set(known)
     unknown = [key for key in data if key not in known]
     if unknown:

@@ -80,6 +80,8 @@ def _bool_or_text(text: str) -> Any:
         return True
     if lowered in _FALSE_WORDS:
         return False
+    if lowered == "null":  # e.g. dry_run: null = decide from the process's privileges
+        return None
     return text  # PerseusConfig names the key: "must be true or false"
 
 
@@ -107,8 +109,13 @@ def add_perseus_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         CONFIG_FLAG, metavar="FILE",
         help="JSON file with the perseus section (same keys as the DeepSpeed 'perseus' key)",
     )
+    from perseus_ext.runtime.config import PerseusConfig
+    from perseus_ext.schema import field_rule
+
     for key, info in _flag_keys().items():
         reader, nargs, metavar = _READERS[value_kind(info.annotation)]
+        default = json.dumps(info.get_default(call_default_factory=True))
+        requirement = field_rule(PerseusConfig, key).requirement
         group.add_argument(
             flag_name(key),
             dest=_dest(key),
@@ -116,7 +123,7 @@ def add_perseus_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             nargs=nargs,
             default=argparse.SUPPRESS,  # absent unless given, so `null` can override the file
             metavar=metavar,
-            help=f"config key '{key}': {info.description}".replace("%", "%%"),
+            help=f"config key '{key}' ({requirement}; default {default}): {info.description}".replace("%", "%%"),
         )
     return parser
 
