@@ -192,6 +192,21 @@ def test_cross_rank_keys_need_a_board_and_host_only_timelines_launch_nothing():
     assert HostOnlyTimeline().exact_coverage() is None
 
 
+def test_an_engine_failure_reaches_the_waiting_host_instead_of_a_hang():
+    class _BrokenBoard:
+        job_id, transfer_s = "broken", 0.0
+
+        def lookup(self, key):
+            raise OSError("board disk gone")
+
+    gpu = SimulatedGPU("a100_sxm")
+    timeline = gpu.open_timeline()
+    gpu.device.board = _BrokenBoard()
+    timeline.launch("forward", 0.01, after=["never"])
+    with pytest.raises(GPUError, match="board disk gone"):
+        timeline.synchronize()
+
+
 # ----------------------------------------------------------------------------- the board
 def _board_rank(rank: int, job_id: str, start, done, results) -> None:
     gpu = SimulatedGPU("a100_sxm", rank=rank, switch_s=0, transition_s=0, transfer_s=0.001)

@@ -90,6 +90,7 @@ class SimDevice:
         self._markers: deque[SimMarker] = deque()
         self._tally = CoverageTally()
         self._engine: threading.Thread | None = None
+        self._engine_failure: BaseException | None = None
         # Energy: exact integral, and an NVML-like counter updated at ticks tick0 + k * period.
         self._true_j = 0.0
         self._tick0 = now - rng.random() * energy_update_period_s
@@ -206,6 +207,10 @@ class SimDevice:
         while not done():
             if self.pace:
                 self._ensure_engine()
+                if self._engine_failure is not None:
+                    raise GPUError(
+                        f"simulated device engine failed: {self._engine_failure!r}"
+                    ) from self._engine_failure
                 remaining = None if deadline is None else deadline - self.now()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -231,7 +236,7 @@ class SimDevice:
         self._ensure_engine()
 
     def _ensure_engine(self) -> None:
-        if self._engine is None or not self._engine.is_alive():
+        if self._engine_failure is None and (self._engine is None or not self._engine.is_alive()):
             self._engine = threading.Thread(target=self._engine_loop, name="perseus-sim-device",
                                             daemon=True)
             self._engine.start()
@@ -240,19 +245,28 @@ class SimDevice:
         """Advance the device at each of its events; exit after ENGINE_LINGER_S with nothing to
         do (a later launch starts it again), so idle simulated GPUs hold no thread."""
         with self.cond:
-            idle_since: float | None = None
-            while True:
-                now = self._sync()
-                upcoming = self._next_event()
-                if upcoming is None:
-                    idle_since = now if idle_since is None else idle_since
-                    if now - idle_since >= ENGINE_LINGER_S:
-                        self._engine = None
-                        return
-                    self.cond.wait(ENGINE_LINGER_S - (now - idle_since))
-                    continue
-                idle_since = None
-                self.cond.wait(max(0.0, upcoming - self.now()))
+            try:
+                self._engine_events()
+            except BaseException as failure:  # surfaced to every host thread waiting on it
+                self._engine_failure = failure
+                self._engine = None
+                self.cond.notify_all()
+
+    def _engine_events(self) -> None:
+        """The engine's loop (lock held): sleep until the device's next event, advance to it."""
+        idle_since: float | None = None
+        while True:
+            now = self._sync()
+            upcoming = self._next_event()
+            if upcoming is None:
+                idle_since = now if idle_since is None else idle_since
+                if now - idle_since >= ENGINE_LINGER_S:
+                    self._engine = None
+                    return
+                self.cond.wait(ENGINE_LINGER_S - (now - idle_since))
+                continue
+            idle_since = None
+            self.cond.wait(max(0.0, upcoming - self.now()))
 
     # ------------------------------------------------------------------ the device model
     def _sync(self) -> float:
