@@ -46,7 +46,7 @@ def test_host_leads_the_device_and_a_full_queue_blocks_the_launch():
     assert returned < 0.02  # two launches return at once: the host leads by two computations
     timeline.launch("forward", 0.06)  # the queue is full: waits for the first to finish
     third = time.perf_counter() - start
-    assert 0.06 <= third < 0.06 + 0.03
+    assert 0.06 <= third < 0.06 + 0.05  # the upper bound leaves room for a loaded CI machine
     timeline.synchronize()
     assert time.perf_counter() - start >= 0.18
     assert gpu.run_counts == {"forward": 3}
@@ -85,7 +85,7 @@ def test_paced_markers_resolve_on_the_engine_thread():
     second = timeline.record_marker()
     assert not first.query()
     time.sleep(0.1)  # the host does nothing; the device works on
-    assert first.query() and second.query()
+    assert second.wait(timeout_s=1.0) and first.query()
     assert first.device_time_s() - start == pytest.approx(0.03, abs=0.005)
     assert second.device_time_s() - first.device_time_s() == pytest.approx(0.03, abs=1e-9)
 
@@ -250,7 +250,10 @@ def test_board_dependencies_wait_on_the_device_across_processes():
     assert b_launch_s < 0.01  # B's host did not wait for A
     # A's forward ends ~0.15 s after A began; B's starts 1 ms later, A's recv 1 ms after B's end
     assert b_end - a_began == pytest.approx(0.15 + 0.001 + 0.02, abs=0.02)
-    assert a_end == pytest.approx(b_end + 0.001 + 0.01, abs=0.003)
+    # (a dependency is seen when the publisher's engine has woken and the waiter has polled:
+    # sub-millisecond on an idle machine, a few ms on a loaded one)
+    assert a_end == pytest.approx(b_end + 0.001 + 0.01, abs=0.01)
+    assert a_end >= b_end + 0.011 - 1e-9  # never earlier than the dependency allows
     assert not board_directory(job_id).exists()  # the last rank to leave removed the board
 
 

@@ -68,7 +68,6 @@ class SimDevice:
         if not (isinstance(queue_depth, int) and queue_depth >= 1):
             raise GPUError(f"queue_depth={queue_depth!r}; it must be an integer >= 1 computations")
         self.preset = preset
-        self.latency = latency
         self.pace = pace
         self.queue_depth = queue_depth
         self.energy_update_period_s = energy_update_period_s
@@ -131,8 +130,7 @@ class SimDevice:
             )
         with self.cond:
             self._sync()
-            while len(self._queue) >= self.queue_depth:
-                self._wait_until(lambda: len(self._queue) < self.queue_depth, None)
+            self._wait_until(lambda: len(self._queue) < self.queue_depth, None)  # CUDA's queue
             self._launched += 1
             work = _Work(self._launched, float(seconds_at_max_clock), slowdown, planned_clock_mhz,
                          tuple(after), publish, self.now())
