@@ -42,6 +42,11 @@ if TYPE_CHECKING:
     from perseus_ext.measurement.gpu.simulated import Preset
 
 ENGINE_LINGER_S = 1.0  # an idle engine thread waits this long for new work before exiting
+# While waiting for another rank's key, the device keeps its last this-many seconds open: a key
+# seen late (the publisher's engine woke late on a loaded machine, or the poll came late) still
+# starts the work at publish time + transfer, as on hardware. Energy readings during such a
+# wait trail by at most this much idle energy, less than one counter update period.
+DEPENDENCY_HOLD_S = 0.05
 
 
 @dataclass
@@ -301,7 +306,10 @@ class SimDevice:
             head = self._queue[0]
             if head.start is None:
                 start = self._start_time(head)
-                if start is None or start > t:
+                if start is None:  # waiting for a key: hold the recent past open (see above)
+                    self._idle_until(t - DEPENDENCY_HOLD_S)
+                    break
+                if start > t:
                     self._idle_until(t)
                     break
                 self._idle_until(start)
