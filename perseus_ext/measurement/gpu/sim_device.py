@@ -42,6 +42,11 @@ if TYPE_CHECKING:
     from perseus_ext.measurement.gpu.simulated import Preset
 
 ENGINE_LINGER_S = 1.0  # an idle engine thread waits this long for new work before exiting
+# While waiting for another rank's key, the device keeps its last this-many seconds open: a key
+# seen late (the publisher's engine woke late on a loaded machine, or the poll came late) still
+# starts the work at publish time + transfer, as on hardware. Energy readings during such a
+# wait trail by at most this much idle energy, less than one counter update period.
+DEPENDENCY_HOLD_S = 0.05
 
 
 @dataclass
@@ -68,7 +73,6 @@ class SimDevice:
         if not (isinstance(queue_depth, int) and queue_depth >= 1):
             raise GPUError(f"queue_depth={queue_depth!r}; it must be an integer >= 1 computations")
         self.preset = preset
-        self.latency = latency
         self.pace = pace
         self.queue_depth = queue_depth
         self.energy_update_period_s = energy_update_period_s
@@ -90,6 +94,7 @@ class SimDevice:
         self._markers: deque[SimMarker] = deque()
         self._tally = CoverageTally()
         self._engine: threading.Thread | None = None
+        self._engine_failure: BaseException | None = None
         # Energy: exact integral, and an NVML-like counter updated at ticks tick0 + k * period.
         self._true_j = 0.0
         self._tick0 = now - rng.random() * energy_update_period_s
@@ -130,8 +135,7 @@ class SimDevice:
             )
         with self.cond:
             self._sync()
-            while len(self._queue) >= self.queue_depth:
-                self._wait_until(lambda: len(self._queue) < self.queue_depth, None)
+            self._wait_until(lambda: len(self._queue) < self.queue_depth, None)  # CUDA's queue
             self._launched += 1
             work = _Work(self._launched, float(seconds_at_max_clock), slowdown, planned_clock_mhz,
                          tuple(after), publish, self.now())
@@ -206,6 +210,10 @@ class SimDevice:
         while not done():
             if self.pace:
                 self._ensure_engine()
+                if self._engine_failure is not None:
+                    raise GPUError(
+                        f"simulated device engine failed: {self._engine_failure!r}"
+                    ) from self._engine_failure
                 remaining = None if deadline is None else deadline - self.now()
                 if remaining is not None and remaining <= 0:
                     return False
@@ -231,7 +239,7 @@ class SimDevice:
         self._ensure_engine()
 
     def _ensure_engine(self) -> None:
-        if self._engine is None or not self._engine.is_alive():
+        if self._engine_failure is None and (self._engine is None or not self._engine.is_alive()):
             self._engine = threading.Thread(target=self._engine_loop, name="perseus-sim-device",
                                             daemon=True)
             self._engine.start()
@@ -240,19 +248,28 @@ class SimDevice:
         """Advance the device at each of its events; exit after ENGINE_LINGER_S with nothing to
         do (a later launch starts it again), so idle simulated GPUs hold no thread."""
         with self.cond:
-            idle_since: float | None = None
-            while True:
-                now = self._sync()
-                upcoming = self._next_event()
-                if upcoming is None:
-                    idle_since = now if idle_since is None else idle_since
-                    if now - idle_since >= ENGINE_LINGER_S:
-                        self._engine = None
-                        return
-                    self.cond.wait(ENGINE_LINGER_S - (now - idle_since))
-                    continue
-                idle_since = None
-                self.cond.wait(max(0.0, upcoming - self.now()))
+            try:
+                self._engine_events()
+            except BaseException as failure:  # surfaced to every host thread waiting on it
+                self._engine_failure = failure
+                self._engine = None
+                self.cond.notify_all()
+
+    def _engine_events(self) -> None:
+        """The engine's loop (lock held): sleep until the device's next event, advance to it."""
+        idle_since: float | None = None
+        while True:
+            now = self._sync()
+            upcoming = self._next_event()
+            if upcoming is None:
+                idle_since = now if idle_since is None else idle_since
+                if now - idle_since >= ENGINE_LINGER_S:
+                    self._engine = None
+                    return
+                self.cond.wait(ENGINE_LINGER_S - (now - idle_since))
+                continue
+            idle_since = None
+            self.cond.wait(max(0.0, upcoming - self.now()))
 
     # ------------------------------------------------------------------ the device model
     def _sync(self) -> float:
@@ -289,7 +306,10 @@ class SimDevice:
             head = self._queue[0]
             if head.start is None:
                 start = self._start_time(head)
-                if start is None or start > t:
+                if start is None:  # waiting for a key: hold the recent past open (see above)
+                    self._idle_until(t - DEPENDENCY_HOLD_S)
+                    break
+                if start > t:
                     self._idle_until(t)
                     break
                 self._idle_until(start)

@@ -172,6 +172,9 @@ class SimulatedGPU(GPU):
         queue_depth: int = 2,
         transfer_s: float = DEFAULT_TRANSFER_S,
     ) -> None:
+        """switch_s / transition_s: clock-change latency (None: the preset's; 0: instant);
+        queue_depth: unfinished computations the host may launch before a launch blocks;
+        transfer_s: hand-over latency added to every cross-rank dependency."""
         self.preset = _preset(preset)
         if energy_update_period_s <= 0:
             raise GPUError(
