@@ -24,8 +24,11 @@ all of them at once with numpy, so there is no per-deadline graph algorithm in P
    moves one computation to any clock, repairs the deadline by speeding up the cheapest critical
    computations and reclaims slack (`polish`).
 
-Every candidate is replayed on the discrete profile (`CostModel.replay`); the Pareto-optimal
-ones (plus gap fillers) form the frontier, so reported times and energies are exact replays.
+Every candidate is replayed on the discrete profile (`CostModel.replay`, latency-aware when the
+clock-change latency is not 0); only the Pareto-optimal ones form the frontier, so reported
+times and energies are exact replays and no plan is dominated. Where the frontier is flat,
+neighbouring plans can be more than `resolution` apart: the plans found inside such a gap were
+all no cheaper than the plan before it.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ logger = logging.getLogger(__name__)
 _EPS = 1e-9
 _GAP_ROUNDS = 6  # stretch rounds; each fills the gaps the previous one opened
 _FILL_BIN = 0.5  # gap-fill bin width as a fraction of the resolution
-_MERGE_FASTEST, _MERGE_SAMPLE = 128, 256  # Pareto plans the latency merge pass works on
+_MERGE_FASTEST, _MERGE_SAMPLE = 64, 64  # Pareto plans the latency merge pass works on
+_REPAIR_STRIDE = 2  # the latency repair works on every other grid deadline
 _CHUNK = 2560  # plans processed at once by the batched DAG passes (bounds peak memory)
 
 
@@ -57,7 +61,7 @@ _CHUNK = 2560  # plans processed at once by the batched DAG passes (bounds peak 
 class SolverOptions:
     """Knobs of the solver; the defaults meet the quality/speed targets in the README."""
 
-    resolution: float = 1e-3  # seconds between grid deadlines (upper bound on frontier gaps)
+    resolution: float = 1e-3  # seconds between grid deadlines (and between gap-search deadlines)
     grid_oversampling: int = 1  # grid deadlines per `resolution` (finer grid, denser frontier)
     min_grid_points: int = 500  # short frontiers get a finer grid than `resolution`
     anchors: int = 256  # LP anchors from T_min to all-slowest (the walk stops past min energy)
@@ -399,7 +403,10 @@ class FrontierSolver:
         feasible = reclaim_slack(model, rounded["down"], grid)
         pool.add(feasible)
         if model.switch_latency_s > 0:
-            pool.add(repair_latency(model, feasible, grid))
+            # Latency makes most of these plans late; win their deadlines back (every other
+            # deadline: neighbours differ by little and the pass costs a few replays).
+            stride = slice(None, None, _REPAIR_STRIDE)
+            pool.add(repair_latency(model, feasible[:, stride], grid[stride]))
         overshooting = np.concatenate([rounded["up"], rounded["nearest"]], axis=1)
         pool.add(overshooting)
         # Rounding loses more at some deadlines than at others. Give every deadline a second
@@ -432,7 +439,9 @@ class FrontierSolver:
             keep = np.r_[keep[:_MERGE_FASTEST], sample] if rest.size else keep
             pool.add(merge_switches(model, pool.choices[:, keep], pool.times[keep]))
 
-        keep = pool.frontier(resolution)
+        # Only non-dominated plans: a gap filler (slower and no cheaper than a faster plan)
+        # would be read as a frontier point by users and the straggler policy.
+        keep = np.array(_pareto(pool.times, pool.energies))
         plans = tuple(model.make_plans(pool.choices[:, keep], pool.times[keep], pool.energies[keep]))
         frontier = Frontier(model.schedule.describe(), model.blocking_power, plans, model.to_plan(fastest))
         logger.info(
