@@ -15,7 +15,7 @@ import pytest
 from perseus_ext.commands import batch_size as batch_size_command
 from perseus_ext.errors import ConfigError
 from perseus_ext.policies import BatchSizeOptimizer, PolicyConfig
-from perseus_ext.policies.batch_size import read_states
+from perseus_ext.policies.batch_size import RunOutcome, read_states
 
 MAX_POWER_W = 300.0
 # Synthetic recurring job: mean cost to reach the target per batch size; 512 never converges.
@@ -41,7 +41,10 @@ def run_job(
         if limit is not None and cost > limit:
             cost, reached = limit, False
     reported = optimizer.report(
-        suggestion.run_id, time_s=cost / MAX_POWER_W, energy_j=cost, reached_target=reached
+        suggestion.run_id,
+        time_s=cost / MAX_POWER_W,
+        energy_j=cost,
+        outcome=RunOutcome.REACHED if reached else RunOutcome.STOPPED,
     )
     assert reported == pytest.approx(cost)
     return suggestion.batch_size, reached
@@ -243,5 +246,5 @@ def test_cli_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has no job 'other'"):
         run_command([str(tmp_path / "bso.db"), "--job", "other"])
     (tmp_path / "junk.db").write_text("not sqlite at all, definitely not" * 10)
-    with pytest.raises(ConfigError, match="is not a perseus-ext batch-size database"):
+    with pytest.raises(ConfigError, match="is not a perseus-ext batch-size store"):
         run_command([str(tmp_path / "junk.db")])
