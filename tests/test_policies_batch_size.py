@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import random
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -248,3 +251,28 @@ def test_cli_errors(tmp_path: Path) -> None:
     (tmp_path / "junk.db").write_text("not sqlite at all, definitely not" * 10)
     with pytest.raises(ConfigError, match="is not a perseus-ext batch-size store"):
         run_command([str(tmp_path / "junk.db")])
+
+
+def test_cli_json_into_a_closed_pipe_is_not_an_error(tmp_path: Path) -> None:
+    """`perseus-ext batch-size STORE --json | head` ends quietly when head stops reading."""
+    path = tmp_path / "bso.db"
+    optimizer = make_optimizer(path)
+    rng = random.Random(0)
+    for _ in range(40):
+        run_job(optimizer, EASY, rng)
+    with sqlite3.connect(path) as db:  # a long history, so the JSON outgrows the pipe buffer
+        db.executemany(
+            "INSERT INTO runs (job_id, batch_size, phase, status, started, finished, time_s, "
+            "energy_j, num_gpus, cost, heartbeat, lease_s) VALUES "
+            "('nightly-gpt', 64, 'thompson', 'reached', 0, 1, 1, 1, 1, ?, 0, 600)",
+            [(1.0e6 + i,) for i in range(20_000)],
+        )
+    done = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {sys.executable} -m perseus_ext batch-size {path} "
+         f"--json | head -c 100"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert done.returncode == 0 and done.stderr == "" and len(done.stdout) == 100
