@@ -11,7 +11,7 @@ from perseus_ext.policies.base import (
     StragglerPolicy,
     min_cost_plan,
 )
-from perseus_ext.policies.batch_size import BatchSizeOptimizer, Suggestion
+from perseus_ext.policies.batch_size import BatchSizeOptimizer, RunOutcome, Suggestion
 from perseus_ext.policies.carbon import (
     CallbackCarbonSignal,
     CarbonSignal,
@@ -23,9 +23,17 @@ from perseus_ext.policies.chase import CarbonCost, CarbonLedger, CarbonReport, C
 from perseus_ext.policies.config import PolicyConfig, build_policy
 from perseus_ext.policies.cost import CostWeights, EnergyTimeCost, ZeusCost
 from perseus_ext.policies.power_limit import PowerLimitOptimizer
+from perseus_ext.policies.recurring_job import (
+    BatchSizeDecision,
+    PerseusEarlyStop,
+    RecurringJob,
+    RunReport,
+    TargetMetric,
+)
 from perseus_ext.policies.zeus import ZeusPolicy
 
 __all__ = [
+    "BatchSizeDecision",
     "BatchSizeOptimizer",
     "CallbackCarbonSignal",
     "CarbonCost",
@@ -40,10 +48,15 @@ __all__ = [
     "EnergyTimeCost",
     "HTTPCarbonSignal",
     "OperatingPointPolicy",
+    "PerseusEarlyStop",
     "PolicyConfig",
     "PowerLimitOptimizer",
+    "RecurringJob",
+    "RunOutcome",
+    "RunReport",
     "StragglerPolicy",
     "Suggestion",
+    "TargetMetric",
     "ZeusCost",
     "ZeusPolicy",
     "build_policy",
