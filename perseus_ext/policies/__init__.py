@@ -17,6 +17,7 @@ from perseus_ext.policies.carbon import (
     CarbonSignal,
     CarbonSignalError,
     CSVCarbonTrace,
+    ExternalSignal,
     HTTPCarbonSignal,
 )
 from perseus_ext.policies.chase import CarbonCost, CarbonLedger, CarbonReport, ChasePolicy
@@ -46,6 +47,7 @@ __all__ = [
     "CostWeights",
     "CSVCarbonTrace",
     "EnergyTimeCost",
+    "ExternalSignal",
     "HTTPCarbonSignal",
     "OperatingPointPolicy",
     "PerseusEarlyStop",
