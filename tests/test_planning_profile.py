@@ -95,12 +95,15 @@ def test_pareto_filter_drops_noise_and_logs_it(caplog: pytest.LogCaptureFixture)
         {"stage": 0, "instruction": "backward", "frequency": 1100, "time": 0.12, "energy": 36},
         {"stage": 0, "instruction": "backward", "frequency": 900, "time": 0.13, "energy": 35},
     ]
-    with caplog.at_level(logging.INFO, logger="perseus_ext.planning.profile"):
+    with caplog.at_level(logging.DEBUG, logger="perseus_ext.planning.profile"):
         profile = Profile.from_rows(rows, source="noisy").pareto()
     assert profile[0, "forward"].frequencies.tolist() == [1300, 1100]
     assert profile[0, "backward"].frequencies.tolist() == [1410, 1300, 1100, 900]
     assert sorted(profile.dropped) == [(0, "forward", 900), (0, "forward", 1410)]
-    assert "stage 0 forward: dropped 2 dominated clock(s) [1410, 900]" in caplog.text
+    per_clock = [r for r in caplog.records if r.levelno == logging.DEBUG]
+    summary = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert [r.getMessage() for r in per_clock] == ["noisy: stage 0 forward: dropped 2 dominated clock(s) [1410, 900]"]
+    assert len(summary) == 1 and "dropped 2 dominated clock measurement(s)" in summary[0].getMessage()
 
 
 def test_scaling_multiplies_time_and_energy(tmp_path: Path) -> None:
