@@ -274,7 +274,7 @@ def _read_rows(path: Path) -> list[list[str]]:
             f"profile as UTF-8 CSV"
         ) from None
     try:
-        rows = list(_bounded_rows(csv.reader(io.StringIO(text, newline=""))))
+        rows = list(_bounded_rows(csv.reader(io.StringIO(text, newline="")), path))
     except csv.Error as err:
         raise ProfileError(f"{path}: not a valid CSV file ({err})") from None
     if not rows or not any(field.strip() for field in rows[0]):
@@ -282,17 +282,20 @@ def _read_rows(path: Path) -> list[list[str]]:
     return rows
 
 
-def _bounded_rows(reader: Iterable[list[str]]) -> Iterable[list[str]]:
+def _bounded_rows(reader: Iterable[list[str]], path: Path) -> Iterable[list[str]]:
     """Rows of a csv reader, refusing overlong fields and too many rows or fields."""
     for row_number, row in enumerate(reader, start=1):
+        where = f"{path}, row {row_number}"
         if row_number > MAX_ROWS + 1:
-            raise ProfileError(f"row {row_number}: more than {MAX_ROWS:,} measurements; is this a profile?")
+            raise ProfileError(f"{where}: more than {MAX_ROWS:,} measurements; is this a profile?")
         if len(row) > 2 * len(COLUMNS):
-            raise ProfileError(f"row {row_number}: {len(row)} fields; a profile row has {len(COLUMNS)}")
+            raise ProfileError(f"{where}: {len(row)} fields; a profile row has {len(COLUMNS)}")
         for field in row:
+            if "\n" in field or "\r" in field:
+                raise ProfileError(f"{where}: a quoted field spans several lines; is a '\"' unclosed?")
             if len(field) > MAX_FIELD_CHARS:
                 raise ProfileError(
-                    f"row {row_number}: a field of {len(field):,} characters ({field[:20]!r}...); "
+                    f"{where}: a field of {len(field):,} characters ({field[:20]!r}...); "
                     f"profile fields are short names and numbers"
                 )
         yield row
