@@ -18,8 +18,9 @@ from perseus_ext.errors import ConfigError, ProfileError
 
 PROFILE_HELP = "profile CSV (stage,instruction,frequency,time,energy) or a shipped profile name"
 BLOCKING_POWER_HELP = (
-    "watts one GPU draws while blocked on communication, or a GPU name with a published value "
-    "(a100: 83.64 W, a40: 70.38 W); default: the GPU named in a shipped profile's name"
+    "watts one GPU draws while blocked on communication, or a GPU with a published value "
+    "(a100 or a40, see perseus_ext.planning.energy.BLOCKING_POWER_W); default: the GPU that a "
+    "shipped profile's name names"
 )
 
 
