@@ -120,10 +120,11 @@ def test_bad_numbers_are_usage_errors(argv, message, tiny_profile, capsys) -> No
     assert message in capsys.readouterr().err
 
 
-def test_oversized_pipeline_fails_before_solving(no_solve, capsys) -> None:
-    argv = ["frontier", "--profile", "gpt3-175b-a100_sxm", "--microbatches", "1024"]
+@pytest.mark.parametrize("command", ["frontier", "emulate"])
+def test_oversized_pipeline_fails_before_solving(command, no_solve, capsys) -> None:
+    argv = [command, "--profile", "gpt3-175b-a100_sxm", "--microbatches", "1024"]
     assert main(argv) == 2
-    assert "the solver plans at most" in capsys.readouterr().err
+    assert "8 stages x 1024 microbatches x 1 model chunks is 16,384 computations" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -101,9 +101,8 @@ def check_outputs(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from perseus_ext.emulator import Emulator, JobLayout, StragglerScenario
-    from perseus_ext.commands.options import blocking_power_w, resolve_profile
-    from perseus_ext.emulator import report
+    from perseus_ext.commands.options import blocking_power_w, check_pipeline_size, resolve_profile
+    from perseus_ext.emulator import Emulator, JobLayout, StragglerScenario, report
     from perseus_ext.errors import ConfigError
     from perseus_ext.planning.profile import load_profile
 
@@ -126,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         scenario = StragglerScenario.none()
 
+    for microbatches in args.microbatches:
+        check_pipeline_size(pp, microbatches, args.chunks)
     check_outputs(args)
     emulators = []
     for microbatches in args.microbatches:

@@ -13,19 +13,15 @@ from perseus_ext.commands.options import (
     blocking_power_w,
     bounded_float,
     bounded_int,
+    check_pipeline_size,
     check_plotting,
     check_writable_file,
     resolve_profile,
 )
-from perseus_ext.errors import ConfigError
 
 MAX_STAGES = 256
 MAX_MICROBATCHES = 4096
 MAX_VIRTUAL_STAGES = 64
-# Computations (forward + backward of every microbatch on every virtual stage) the in-process
-# solver is asked to plan: 8x the paper's largest pipeline (8 stages x 96 microbatches x 2,
-# solved in seconds), so a typo'd size fails at once instead of after minutes and gigabytes.
-MAX_COMPUTATIONS = 8 * (8 * 96 * 2)
 MIN_RESOLUTION_S, MAX_RESOLUTION_S = 1e-4, 60.0
 
 
@@ -71,13 +67,7 @@ def run(args: argparse.Namespace) -> int:
     profile = load_profile(path)
     power = blocking_power_w(args.blocking_power, path)
     stages = args.stages if args.stages is not None else profile.num_stages
-    computations = 2 * stages * args.microbatches * args.virtual_stages
-    if computations > MAX_COMPUTATIONS:
-        raise ConfigError(
-            f"{stages} stages x {args.microbatches} microbatches x {args.virtual_stages} virtual "
-            f"stages is {computations:,} computations; the solver plans at most "
-            f"{MAX_COMPUTATIONS:,} in one run: use fewer microbatches"
-        )
+    check_pipeline_size(stages, args.microbatches, args.virtual_stages)
     schedule = build_schedule(args.schedule, stages, args.microbatches, args.virtual_stages)
     check_outputs(args)
     started = time.perf_counter()

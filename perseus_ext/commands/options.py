@@ -16,6 +16,11 @@ from typing import Callable
 
 from perseus_ext.errors import ConfigError, ProfileError
 
+# Computations (forward + backward of every microbatch on every virtual stage) the in-process
+# solver is asked to plan: 8x the paper's largest pipeline (8 stages x 96 microbatches x 2,
+# solved in seconds), so a typo'd size fails at once instead of after minutes and gigabytes.
+MAX_COMPUTATIONS = 8 * (8 * 96 * 2)
+
 PROFILE_HELP = "profile CSV (stage,instruction,frequency,time,energy) or a shipped profile name"
 BLOCKING_POWER_HELP = (
     "watts one GPU draws while blocked on communication, or a GPU with a published value "
@@ -104,6 +109,16 @@ def blocking_power_w(value: str | None, profile: Path) -> float:
         f"--blocking-power is needed: {profile.name} does not name a GPU with a published "
         f"blocking power ({', '.join(BLOCKING_POWER_W)}); pass watts or a GPU name"
     )
+
+
+def check_pipeline_size(stages: int, microbatches: int, chunks: int) -> None:
+    computations = 2 * stages * microbatches * chunks
+    if computations > MAX_COMPUTATIONS:
+        raise ConfigError(
+            f"{stages} stages x {microbatches} microbatches x {chunks} model chunks is "
+            f"{computations:,} computations; the solver plans at most {MAX_COMPUTATIONS:,} in one "
+            f"run: use fewer microbatches"
+        )
 
 
 def check_writable_file(path: Path, option: str) -> None:
