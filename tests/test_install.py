@@ -243,3 +243,23 @@ def test_autoload_costs_next_to_nothing_at_start_up(built) -> None:
     print(f"python -c pass: {best['with'] * 1e3:.1f} ms with the hook, "
           f"{best['without'] * 1e3:.1f} ms without (ratio {ratio:.2f})")
     assert ratio < 1.25
+
+
+def test_unattached_section_warns_until_install_is_called(caplog) -> None:
+    from types import SimpleNamespace
+
+    from perseus_ext.adapters.deepspeed import install, warn_if_unattached
+    from perseus_ext.errors import ConfigError
+
+    engine = SimpleNamespace(_config=SimpleNamespace(_param_dict={"perseus": {"enabled": True}}))
+    fake = SimpleNamespace(initialize=lambda **kwargs: (engine, None, None, None))
+    warn_if_unattached(fake)
+    warn_if_unattached(fake)  # idempotent: one wrapper
+    with caplog.at_level("WARNING", logger="perseus_ext.adapters.deepspeed"):
+        fake.initialize(config={})
+    assert [r.getMessage().count("not attached") for r in caplog.records] == [1]
+    caplog.clear()
+    install(fake)  # now attach() runs (and rejects this non-pipeline engine); no warning
+    with pytest.raises(ConfigError, match="PipelineModule"):
+        fake.initialize(config={})
+    assert not caplog.records
