@@ -6,6 +6,9 @@ to learn which field of which file or config key was bad.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
+
 
 class PerseusError(Exception):
     """Base class of every error perseus-ext raises on purpose."""
@@ -25,3 +28,11 @@ class SolverError(PerseusError, RuntimeError):
 
 class ConfigError(PerseusError, ValueError):
     """A `perseus` config section or `--perseus-*` flag has a bad value."""
+
+
+def unknown_keys_message(where: str, unknown: Iterable[object], known: Iterable[str]) -> str:
+    """The one wording of an unknown-key mistake, for every section and sub-section: it names
+    each unknown key in full and lists the known ones (the usual fix is a typo)."""
+    shown = (key if key.isidentifier() else json.dumps(key) for key in map(str, unknown))
+    names = ", ".join(f"{where}.{key}" for key in sorted(shown))
+    return f"unknown key(s) {names}; known keys: {', '.join(sorted(known))}"

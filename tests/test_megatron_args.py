@@ -9,9 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from perseus_ext.adapters.megatron_args import flag_name, value_kind
 from perseus_ext.errors import ConfigError
 from perseus_ext.megatron import add_perseus_args, chain_extra_args, config_from_args, install
+from perseus_ext.runtime.config import PerseusConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "patches" / "megatron-lm"
@@ -67,8 +71,82 @@ def test_bad_values_name_the_flag():
         config_from_args(parse("--perseus", "--perseus-straggler-threshold", "2"))
     with pytest.raises(ConfigError, match="cannot read"):
         config_from_args(parse("--perseus", "--perseus-config", "/nonexistent/perseus.json"))
-    with pytest.raises(SystemExit):  # argparse rejects a non-boolean for a boolean key
-        parse("--perseus", "--perseus-early-stop", "sometimes")
+    with pytest.raises(ConfigError, match=r"perseus.early_stop must be true or false.*--perseus-early-stop"):
+        config_from_args(parse("--perseus", "--perseus-early-stop", "sometimes"))
+
+
+def test_flags_are_generated_from_the_model(capsys):
+    parser = add_perseus_args(argparse.ArgumentParser())
+    flags = {flag_name(key) for key in PerseusConfig.model_fields}
+    assert flags <= set(parser._option_string_actions)
+    assert flag_name("enabled") == "--perseus" and flag_name("log_path") == "--perseus-log-path"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert ("config key 'control_timeout_s' (a number of seconds in [1, 604800]; default 1800.0): "
+            "Timeout of perseus-") in help_text
+    kinds = {key: value_kind(info.annotation) for key, info in PerseusConfig.model_fields.items()}
+    assert kinds["early_stop"] == kinds["dry_run"] == "bool"
+    assert kinds["candidate_clocks"] == "list"
+    assert kinds["solver"] == kinds["policy"] == kinds["communication_clock"] == "json"
+
+
+def test_object_flags_take_json_and_null_overrides_the_file(tmp_path):
+    path = tmp_path / "perseus.json"
+    path.write_text(json.dumps({"blocking_power_w": 80, "policy": {"type": "zeus"}}))
+    config = config_from_args(parse(
+        "--perseus", "--perseus-config", str(path),
+        "--perseus-blocking-power-w", "null",
+        "--perseus-solver", '{"min_grid_points": 300}',
+        "--perseus-policy", '{"type": "zeus", "eta": 0.7}',
+        "--perseus-communication-clock", "705",
+    ))
+    assert config.blocking_power_w is None
+    assert config.solver.min_grid_points == 300
+    assert config.policy.eta == 0.7 and config.policy.type == "zeus"
+    assert config.communication_clock == 705
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--perseus-solver", '{"min_grid_points": -5}'],
+     "perseus.solver.min_grid_points must be an integer in [1, 100000], got -5; e.g. 300 (Megatron flag --perseus-solver"),
+    (["--perseus-solver", "{min_grid_points: 5}"], "perseus.solver must be an object"),
+    (["--perseus-candidate-clocks", "1410", "fast"], "perseus.candidate_clocks[1] must be a clock in MHz"),
+    (["--perseus-control-timeout-s", "1e15"], "perseus.control_timeout_s must be a number of seconds in [1, 604800]"),
+    (["--perseus-log-path", "/tmp/{job}.jsonl"], "perseus.log_path uses {job}"),
+    (["--perseus-policy", '{"type": "zeus", "eta": 2}'], "perseus.policy.eta must be in [0, 1], got 2"),
+    (["--perseus-seed", "-1", "--perseus-mode", "fast"],
+     "(Megatron flag --perseus-mode, --perseus-seed or --perseus-config)"),
+])
+def test_bad_flag_values_raise_config_error_naming_key_and_flag(argv, message):
+    with pytest.raises(ConfigError) as caught:
+        config_from_args(parse("--perseus", *argv))
+    assert message in str(caught.value)
+
+
+FLAGS = sorted(flag_name(key) for key in PerseusConfig.model_fields if key != "enabled")
+SAFE_TEXT = st.text(st.characters(blacklist_characters=":", blacklist_categories=("Cs",)), max_size=16)
+VALUES = SAFE_TEXT.filter(lambda text: not text.startswith("-")) | st.builds(
+    json.dumps, st.recursive(st.none() | st.booleans() | st.integers(0) | st.floats(0) | SAFE_TEXT,
+                             lambda children: st.lists(children, max_size=3)
+                             | st.dictionaries(SAFE_TEXT, children, max_size=3), max_leaves=8))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.sampled_from(FLAGS), st.lists(VALUES, min_size=1, max_size=3)), max_size=5))
+def test_any_flag_values_give_a_config_or_one_config_error(pairs):
+    parser = add_perseus_args(argparse.ArgumentParser())
+    argv = ["--perseus"]
+    for flag, values in pairs:
+        action = parser._option_string_actions[flag]
+        argv += [flag, *(values if action.nargs == "+" else values[:1])]
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as err:
+        assert "Input should" not in str(err)
+    else:
+        assert config.enabled is True
 
 
 def test_chain_extra_args_runs_every_provider_and_skips_none():

@@ -10,14 +10,16 @@ DeepSpeed:
   `self`, so the class and other engines are untouched) and wraps its `_exec_schedule`: a
   `TrainSchedule` is swapped for `PerseusTrainSchedule`, which emits the same instructions but
   with forward/backward instructions that carry their microbatch id. Their handlers tell the
-  runtime which computation runs next (clock enqueued, never a CUDA synchronize), then run
-  DeepSpeed's own handler. `ReduceTiedGrads`/`ReduceGrads` mark the end of the pipeline's own
-  compute (straggler detection must not count the data-parallel wait).
+  runtime which computation runs next (a device marker recorded and the next clock queued on
+  it, never a CUDA synchronize), then run DeepSpeed's own handler. `ReduceTiedGrads`/`ReduceGrads`
+  mark the end of the pipeline's own compute (straggler detection must not count the
+  data-parallel wait).
 * `perseus_ext.autoload` (run by the installed `.pth` file) calls `install()` as soon as
   `deepspeed` is imported, so user scripts need no perseus import at all; with
   PERSEUS_AUTOLOAD=0 it calls `warn_if_unattached()` instead.
 
-Top-level imports stay in the standard library so `autoload()` costs nothing at start-up.
+Top-level imports stay in the standard library, so importing this module on `import deepspeed`
+costs next to nothing.
 """
 
 from __future__ import annotations
@@ -128,13 +130,6 @@ def attach(engine: Any, config: Any = None) -> Any:
     def compute_end(handler: Any):
         def run(self: Any, **kwargs: Any) -> None:
             runtime.mark_compute_end()
-            runtime.before_communication()
-            handler(self, **kwargs)
-        return run
-
-    def communication(handler: Any):
-        def run(self: Any, **kwargs: Any) -> None:
-            runtime.before_communication()
             handler(self, **kwargs)
         return run
 
@@ -143,8 +138,6 @@ def attach(engine: Any, config: Any = None) -> Any:
     instruction_map[classes["backward"]] = computation(Kind.BACKWARD, stock[ds_schedule.BackwardPass])
     for blocking in (ds_schedule.ReduceTiedGrads, ds_schedule.ReduceGrads):
         instruction_map[blocking] = compute_end(stock[blocking])
-    for receive in (ds_schedule.RecvActivation, ds_schedule.RecvGrad):
-        instruction_map[receive] = communication(stock[receive])
     engine._INSTRUCTION_MAP = instruction_map
 
     original_exec_schedule = engine._exec_schedule

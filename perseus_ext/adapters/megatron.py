@@ -9,8 +9,8 @@ The adapter is thin: all planning, profiling, clock control and straggler handli
   `backward_step` those schedules call, so every computation reports (kind, microbatch, chunk)
   to the runtime right before and after it runs;
 * marks the end of the stage's computations (what follows is the data-parallel gradient sync,
-  which straggler detection must not count) and tells the runtime about blocking p2p receives
-  (`P2PCommunicator.recv_*`), where it may drop to `communication_clock`.
+  which straggler detection must not count). Communication needs no hook: the runtime orders
+  clock changes by device markers at computation boundaries, which is where receives wait.
 
 Why wrap module functions instead of subclassing: megatron-core's schedules are plain functions
 that look `forward_step`/`backward_step` up in their module at call time, and their signatures
@@ -37,15 +37,12 @@ import dataclasses
 import functools
 import importlib
 import inspect
-import json
 import logging
 import os
-import re
-import typing
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from perseus_ext.adapters.megatron_args import add_perseus_args, chain_extra_args, config_from_args
 from perseus_ext.errors import ConfigError
 from perseus_ext.planning.schedule import (
     Kind,
@@ -55,152 +52,11 @@ from perseus_ext.planning.schedule import (
 )
 
 log = logging.getLogger("perseus_ext.megatron")
-_KEY = re.compile(r"\bperseus\.(\w+)")
+__all__ = ["MegatronPerseus", "add_perseus_args", "chain_extra_args", "config_from_args", "install"]
 
 _SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
 _WITHOUT_INTERLEAVING = "forward_backward_pipelining_without_interleaving"
 _WITH_INTERLEAVING = "forward_backward_pipelining_with_interleaving"
-_P2P_MODULE = "megatron.core.pipeline_parallel.p2p_communication"
-
-
-def _receiving_methods(communicator: type | None) -> list[str]:
-    """`P2PCommunicator` methods that block on a receive (`recv_forward`,
-    `send_forward_recv_backward`, ...); none on releases without the class."""
-    if communicator is None:
-        return []
-    return sorted(
-        name for name, value in vars(communicator).items()
-        if callable(value) and (name.startswith("recv_") or "_recv_" in name)
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Arguments
-# --------------------------------------------------------------------------------------------
-
-
-def _config_fields() -> list[dataclasses.Field]:
-    """The `PerseusConfig` keys that get a `--perseus-<key>` flag (scalars and lists)."""
-    from perseus_ext.runtime import PerseusConfig
-
-    return [f for f in dataclasses.fields(PerseusConfig) if f.init and f.name != "enabled"]
-
-
-def _flag_type(field: dataclasses.Field) -> tuple[Callable[[str], Any], str | None]:
-    """argparse `type` and `nargs` for one config field. Values stay loosely typed here:
-    `PerseusConfig.from_dict` validates them and names the key when one is wrong."""
-    from perseus_ext.runtime import PerseusConfig
-
-    hint = typing.get_type_hints(PerseusConfig)[field.name]
-    members = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    if all(m is bool for m in members):
-        return _parse_bool, None
-    for member in members:
-        if typing.get_origin(member) in (list, tuple):
-            element = next((a for a in typing.get_args(member) if a is not Ellipsis), str)
-            return element, "+"
-    return _json_or_text, None
-
-
-def _json_or_text(text: str) -> Any:
-    """Numbers, null and JSON objects as JSON; anything else (e.g. `min`) as the string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
-
-
-def add_perseus_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the `perseus` argument group; returns the parser (Megatron-LM's
-    `extra_args_provider` contract).
-
-    `--perseus` turns the runtime on; `--perseus-config FILE` reads the same JSON section as the
-    DeepSpeed `"perseus"` key (a whole DeepSpeed config with a `"perseus"` key also works);
-    every key also has its own `--perseus-<key>` flag, which overrides the file.
-    """
-    group = parser.add_argument_group(
-        "perseus", "energy-bloat removal for pipeline parallelism (perseus-ext)"
-    )
-    group.add_argument(
-        "--perseus", action="store_true",
-        help="profile the pipeline, plan per-computation GPU clocks and deploy them",
-    )
-    group.add_argument(
-        "--perseus-config", metavar="FILE",
-        help="JSON file with the perseus section (same keys as the DeepSpeed 'perseus' key)",
-    )
-    for field in _config_fields():
-        flag_type, nargs = _flag_type(field)
-        metavar = "{true,false}" if flag_type is _parse_bool else ("N" if nargs else "VALUE")
-        group.add_argument(
-            f"--perseus-{field.name.replace('_', '-')}",
-            dest=f"perseus_{field.name}",
-            type=flag_type,
-            nargs=nargs,
-            default=None,
-            metavar=metavar,
-            help=f"overrides the config key '{field.name}' (see docs/megatron.md)",
-        )
-    return parser
-
-
-def chain_extra_args(
-    *providers: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None,
-) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
-    """Combine several Megatron-LM `extra_args_provider`s (None entries are skipped)."""
-
-    def provide(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        for provider in providers:
-            if provider is not None:
-                parser = provider(parser)
-        return parser
-
-    return provide
-
-
-def _read_config_file(path: str) -> dict:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"--perseus-config: cannot read {path!r}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--perseus-config: {path!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--perseus-config: {path!r} must hold a JSON object")
-    if isinstance(data.get("perseus"), dict):
-        data = data["perseus"]  # a whole DeepSpeed config
-    return data
-
-
-def config_from_args(args: argparse.Namespace):
-    """The `PerseusConfig` the flags describe, or None when `--perseus` is off."""
-    from perseus_ext.runtime import PerseusConfig
-
-    if not getattr(args, "perseus", False):
-        return None
-    section: dict = {}
-    if getattr(args, "perseus_config", None):
-        section.update(_read_config_file(args.perseus_config))
-    for field in _config_fields():
-        value = getattr(args, f"perseus_{field.name}", None)
-        if value is not None:
-            section[field.name] = value
-    section["enabled"] = True
-    try:
-        return PerseusConfig.from_dict(section)
-    except ConfigError as exc:
-        flags = sorted({f"--perseus-{key.replace('_', '-')}" for key in _KEY.findall(str(exc))})
-        hint = f" (Megatron flag {', '.join(flags)} or --perseus-config)" if flags else ""
-        raise ConfigError(f"{exc}{hint}") from None
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,18 +136,11 @@ class MegatronPerseus:
         for name, wrapper in wrappers.items():
             self._originals[name] = getattr(module, name)
             setattr(module, name, wrapper)
-        communicator = getattr(importlib.import_module(_P2P_MODULE), "P2PCommunicator", None)
-        for name in _receiving_methods(communicator):
-            original = getattr(communicator, name)
-            self._originals[f"P2PCommunicator.{name}"] = original
-            setattr(communicator, name, self._wrap_receive(original))
 
     def _unpatch(self) -> None:
         module = importlib.import_module(_SCHEDULES_MODULE)
-        communicator = getattr(importlib.import_module(_P2P_MODULE), "P2PCommunicator", None)
         for name, original in self._originals.items():
-            owner, _, attribute = name.rpartition(".")
-            setattr(communicator if owner else module, attribute, original)
+            setattr(module, name, original)
         self._originals.clear()
 
     # ---- wrappers --------------------------------------------------------------------------
@@ -319,17 +168,6 @@ class MegatronPerseus:
 
         return run_iteration
 
-    def _wrap_receive(self, original: Callable) -> Callable:
-        """Blocking p2p receives: the runtime may drop to its communication clock meanwhile."""
-
-        @functools.wraps(original)
-        def receive(*args: Any, **kwargs: Any) -> Any:
-            if self._iteration is not None:
-                self.runtime.before_communication()
-            return original(*args, **kwargs)
-
-        return receive
-
     def _wrap_step(self, original: Callable, kind: Kind) -> Callable:
         signature = inspect.signature(original)
 
@@ -352,7 +190,6 @@ class MegatronPerseus:
             iteration.observed += 1
             if iteration.observed == iteration.num_computations:
                 self.runtime.mark_compute_end()  # what follows is the data-parallel grad sync
-                self.runtime.before_communication()
             return result
 
         return run_step

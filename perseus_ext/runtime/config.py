@@ -1,26 +1,100 @@
-"""The `"perseus"` configuration section, validated up front.
+"""The `"perseus"` configuration section: one typed model, validated completely at the door.
 
-Why a hand-written schema: the section arrives inside a framework config (a DeepSpeed JSON file,
-Megatron flags), so a bad key must fail at initialisation with a message naming
-`perseus.<key>` and the fix — not hours later inside a training step. This module imports
-neither torch nor numpy, so configs can be checked anywhere (CLI, CI, the launcher).
+Why: the section arrives inside a framework config (a DeepSpeed JSON file, Megatron flags), so
+every mistake knowable without a GPU must fail at `deepspeed.initialize` / Megatron `install`
+with a message naming `perseus.<key>` (nested: `perseus.policy.eta`,
+`perseus.solver.min_grid_points`) and the fix, not hours later inside a training step. The
+`policy` and `solver` sub-sections come out typed (`PolicyConfig`, `SolverOptions`), output
+paths are checked to be writable, and a saved profile's blocking power is read here. What
+needs the GPU (are the candidate clocks supported? which clock is "min"?) is the runtime's.
+
+The same model generates the Megatron `--perseus-<key>` flags
+(`perseus_ext.adapters.megatron_args`) and the key table of README.md and docs/deepspeed.md
+(`key_table_markdown`). This module imports no torch.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import enum
+import json
 import math
-from dataclasses import dataclass, field
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
 
-from perseus_ext.errors import ConfigError
+from pydantic import AfterValidator, Field, PlainValidator, PrivateAttr, TypeAdapter, model_validator
+
+from perseus_ext.errors import ConfigError, SolverError
+from perseus_ext.planning.solver import SolverOptions
+from perseus_ext.policies.config import PolicyConfig
+from perseus_ext.schema import (
+    Rule,
+    Section,
+    choice,
+    dataclass_section,
+    field_rule,
+    flag,
+    integer,
+    listing,
+    number,
+    output_path,
+    parse,
+    rank_template,
+    require_writable,
+    show,
+    statement_error,
+    text,
+    value_error,
+)
 
 PREFIX = "perseus"
-MODES = ("optimize", "observe")
+CONTROL_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # a second .. a week
+MAX_COMPUTATION_S = 3600.0  # a simulated microbatch forward/backward longer than an hour is a typo
 
 
-@dataclass(frozen=True)
-class SimulatedWorkload:
+class Mode(enum.StrEnum):
+    """`optimize` plans and sets clocks; `observe` only measures (the baseline)."""
+
+    OPTIMIZE = "optimize"
+    OBSERVE = "observe"
+
+
+# ------------------------------------------------------------------------------ solver options
+SOLVER_BOUNDS: dict[str, Any] = {
+    "resolution": number(example=1e-3, unit="seconds", at_least=1e-4, at_most=10.0),
+    "grid_oversampling": integer(1, 64, example=1),
+    "min_grid_points": integer(1, 100_000, example=300),
+    "anchors": integer(2, 100_000, example=256),
+    "anchor_budget": integer(1, 10_000_000, example=4000),
+    "progress": flag(example=False),
+    "polish_budget": integer(0, 10**12, example=20_000_000),
+}
+"""Door bounds of every `SolverOptions` field: beyond them the solver's grid or LP count (and
+its memory) explodes or the option is meaningless (e.g. a negative grid)."""
+
+_SOLVER_EXAMPLE = {"min_grid_points": 300}
+
+
+# ------------------------------------------------------------------------------ simulated workload
+Seconds = number(example=0.02, unit="seconds", above=0, at_most=MAX_COMPUTATION_S)
+_ONE_DURATION = TypeAdapter(Seconds)
+_PER_STAGE_DURATIONS = TypeAdapter(listing(Seconds, what="numbers of seconds", example=[0.02, 0.03]))
+
+
+def _per_stage_seconds(value: Any) -> tuple[float, ...]:
+    """One duration for every stage, or one per stage."""
+    if isinstance(value, (list, tuple)):
+        return _PER_STAGE_DURATIONS.validate_python(value)
+    return (_ONE_DURATION.validate_python(value),)
+
+
+PerStageSeconds = Annotated[
+    tuple[float, ...],
+    PlainValidator(_per_stage_seconds),
+    Rule(f"a number of seconds in (0, {MAX_COMPUTATION_S:g}] or a list of them (one per stage)", 0.02),
+]
+
+
+class SimulatedWorkload(Section):
     """Seconds one forward/backward of one microbatch takes at the max clock, per stage.
 
     Only used with a simulated GPU: the runtime paces each computation to this duration at the
@@ -28,8 +102,10 @@ class SimulatedWorkload:
     while the training math is untouched.
     """
 
-    forward_seconds: tuple[float, ...]
-    backward_seconds: tuple[float, ...]
+    example: ClassVar[dict[str, Any]] = {"forward_seconds": 0.02, "backward_seconds": 0.04}
+
+    forward_seconds: Annotated[PerStageSeconds, Field(description="one microbatch's forward at the max clock")]
+    backward_seconds: Annotated[PerStageSeconds, Field(description="one microbatch's backward at the max clock")]
 
     def seconds(self, stage: int, kind: str) -> float:
         table = self.forward_seconds if kind == "forward" else self.backward_seconds
@@ -48,228 +124,199 @@ class SimulatedWorkload:
         return {"forward_seconds": list(self.forward_seconds), "backward_seconds": list(self.backward_seconds)}
 
 
-@dataclass(frozen=True)
-class PerseusConfig:
-    """Every knob of the runtime; see docs/deepspeed.md for the user-facing table."""
+# ------------------------------------------------------------------------------ saved profiles
+def profile_sidecar(path: str | Path) -> Path:
+    """Where the blocking power measured with a saved profile is kept (the CSV has no column)."""
+    return Path(f"{path}.json")
 
-    enabled: bool = False
-    mode: str = "optimize"
-    gpu: str | None = None
-    seed: int = 0
-    dry_run: bool | None = None
-    strict: bool = False
-    warmup_iterations: int = 2
-    profiling_iterations_per_clock: int = 1
-    candidate_clocks: tuple[int, ...] | None = None
-    clock_stride: int = 1
-    early_stop: bool = True
-    early_stop_patience: int = 2
-    blocking_power_w: float | None = None
-    profile_path: str | None = None
-    frontier_path: str | None = None
-    solve_in_background: bool = True
-    solver: Mapping[str, Any] | None = field(default=None, hash=False)
-    control_timeout_s: float = 1800.0
-    straggler_check_interval: int = 10
-    straggler_threshold: float = 0.05
-    straggler_hysteresis: float = 0.02
-    straggler_confirmations: int = 2
-    communication_clock: int | str | None = None
-    log_interval: int = 1
-    log_path: str | None = None
-    summary_path: str | None = None
-    simulated_workload: SimulatedWorkload | None = None
-    policy: Mapping[str, Any] | None = field(default=None, hash=False)
+
+def _saved_blocking_power_w(profile_path: str) -> float:
+    """The blocking power saved next to an existing profile, or a ConfigError saying how to fix."""
+    sidecar = profile_sidecar(profile_path)
+    fix = f"set {PREFIX}.blocking_power_w, or delete {profile_path} so the job profiles again"
+    try:
+        value = json.loads(sidecar.read_text(encoding="utf-8"))["blocking_power_w"]
+    except FileNotFoundError:
+        raise ConfigError(f"{PREFIX}.profile_path {profile_path} has no blocking power ({sidecar} is missing); {fix}") from None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{PREFIX}.profile_path: cannot read the blocking power from {sidecar} ({err}); {fix}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{PREFIX}.profile_path: {sidecar} holds blocking_power_w {show(value)}, not a positive number of watts; {fix}")
+    return float(value)
+
+
+def _profile_path(path: str) -> str:
+    """An existing profile is read (must be a file); a missing one is written by the job."""
+    candidate = Path(path)
+    if candidate.exists():
+        if not candidate.is_file():
+            raise value_error(f"{show(path)} is not a file; give a profile CSV or a path the job may create")
+        return path
+    require_writable(path)
+    return path
+
+
+# ------------------------------------------------------------------------------ the section
+Clock = integer(1, example=1410, what="a clock in MHz")
+Iterations = integer(0, example=2)
+AtLeastOne = integer(1, example=2)
+Fraction = number(example=0.05, above=0, below=1)
+
+
+class PerseusConfig(Section):
+    """Every knob of the runtime; `key_table_markdown()` renders this model for the docs."""
+
+    example: ClassVar[dict[str, Any]] = {"enabled": True}
+
+    enabled: Annotated[flag(example=True), Field(
+        description="Attach perseus-ext to this job. A disabled section is still validated.")] = False
+    mode: Annotated[choice(Mode, example="observe"), Field(
+        description="`observe` never touches clocks: it only measures and logs time and energy per iteration "
+                    "(and paces a simulated GPU) — the baseline for comparisons.")] = Mode.OPTIMIZE
+    gpu: Annotated[
+        Annotated[str, Rule('"nvml" or "sim:<preset>[?options]"', "sim:a100_sxm",
+                            lambda s: s.strip() == "nvml" or s.strip().startswith("sim:"))] | None,
+        Field(description="GPU backend: `\"nvml\"` or `\"sim:<preset>[?options]\"` (presets `a100_sxm`, `a40`, "
+                          "`h100`; see docs/device.md). `null` reads env `PERSEUS_GPU`, default `nvml`.")] = None
+    seed: Annotated[integer(0, example=0), Field(
+        description="Base seed of simulated GPUs (rank r uses seed + r).")] = 0
+    dry_run: Annotated[flag(example=True) | None, Field(
+        description="`true`: never change clocks, only record them. `null`: dry-run automatically when this "
+                    "process lacks permission to set clocks.")] = None
+    strict: Annotated[flag(example=True), Field(
+        description="Fail at start-up (GPUPermissionError naming the missing privilege) instead of falling back "
+                    "to dry-run when this process may not set GPU clocks.")] = False
+    warmup_iterations: Annotated[Iterations, Field(
+        description="Iterations at default clocks before profiling.")] = 2
+    profiling_iterations_per_clock: Annotated[AtLeastOne, Field(
+        description="Iterations each candidate clock is profiled for (more = less noise).")] = 1
+    candidate_clocks: Annotated[
+        Annotated[listing(Clock, what="clocks in MHz", example=[1410, 1200, 990], distinct=True),
+                  AfterValidator(lambda clocks: tuple(sorted(clocks, reverse=True)))] | None,
+        Field(description="Clocks to profile; each must be supported by the GPU (checked at initialize). "
+                          "`null`: all supported clocks.")] = None
+    clock_stride: Annotated[AtLeastOne, Field(
+        description="Profile every k-th candidate clock, from the fastest (e.g. `6` on an A100 = 90 MHz "
+                    "steps).")] = 1
+    early_stop: Annotated[flag(example=False), Field(
+        description="Stop profiling a stage once lower clocks only cost more energy.")] = True
+    early_stop_patience: Annotated[AtLeastOne, Field(
+        description="How many profiled clocks below the most efficient one must cost more before "
+                    "stopping.")] = 2
+    blocking_power_w: Annotated[number(example=83.6, unit="watts", above=0) | None, Field(
+        description="GPU power while blocked on communication. `null`: estimated while profiling, or read "
+                    "from an existing `profile_path`'s `<path>.json`.")] = None
+    profile_path: Annotated[
+        Annotated[text(example="profiles/job.csv", what="a non-empty path"), AfterValidator(_profile_path)] | None,
+        Field(description="Profile CSV (`stage,instruction,frequency,time,energy`) plus `<path>.json` (blocking "
+                          "power). If the file exists, profiling is skipped; otherwise the first pipeline saves "
+                          "its profile there, so a restarted job skips profiling.")] = None
+    frontier_path: Annotated[output_path(example="frontier.json") | None, Field(
+        description="Where the first pipeline saves its frontier (JSON; read by `perseus-ext frontier` tooling "
+                    "and the demo plot).")] = None
+    solve_in_background: Annotated[flag(example=False), Field(
+        description="Solve the frontier in a child process while training continues; `false` solves inline "
+                    "(blocks one iteration).")] = True
+    solver: Annotated[
+        SolverOptions | None,
+        dataclass_section(SolverOptions, SOLVER_BOUNDS, where=f"{PREFIX}.solver", example=_SOLVER_EXAMPLE,
+                          errors=(SolverError,)),
+        Rule("an object of frontier-solver options", _SOLVER_EXAMPLE),
+        Field(description="Options of the frontier solver, the fields of "
+                          "`perseus_ext.planning.solver.SolverOptions` (e.g. `{\"min_grid_points\": 300}` for a "
+                          "faster, coarser frontier); bounds in docs/deepspeed.md.")] = None
+    control_timeout_s: Annotated[
+        number(example=1800, unit="seconds", at_least=CONTROL_TIMEOUT_RANGE_S[0], at_most=CONTROL_TIMEOUT_RANGE_S[1]),
+        Field(description="Timeout of perseus-ext's own gloo collectives; after it a rank falls back to default "
+                          "clocks instead of waiting forever. Must exceed the longest gap between iterations "
+                          "(e.g. checkpointing).")] = 1800.0
+    straggler_check_interval: Annotated[integer(1, example=10), Field(
+        description="Iterations between straggler checks (one tiny all-gather each).")] = 10
+    straggler_threshold: Annotated[Fraction, Field(
+        description="A pipeline slows down only if the slowest pipeline takes this much longer (relative to "
+                    "the fastest plan's time).")] = 0.05
+    straggler_hysteresis: Annotated[number(example=0.02, at_least=0, below=1), Field(
+        description="Plans move only when the target changes by more than this; recovery below threshold − "
+                    "hysteresis. Must be below `straggler_threshold`.")] = 0.02
+    straggler_confirmations: Annotated[AtLeastOne, Field(
+        description="Consecutive checks that must ask for a slower plan before it happens (a transient hiccup "
+                    "slows nothing down); faster plans are taken at once.")] = 2
+    communication_clock: Annotated[
+        int | Literal["min"] | None,
+        Rule('null, "min" or a clock in MHz (an integer >= 1)', "min",
+             lambda v: v is None or v == "min" or v >= 1),
+        Field(description="Clock requested before blocking receives and the gradient all-reduce (deployed plans "
+                          "only); `\"min\"` = the GPU's lowest clock.")] = None
+    log_interval: Annotated[integer(0, example=10), Field(
+        description="Log a line (time, energy, plan) every N iterations on rank 0 (other ranks at DEBUG); `0` = "
+                    "off.")] = 1
+    log_path: Annotated[rank_template(example="logs/perseus-{rank}.jsonl") | None, Field(
+        description="JSONL file with one record per iteration; `{rank}` (the only placeholder) is replaced by "
+                    "the global rank. Its directory must be creatable.")] = None
+    summary_path: Annotated[rank_template(example="logs/summary-{rank}.json") | None, Field(
+        description="JSON summary per rank written at the end; `{rank}` as above.")] = None
+    simulated_workload: Annotated[
+        Annotated[SimulatedWorkload, Rule("an object", SimulatedWorkload.example)] | None,
+        Field(description="Simulated GPUs only: `{\"forward_seconds\": s or [s per stage], \"backward_seconds\": "
+                          "...}`, the duration of one microbatch's forward/backward at the max clock. Each "
+                          "computation is paced (the process sleeps) to that duration at the current clock, so "
+                          "time and energy follow the GPU model while the math is untouched.")] = None
+    policy: Annotated[
+        Annotated[PolicyConfig, Rule("an object", PolicyConfig.example)] | None,
+        Field(description="Which frontier plan to run: `null` = Perseus' straggler policy; Zeus/Chase cost "
+                          "policies (`{\"type\": \"zeus\", \"eta\": 0.5}`, `{\"type\": \"chase\", \"carbon\": "
+                          "{\"csv\": ...}}`). `\"mode\": \"power_limit\"` instead keeps default clocks and picks "
+                          "one global GPU power limit (Zeus). Keys: docs/policies.md.")] = None
+
+    _saved_blocking_power_w: float | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _keys_agree(self) -> PerseusConfig:
+        if self.straggler_hysteresis >= self.straggler_threshold:
+            raise statement_error(
+                f"{PREFIX}.straggler_hysteresis ({self.straggler_hysteresis:g}) must be smaller than "
+                f"{PREFIX}.straggler_threshold ({self.straggler_threshold:g}), or plans would never return "
+                f"after a straggler recovers; e.g. 0.02 and 0.05"
+            )
+        if self.profile_path is not None and self.blocking_power_w is None and Path(self.profile_path).is_file():
+            try:
+                self._saved_blocking_power_w = _saved_blocking_power_w(self.profile_path)
+            except ConfigError as err:
+                raise statement_error(str(err)) from None
+        return self
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "PerseusConfig":
-        """Validate a `"perseus"` section; raise ConfigError naming the first bad key."""
-        if data is None:
-            return cls()
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"{PREFIX} must be an object of settings, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(
-                f"unknown key(s) {', '.join(f'{PREFIX}.{k}' for k in unknown)}; "
-                f"known keys: {', '.join(sorted(known))}"
-            )
-        values: dict[str, Any] = {}
-        for key, raw in data.items():
-            values[key] = _PARSERS[key](raw, f"{PREFIX}.{key}")
-        config = cls(**values)
-        config._check_combinations()
-        return config
+    def from_dict(cls, data: Any) -> PerseusConfig:
+        """Validate a `"perseus"` section (None: all defaults, disabled); a ConfigError names
+        every bad key."""
+        return parse(cls, {} if data is None else data, root=PREFIX)
 
-    def _check_combinations(self) -> None:
-        if self.straggler_hysteresis >= self.straggler_threshold:
-            raise ConfigError(
-                f"{PREFIX}.straggler_hysteresis ({self.straggler_hysteresis}) must be smaller "
-                f"than {PREFIX}.straggler_threshold ({self.straggler_threshold}), or plans "
-                f"would never return after a straggler recovers"
-            )
+    @property
+    def saved_blocking_power_w(self) -> float | None:
+        """The blocking power saved next to an existing `profile_path` (read at the door), used
+        when `blocking_power_w` is null."""
+        return self._saved_blocking_power_w
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, SimulatedWorkload):
-                value = value.to_dict()
-            elif isinstance(value, tuple):
-                value = list(value)
-            elif isinstance(value, Mapping):
-                value = dict(value)
-            out[f.name] = value
-        return out
+        """The section as plain values; `from_dict(config.to_dict()) == config`."""
+        return self.model_dump()
 
 
-# --------------------------------------------------------------------------- field parsers
-def _bool(raw: Any, key: str) -> bool:
-    if not isinstance(raw, bool):
-        raise ConfigError(f"{key} must be true or false, got {raw!r}")
-    return raw
+# ------------------------------------------------------------------------------ documentation
+def _type_and_default(name: str) -> str:
+    info = PerseusConfig.model_fields[name]
+    kind = field_rule(PerseusConfig, name).requirement.replace("|", "\\|")
+    if info.default is None and not kind.startswith("null"):
+        kind += " \\| null"
+    return f"{kind}, `{json.dumps(info.get_default(call_default_factory=True))}`"
 
 
-def _optional_bool(raw: Any, key: str) -> bool | None:
-    return None if raw is None else _bool(raw, key)
-
-
-def _int(raw: Any, key: str, minimum: int) -> int:
-    if isinstance(raw, bool) or not isinstance(raw, int):
-        raise ConfigError(f"{key} must be an integer, got {raw!r}")
-    if raw < minimum:
-        raise ConfigError(f"{key} must be >= {minimum}, got {raw}")
-    return raw
-
-
-def _int_at_least(minimum: int):
-    return lambda raw, key: _int(raw, key, minimum)
-
-
-def _number(raw: Any, key: str, *, minimum: float, inclusive: bool) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
-        raise ConfigError(f"{key} must be a finite number, got {raw!r}")
-    if raw < minimum or (raw == minimum and not inclusive):
-        relation = ">=" if inclusive else ">"
-        raise ConfigError(f"{key} must be {relation} {minimum}, got {raw}")
-    return float(raw)
-
-
-def _fraction(raw: Any, key: str) -> float:
-    value = _number(raw, key, minimum=0.0, inclusive=True)
-    if value >= 1.0:
-        raise ConfigError(f"{key} must be a fraction below 1 (e.g. 0.05 = 5%), got {raw}")
-    return value
-
-
-def _positive_fraction(raw: Any, key: str) -> float:
-    value = _fraction(raw, key)
-    if value == 0.0:
-        raise ConfigError(f"{key} must be > 0 (e.g. 0.05 = 5%), got {raw}")
-    return value
-
-
-def _optional_power(raw: Any, key: str) -> float | None:
-    return None if raw is None else _number(raw, key, minimum=0.0, inclusive=False)
-
-
-def _optional_str(raw: Any, key: str) -> str | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, str) or not raw.strip():
-        raise ConfigError(f"{key} must be a non-empty string, got {raw!r}")
-    return raw
-
-
-def _mode(raw: Any, key: str) -> str:
-    if raw not in MODES:
-        raise ConfigError(f"{key} must be one of {', '.join(MODES)}, got {raw!r}")
-    return raw
-
-
-def _clock_list(raw: Any, key: str) -> tuple[int, ...] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, (list, tuple)) or not raw:
-        raise ConfigError(f"{key} must be a non-empty list of SM clocks in MHz, got {raw!r}")
-    clocks = [_int(c, f"{key}[{i}]", 1) for i, c in enumerate(raw)]
-    if len(set(clocks)) != len(clocks):
-        raise ConfigError(f"{key} lists a clock twice: {clocks}")
-    return tuple(sorted(clocks, reverse=True))
-
-
-def _communication_clock(raw: Any, key: str) -> int | str | None:
-    if raw is None or raw == "min":
-        return raw
-    if isinstance(raw, str):
-        raise ConfigError(f"{key} must be null, \"min\" or a clock in MHz, got {raw!r}")
-    return _int(raw, key, 1)
-
-
-def _seconds_list(raw: Any, key: str) -> tuple[float, ...]:
-    items = raw if isinstance(raw, (list, tuple)) else [raw]
-    if not items:
-        raise ConfigError(f"{key} must be a number of seconds or a list of them (one per stage)")
-    return tuple(
-        _number(v, f"{key}[{i}]" if isinstance(raw, (list, tuple)) else key, minimum=0.0, inclusive=False)
-        for i, v in enumerate(items)
-    )
-
-
-def _workload(raw: Any, key: str) -> SimulatedWorkload | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{key} must be an object with forward_seconds and backward_seconds")
-    allowed = {"forward_seconds", "backward_seconds"}
-    unknown = sorted(set(raw) - allowed)
-    if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(f'{key}.{k}' for k in unknown)}; known: {', '.join(sorted(allowed))}")
-    missing = sorted(allowed - set(raw))
-    if missing:
-        raise ConfigError(f"{key} needs {', '.join(f'{key}.{k}' for k in missing)}")
-    return SimulatedWorkload(
-        _seconds_list(raw["forward_seconds"], f"{key}.forward_seconds"),
-        _seconds_list(raw["backward_seconds"], f"{key}.backward_seconds"),
-    )
-
-
-def _mapping(raw: Any, key: str, example: str) -> Mapping[str, Any] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{key} must be an object (e.g. {example}), got {raw!r}")
-    return dict(raw)
-
-
-_PARSERS = {
-    "enabled": _bool,
-    "mode": _mode,
-    "gpu": _optional_str,
-    "seed": _int_at_least(0),
-    "dry_run": _optional_bool,
-    "strict": _bool,
-    "warmup_iterations": _int_at_least(0),
-    "profiling_iterations_per_clock": _int_at_least(1),
-    "candidate_clocks": _clock_list,
-    "clock_stride": _int_at_least(1),
-    "early_stop": _bool,
-    "early_stop_patience": _int_at_least(1),
-    "blocking_power_w": _optional_power,
-    "profile_path": _optional_str,
-    "frontier_path": _optional_str,
-    "solve_in_background": _bool,
-    "solver": lambda raw, key: _mapping(raw, key, example='{"min_grid_points": 300}'),
-    "control_timeout_s": lambda raw, key: _number(raw, key, minimum=0.0, inclusive=False),
-    "straggler_check_interval": _int_at_least(1),
-    "straggler_threshold": _positive_fraction,
-    "straggler_hysteresis": _fraction,
-    "straggler_confirmations": _int_at_least(1),
-    "communication_clock": _communication_clock,
-    "log_interval": _int_at_least(0),
-    "log_path": _optional_str,
-    "summary_path": _optional_str,
-    "simulated_workload": _workload,
-    "policy": lambda raw, key: _mapping(raw, key, example='{"name": "perseus"}'),
-}
+def key_table_markdown() -> str:
+    """The key table of README.md and docs/deepspeed.md, generated from the model (a test keeps
+    both files equal to it)."""
+    rows = ["| key | type / default | meaning |", "|---|---|---|"]
+    rows += [
+        f"| `{name}` | {_type_and_default(name)} | {info.description} |"
+        for name, info in PerseusConfig.model_fields.items()
+    ]
+    return "\n".join(rows)

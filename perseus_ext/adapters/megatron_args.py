@@ -1,0 +1,180 @@
+"""Megatron `--perseus*` flags, generated from `PerseusConfig` so they can never drift from it.
+
+`--perseus` turns the runtime on (the `enabled` key), `--perseus-config FILE` reads the same
+JSON section as the DeepSpeed `"perseus"` key, and every other key has one `--perseus-<key>`
+flag (`_` becomes `-`) whose help is the key's description. Flags parse loosely on purpose:
+booleans take true/false words, lists take several values, object-valued keys take JSON, and
+whatever does not parse stays text — so a bad value never makes argparse exit the trainer; it
+reaches `PerseusConfig.from_dict`, and `config_from_args` raises one ConfigError naming the key
+and its flag. This module imports neither torch nor megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from perseus_ext.errors import ConfigError
+
+ENABLE_FLAG = "--perseus"
+CONFIG_FLAG = "--perseus-config"
+_MENTIONED_KEY = re.compile(r"\bperseus\.(\w+)")
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def flag_name(key: str) -> str:
+    """The Megatron flag of a top-level `perseus` key."""
+    return ENABLE_FLAG if key == "enabled" else f"--perseus-{key.replace('_', '-')}"
+
+
+def _dest(key: str) -> str:
+    return f"perseus_{key}"
+
+
+def _flag_keys() -> dict[str, Any]:
+    """The `PerseusConfig` fields that get a `--perseus-<key>` flag (all but `enabled`)."""
+    from perseus_ext.runtime.config import PerseusConfig
+
+    return {name: info for name, info in PerseusConfig.model_fields.items() if name != "enabled"}
+
+
+def _leaf_types(annotation: Any) -> list[Any]:
+    """The types a field's value may have, without Annotated metadata and None."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _leaf_types(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [t for arg in typing.get_args(annotation) for t in _leaf_types(arg)]
+    return [] if annotation is type(None) else [annotation]
+
+
+def value_kind(annotation: Any) -> str:
+    """How a flag reads its value: "bool" (a true/false word), "list" (several values) or
+    "json" (one JSON value, else the text itself)."""
+    leaves = _leaf_types(annotation)
+    if leaves and all(leaf is bool for leaf in leaves):
+        return "bool"
+    if any(typing.get_origin(leaf) in (list, tuple) for leaf in leaves):
+        return "list"
+    return "json"
+
+
+def _json_or_text(text: str) -> Any:
+    """Numbers, null, lists and objects as JSON; anything else (e.g. `min`) as the text."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return text
+
+
+def _bool_or_text(text: str) -> Any:
+    lowered = text.strip().lower()
+    if lowered in _TRUE_WORDS:
+        return True
+    if lowered in _FALSE_WORDS:
+        return False
+    if lowered == "null":  # e.g. dry_run: null = decide from the process's privileges
+        return None
+    return text  # PerseusConfig names the key: "must be true or false"
+
+
+_READERS: dict[str, tuple[Callable[[str], Any], str | None, str]] = {
+    "bool": (_bool_or_text, None, "{true,false}"),
+    "list": (_json_or_text, "+", "VALUE"),
+    "json": (_json_or_text, None, "VALUE"),
+}
+
+
+def add_perseus_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `perseus` argument group; returns the parser (Megatron-LM's
+    `extra_args_provider` contract).
+
+    `--perseus` turns the runtime on; `--perseus-config FILE` reads the same JSON section as the
+    DeepSpeed `"perseus"` key (a whole DeepSpeed config with a `"perseus"` key also works);
+    every key also has its own `--perseus-<key>` flag, which overrides the file.
+    """
+    group = parser.add_argument_group("perseus", "energy-bloat removal for pipeline parallelism (perseus-ext)")
+    group.add_argument(
+        ENABLE_FLAG, action="store_true",
+        help="profile the pipeline, plan per-computation GPU clocks and deploy them",
+    )
+    group.add_argument(
+        CONFIG_FLAG, metavar="FILE",
+        help="JSON file with the perseus section (same keys as the DeepSpeed 'perseus' key)",
+    )
+    from perseus_ext.runtime.config import PerseusConfig
+    from perseus_ext.schema import field_rule
+
+    for key, info in _flag_keys().items():
+        reader, nargs, metavar = _READERS[value_kind(info.annotation)]
+        default = json.dumps(info.get_default(call_default_factory=True))
+        requirement = field_rule(PerseusConfig, key).requirement
+        group.add_argument(
+            flag_name(key),
+            dest=_dest(key),
+            type=reader,
+            nargs=nargs,
+            default=argparse.SUPPRESS,  # absent unless given, so `null` can override the file
+            metavar=metavar,
+            help=f"config key '{key}' ({requirement}; default {default}): {info.description}".replace("%", "%%"),
+        )
+    return parser
+
+
+def chain_extra_args(
+    *providers: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None,
+) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """Combine several Megatron-LM `extra_args_provider`s (None entries are skipped)."""
+
+    def provide(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        for provider in providers:
+            if provider is not None:
+                parser = provider(parser)
+        return parser
+
+    return provide
+
+
+def _read_config_file(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{CONFIG_FLAG}: cannot read {path!r}: {exc.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{CONFIG_FLAG}: {path!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{CONFIG_FLAG}: {path!r} must hold a JSON object")
+    if isinstance(data.get("perseus"), dict):
+        data = data["perseus"]  # a whole DeepSpeed config
+    return data
+
+
+def config_from_args(args: argparse.Namespace):
+    """The `PerseusConfig` the flags describe (validated completely), or None when `--perseus`
+    is off. A bad value raises ConfigError naming the key and its flag."""
+    from perseus_ext.runtime.config import PerseusConfig
+
+    if not getattr(args, "perseus", False):
+        return None
+    section: dict = {}
+    if getattr(args, "perseus_config", None):
+        section.update(_read_config_file(args.perseus_config))
+    for key in _flag_keys():
+        if hasattr(args, _dest(key)):
+            section[key] = getattr(args, _dest(key))
+    section["enabled"] = True
+    try:
+        return PerseusConfig.from_dict(section)
+    except ConfigError as exc:
+        keys = dict.fromkeys(_MENTIONED_KEY.findall(str(exc)))
+        flags = [flag_name(key) for key in keys if key in PerseusConfig.model_fields]
+        separator = "\n" if "\n" in str(exc) else " "
+        hint = f"{separator}(Megatron flag {', '.join(flags)} or {CONFIG_FLAG})" if flags else ""
+        raise ConfigError(f"{exc}{hint}") from None
