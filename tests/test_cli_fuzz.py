@@ -63,6 +63,7 @@ EMULATE_OPTIONS = st.lists(st.one_of(
     _option("--slowdown-distribution", st.sampled_from(["1.0:0.9,1.2:0.1", "x", "1.2", "1.0:-1", ""])),
     _option("--slowdown-trace", st.sampled_from(["{binary}", "{tiny}", "nope", "{dir}"])),
     _option("--output", OUTPUTS),
+    _option("--power-budget", st.sampled_from(["0.8", "1", "0", "1.5", "nan"])),
     st.just(["--markdown"]),
 ), max_size=4)
 

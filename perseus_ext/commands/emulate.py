@@ -76,7 +76,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="one steady straggler per factor (default factors 1.0, 1.05, ..., 1.5)")
 
     budget = parser.add_argument_group("power budget")
-    budget.add_argument("--power-budget", type=float, nargs="*", default=None, metavar="FRACTION",
+    budget.add_argument("--power-budget", type=bounded_float(0, 1, inclusive_min=False), nargs="*",
+                        default=None, metavar="FRACTION",
                         help="also print throughput at equal average power: perseus-ext's budget "
                              "policy vs one global power limit vs one global clock, at these "
                              "fractions of the all-max-clock power (default 0.6, 0.65, ..., 1.0)")
