@@ -2,7 +2,9 @@
 
 Each command module defines `register(subparsers)`, which adds its parser and sets
 `func(args) -> int`. Command modules import heavy dependencies inside `func`, so `--help`
-stays fast.
+stays fast. A user mistake never ends in a traceback: argparse rejects malformed options
+(exit 2), a PerseusError (bad profile, config, schedule) is one line on stderr (exit 2), and an
+operating-system error while writing results is one line too (exit 1).
 """
 
 from __future__ import annotations
@@ -20,7 +22,22 @@ COMMAND_MODULES = [
     "perseus_ext.commands.emulate",
     "perseus_ext.commands.batch_size",
     "perseus_ext.commands.demo",
+    "perseus_ext.commands.doctor",
+    "perseus_ext.commands.patch_path",
 ]
+
+EXIT_USAGE = 2  # argparse's own code for a bad command line
+EXIT_FAILURE = 1
+
+
+def _add_verbosity(parser: argparse.ArgumentParser, default: object) -> None:
+    """-v/-q on the top parser and on every subcommand (`perseus-ext frontier -q ...`); the
+    subcommands' default is SUPPRESS so they never reset what the top parser set."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("-v", "--verbose", dest="log_level", action="store_const", const=logging.DEBUG,
+                       default=default, help="log debug details (e.g. every dropped profile clock)")
+    group.add_argument("-q", "--quiet", dest="log_level", action="store_const", const=logging.WARNING,
+                       default=default, help="log only warnings and errors")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,21 +46,27 @@ def build_parser() -> argparse.ArgumentParser:
         description="Remove energy bloat from pipeline-parallel training.",
     )
     parser.add_argument("--version", action="version", version=f"perseus-ext {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    _add_verbosity(parser, logging.INFO)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    for subparser in subparsers.choices.values():
+        _add_verbosity(subparser, argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("perseus_ext").setLevel(args.log_level)  # also when logging was set up before
     try:
         return int(args.func(args) or 0)
     except PerseusError as err:
         print(f"perseus-ext {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except OSError as err:
+        print(f"perseus-ext {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print(f"perseus-ext {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from perseus_ext.cli import main
+from perseus_ext.data import shipped_profile
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Plan
 from perseus_ext.planning.profile import Profile, load_profile
 from perseus_ext.planning.schedule import one_f_one_b
 
-A100 = Path(__file__).resolve().parents[1] / "examples" / "profiles" / "gpt3-175b-a100_sxm.csv"
+A100 = shipped_profile("gpt3-175b-a100_sxm")
 
 
 @pytest.fixture()

@@ -1,14 +1,28 @@
-"""`pip install -e .` without extras must give a working CLI: no torch, DeepSpeed or Megatron.
+"""Installation: the CLI works without the optional frameworks; a wheel (not editable) install
+ships the profiles, patches and the autoload `.pth` and runs `perseus-ext frontier` on a shipped
+profile; editable installs get the `.pth` too; the hook costs next to nothing at start-up.
 
-Each check runs in a fresh interpreter in which importing those frameworks fails, as on a
-machine where only the core requirements (numpy, scipy, networkx, tqdm) are installed.
+The framework checks run in a fresh interpreter in which importing those frameworks fails, as on
+a machine where only the core requirements are installed.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import shutil
+import site
 import subprocess
 import sys
 import textwrap
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from perseus_ext.data import shipped_profile_names
 
 FRAMEWORKS = ("torch", "deepspeed", "megatron", "pynvml", "matplotlib")
 
@@ -61,3 +75,191 @@ def test_every_subcommand_help_needs_no_framework() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "checked" in result.stdout
+
+
+# --------------------------------------------------------------------------- wheel and editable
+
+SOURCE = Path(__file__).resolve().parents[1]
+PACKAGING_FILES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "perseus_ext_autoload.pth")
+FAKE_DEEPSPEED = '''
+from types import SimpleNamespace
+def initialize(**kwargs):
+    engine = SimpleNamespace(_config=SimpleNamespace(_param_dict=kwargs["config"]))
+    return engine, None, None, None
+'''
+
+
+def _copy_source(destination: Path) -> Path:
+    """What a build needs, copied so that building never writes into the checkout."""
+    destination.mkdir()
+    for name in PACKAGING_FILES:
+        shutil.copy2(SOURCE / name, destination / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(SOURCE / "perseus_ext", destination / "perseus_ext", symlinks=True, ignore=ignore)
+    shutil.copytree(SOURCE / "patches", destination / "patches", ignore=ignore)
+    return destination
+
+
+def _venv_with(wheel: Path, where: Path) -> Path:
+    """A fresh venv with `wheel` installed as pip installs it; the test interpreter's own
+    site-packages are added as plain path entries (their `.pth` files are not run), so the
+    dependencies resolve without reinstalling them and this checkout stays invisible."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=120)
+    python = where / "bin" / "python"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+         "--no-index", str(wheel)],
+        check=True, timeout=300, capture_output=True,
+    )
+    (_site_packages(python) / "_test_dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return python
+
+
+def _site_packages(python: Path) -> Path:
+    return Path(_check_output(python, "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip())
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PERSEUS_AUTOLOAD")}
+    return {**env, **extra}
+
+
+def _check_output(python: Path, code: str, **env: str) -> str:
+    result = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300,
+                            env=_clean_env(**env), cwd=python.parents[1])
+    assert result.returncode == 0, result.stderr
+    return result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("packaging")
+    source = _copy_source(root / "src")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-index", "--wheel-dir", str(root / "dist"), str(source)],
+        check=True, timeout=300, capture_output=True,
+    )
+    editable = subprocess.run(
+        [sys.executable, "-c", "import sys; from setuptools import build_meta; "
+         "print(build_meta.build_editable(sys.argv[1]))", str(root / "editable")],
+        check=True, timeout=300, capture_output=True, text=True, cwd=source,
+    )
+    (wheel,) = (root / "dist").glob("perseus_ext-*.whl")
+    return {"root": root, "source": source, "wheel": wheel,
+            "editable": root / "editable" / editable.stdout.strip().splitlines()[-1]}
+
+
+def test_wheel_ships_profiles_patches_and_the_autoload_hook(built) -> None:
+    names = set(zipfile.ZipFile(built["wheel"]).namelist())
+    assert "perseus_ext_autoload.pth" in names  # top of site-packages, not inside the package
+    profiles = {n for n in names if n.startswith("perseus_ext/data/profiles/")}
+    assert {f"perseus_ext/data/profiles/{p}.csv" for p in shipped_profile_names()} <= profiles
+    assert "perseus_ext/data/profiles/README.md" in profiles  # the data's attribution
+    assert "perseus_ext/data/patches/megatron-lm/pretrain_gpt.core_v0.16.patch" in names
+    assert not any(n.startswith(("tests/", "examples/")) for n in names)
+    metadata = zipfile.ZipFile(built["wheel"]).read(
+        next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "Requires-Dist: nvidia-ml-py" in metadata
+    assert "Requires-Dist: deepspeed>=0.14; extra" in metadata
+
+
+def test_wheel_install_runs_frontier_with_a_shipped_profile(built) -> None:
+    python = _venv_with(built["wheel"], built["root"] / "venv-wheel")
+    out = built["root"] / "frontier.json"
+    started = time.perf_counter()
+    result = subprocess.run(
+        [str(python.parent / "perseus-ext"), "frontier", "--profile", "gpt3-175b-a100_sxm",
+         "--microbatches", "4", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, env=_clean_env(), cwd=built["root"],
+    )
+    assert result.returncode == 0, result.stderr
+    assert "T_min" in result.stdout and json.loads(out.read_text())["blocking_power"] == 83.64
+    assert time.perf_counter() - started < 120
+    location = _check_output(python, "import perseus_ext; print(perseus_ext.__file__)")
+    assert location.startswith(str(_site_packages(python)))
+    patches = subprocess.run([str(python.parent / "perseus-ext"), "patch-path"], capture_output=True,
+                             text=True, timeout=120, env=_clean_env(), check=True).stdout.strip()
+    assert Path(patches, "pretrain_gpt.core_v0.18.patch").is_file()
+
+
+def test_editable_install_has_the_autoload_hook_and_the_data(built) -> None:
+    names = zipfile.ZipFile(built["editable"]).namelist()
+    assert "perseus_ext_autoload.pth" in names
+    python = _venv_with(built["editable"], built["root"] / "venv-editable")
+    printed = _check_output(python, "import sys, perseus_ext.data as d; "
+                            "print(d.shipped_profile('gpt3-175b-a40')); print(d.patches_dir()); "
+                            "print(sorted(m for m in sys.modules if m.startswith('perseus_ext')))")
+    profile, patches, modules = printed.splitlines()
+    assert Path(profile).is_file() and Path(profile).is_relative_to(built["source"])
+    assert (Path(patches) / "megatron-lm" / "README.md").is_file()
+    assert modules == "['perseus_ext', 'perseus_ext.autoload', 'perseus_ext.data']"
+
+
+@pytest.mark.parametrize("autoload, marker", [("1", "_perseus_wrapped"), ("0", "_perseus_watched")])
+def test_autoload_hooks_deepspeed_only_when_it_is_imported(built, autoload, marker) -> None:
+    python = built["root"] / "venv-wheel" / "bin" / "python"
+    if not python.exists():
+        python = _venv_with(built["wheel"], built["root"] / "venv-wheel")
+    fake = built["root"] / f"fake-deepspeed-{autoload}"
+    (fake / "deepspeed").mkdir(parents=True)
+    (fake / "deepspeed" / "__init__.py").write_text(FAKE_DEEPSPEED)
+    code = (
+        "import sys\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('perseus_ext'))\n"
+        "assert loaded == ['perseus_ext', 'perseus_ext.autoload'], loaded\n"
+        "import deepspeed\n"
+        f"assert getattr(deepspeed.initialize, {marker!r}, False)\n"
+        "deepspeed.initialize(config={'perseus': {'enabled': True}}) if "
+        f"{autoload!r} == '0' else None\n"
+    )
+    printed = _check_output(python, code, PERSEUS_AUTOLOAD=autoload, PYTHONPATH=str(fake))
+    warned = "enables \"perseus\" but perseus-ext is not attached" in printed
+    assert warned is (autoload == "0")
+
+
+def test_autoload_costs_next_to_nothing_at_start_up(built) -> None:
+    """`python -c pass` with and without the `.pth` hook, interleaved, best of 15 each."""
+    python = built["root"] / "venv-wheel" / "bin" / "python"
+    if not python.exists():
+        python = _venv_with(built["wheel"], built["root"] / "venv-wheel")
+    hook = _site_packages(python) / "perseus_ext_autoload.pth"
+    parked = hook.with_suffix(".off")
+    best = {"with": math.inf, "without": math.inf}
+    try:
+        for _ in range(15):
+            for state in ("with", "without"):
+                if state == "with" and parked.exists():
+                    parked.rename(hook)
+                elif state == "without" and hook.exists():
+                    hook.rename(parked)
+                started = time.perf_counter()
+                subprocess.run([str(python), "-c", "pass"], check=True, env=_clean_env(), timeout=60)
+                best[state] = min(best[state], time.perf_counter() - started)
+    finally:
+        if parked.exists():
+            parked.rename(hook)
+    ratio = best["with"] / best["without"]
+    print(f"python -c pass: {best['with'] * 1e3:.1f} ms with the hook, "
+          f"{best['without'] * 1e3:.1f} ms without (ratio {ratio:.2f})")
+    assert ratio < 1.25
+
+
+def test_unattached_section_warns_until_install_is_called(caplog) -> None:
+    from types import SimpleNamespace
+
+    from perseus_ext.adapters.deepspeed import install, warn_if_unattached
+    from perseus_ext.errors import ConfigError
+
+    engine = SimpleNamespace(_config=SimpleNamespace(_param_dict={"perseus": {"enabled": True}}))
+    fake = SimpleNamespace(initialize=lambda **kwargs: (engine, None, None, None))
+    warn_if_unattached(fake)
+    warn_if_unattached(fake)  # idempotent: one wrapper
+    with caplog.at_level("WARNING", logger="perseus_ext.adapters.deepspeed"):
+        fake.initialize(config={})
+    assert [r.getMessage().count("not attached") for r in caplog.records] == [1]
+    caplog.clear()
+    install(fake)  # now attach() runs (and rejects this non-pipeline engine); no warning
+    with pytest.raises(ConfigError, match="PipelineModule"):
+        fake.initialize(config={})
+    assert not caplog.records

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tiny GPT on CPU: 2 processes over gloo (PP=2), one simulated A100 each, with --perseus.
-# megatron-core calls torch.cuda in a few places; tests/megatron_cpu.py redirects those to the
-# CPU (tests-only shims, not part of the package) and then runs pretrain_gpt3.py.
+# megatron-core calls torch.cuda in a few places; cpu_shims.py (next to this script, not part of
+# the package) redirects those to the CPU and then runs pretrain_gpt3.py.
 #
 #   ./run_tiny_cpu.sh                          # Perseus on
 #   ./run_tiny_cpu.sh --perseus-mode observe   # default clocks, measured (the baseline)
@@ -13,7 +13,7 @@ VP_ARGS=()
 [[ -n "${VP:-}" ]] && VP_ARGS=(--virtual-pipeline-model-parallel-size "$VP")
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
 exec python3 -m torch.distributed.run --nproc-per-node "${NPROC:-2}" \
-  "$ROOT/tests/megatron_cpu.py" "$HERE/pretrain_gpt3.py" \
+  "$HERE/cpu_shims.py" "$HERE/pretrain_gpt3.py" \
   --model tiny --seq-length 32 --vocab-size 128 --micro-batch-size 1 \
   --pipeline-model-parallel-size 2 "${VP_ARGS[@]}" --global-batch-size "${GLOBAL_BATCH:-4}" \
   --train-iters "${TRAIN_ITERS:-16}" \

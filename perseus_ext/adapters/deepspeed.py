@@ -14,28 +14,25 @@ DeepSpeed:
   it, never a CUDA synchronize), then run DeepSpeed's own handler. `ReduceTiedGrads`/`ReduceGrads`
   mark the end of the pipeline's own compute (straggler detection must not count the
   data-parallel wait).
-* `autoload()` arranges for `install()` to run as soon as `deepspeed` is imported, for a `.pth`
-  file, so user scripts need no perseus import at all.
+* `perseus_ext.autoload` (run by the installed `.pth` file) calls `install()` as soon as
+  `deepspeed` is imported, so user scripts need no perseus import at all; with
+  PERSEUS_AUTOLOAD=0 it calls `warn_if_unattached()` instead.
 
-Top-level imports stay in the standard library so `autoload()` costs nothing at start-up.
+Top-level imports stay in the standard library, so importing this module on `import deepspeed`
+costs next to nothing.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
-import importlib.abc
-import importlib.util
 import logging
-import os
-import sys
 from types import MethodType, ModuleType
 from typing import Any, Mapping
 
 logger = logging.getLogger(__name__)
 
 CONFIG_KEY = "perseus"
-AUTOLOAD_ENV = "PERSEUS_AUTOLOAD"  # set to 0 to keep autoload() from hooking deepspeed
 
 _schedule_classes: dict[str, type] = {}
 
@@ -187,6 +184,7 @@ def install(deepspeed_module: ModuleType | None = None) -> None:
     enabled `"perseus"` section; idempotent."""
     if deepspeed_module is None:
         import deepspeed as deepspeed_module
+    deepspeed_module._perseus_installed = True  # silences warn_if_unattached's wrapper
     original = deepspeed_module.initialize
     if getattr(original, "_perseus_wrapped", False):
         return
@@ -212,35 +210,37 @@ def install(deepspeed_module: ModuleType | None = None) -> None:
     deepspeed_module.initialize = initialize
 
 
-class _HookDeepSpeedImport(importlib.abc.MetaPathFinder):
-    """Runs `install()` right after `deepspeed` is imported (whoever imports it)."""
+def warn_if_unattached(deepspeed_module: ModuleType) -> None:
+    """Make `deepspeed.initialize` warn when its config enables `"perseus"` but `install()` was
+    never called (autoload off): DeepSpeed ignores unknown config keys without a word, and it
+    offers no plugin hook that would let perseus-ext notice otherwise."""
+    original = deepspeed_module.initialize
+    if getattr(original, "_perseus_wrapped", False) or getattr(original, "_perseus_watched", False):
+        return
 
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "deepspeed":
-            return None
-        sys.meta_path.remove(self)  # find the real package with the remaining finders
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
+    @functools.wraps(original)
+    def initialize(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        engine = result[0] if isinstance(result, tuple) and result else result
+        section = perseus_section(engine)
+        enabled = isinstance(section, Mapping) and section.get("enabled") is True
+        if (enabled and not getattr(deepspeed_module, "_perseus_installed", False)
+                and getattr(engine, "perseus", None) is None):
+            logger.warning(
+                "perseus-ext: the DeepSpeed config enables \"%s\" but perseus-ext is not attached "
+                "(PERSEUS_AUTOLOAD=0 turned the automatic hook off): call "
+                "perseus_ext.adapters.deepspeed.install() before deepspeed.initialize, or unset "
+                "PERSEUS_AUTOLOAD", CONFIG_KEY,
+            )
+        return result
 
-        def exec_and_install(module: ModuleType) -> None:
-            exec_module(module)
-            try:
-                install(module)
-            except Exception as err:  # a broken hook must never break `import deepspeed`
-                logger.error("perseus-ext: could not hook deepspeed.initialize: %r", err)
-
-        spec.loader.exec_module = exec_and_install  # type: ignore[method-assign]
-        return spec
+    initialize._perseus_watched = True  # type: ignore[attr-defined]
+    deepspeed_module.initialize = initialize
 
 
 def autoload() -> None:
-    """Hook DeepSpeed on import, for a `.pth` line (`import perseus_ext.adapters.deepspeed as m;
-    m.autoload()`); set PERSEUS_AUTOLOAD=0 to opt out."""
-    if os.environ.get(AUTOLOAD_ENV, "1") == "0":
-        return
-    if "deepspeed" in sys.modules:
-        install(sys.modules["deepspeed"])
-    elif not any(isinstance(f, _HookDeepSpeedImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _HookDeepSpeedImport())
+    """Hook DeepSpeed on import (what the `.pth` file does at start-up, see
+    `perseus_ext.autoload`); PERSEUS_AUTOLOAD=0 only warns about an unattached section."""
+    from perseus_ext.autoload import at_startup
+
+    at_startup()

@@ -2,7 +2,7 @@
 
 Example (the paper's GPT-3 175B large-scale setup at T'/T = 1.2)::
 
-    perseus-ext emulate --profile examples/profiles/gpt3-175b-a100_sxm.csv \\
+    perseus-ext emulate --profile gpt3-175b-a100_sxm \\
         --tp 8 --pp 8 --global-batch 1536 --microbatches 12 24 48 96 \\
         --blocking-power a100 --scale 10 --slowdown 1.2
 """
@@ -11,6 +11,20 @@ from __future__ import annotations
 
 import argparse
 
+from perseus_ext.commands.options import (
+    add_blocking_power_argument,
+    add_profile_argument,
+    bounded_float,
+    bounded_int,
+    check_plotting,
+    check_writable_dir,
+    check_writable_file,
+)
+
+MAX_PARALLEL = 1 << 20  # GPUs per stage / stages / samples: far above any real job
+MAX_MICROBATCHES = 4096
+MAX_SCALE = 1e6
+MAX_SLOWDOWN = 100.0
 DEFAULT_SWEEP = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4, 1.45, 1.5]
 
 
@@ -26,41 +40,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     job = parser.add_argument_group("job")
-    job.add_argument("--profile", required=True, help="stage profile CSV (stage,instruction,frequency,time,energy)")
-    job.add_argument("--tp", type=int, default=1, help="tensor-parallel degree: GPUs per stage (default 1)")
-    job.add_argument("--pp", type=int, default=None, help="pipeline stages (default: the profile's stage count)")
-    job.add_argument("--microbatches", type=int, nargs="+", required=True,
+    add_profile_argument(job)
+    job.add_argument("--tp", type=bounded_int(1, MAX_PARALLEL), default=1,
+                     help="tensor-parallel degree: GPUs per stage (default 1)")
+    job.add_argument("--pp", type=bounded_int(1, MAX_PARALLEL), default=None,
+                     help="pipeline stages (default: the profile's stage count)")
+    job.add_argument("--microbatches", type=bounded_int(1, MAX_MICROBATCHES), nargs="+", required=True,
                      help="microbatches per pipeline per iteration; several values emulate several job sizes")
-    job.add_argument("--global-batch", type=int, default=None,
+    job.add_argument("--global-batch", type=bounded_int(1, MAX_PARALLEL), default=None,
                      help="samples per iteration of the whole job; DP = global batch / (microbatches x "
                           "microbatch size) (default: one pipeline)")
-    job.add_argument("--microbatch-size", type=int, default=1, help="samples per microbatch (default 1)")
+    job.add_argument("--microbatch-size", type=bounded_int(1, MAX_PARALLEL), default=1,
+                     help="samples per microbatch (default 1)")
     job.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved"], help="pipeline schedule")
-    job.add_argument("--chunks", type=int, default=1, help="model chunks per stage (interleaved schedule)")
+    job.add_argument("--chunks", type=bounded_int(1, 64), default=1,
+                     help="model chunks per stage (interleaved schedule)")
 
     energy = parser.add_argument_group("energy model")
-    energy.add_argument("--blocking-power", required=True,
-                        help="watts one GPU draws while blocked on communication, or a GPU name "
-                             "with a published value: a100 (83.64 W), a40 (70.38 W)")
-    energy.add_argument("--scale", type=float, default=1.0,
+    add_blocking_power_argument(energy)
+    energy.add_argument("--scale", type=bounded_float(0, MAX_SCALE, inclusive_min=False), default=1.0,
                         help="the full model has SCALE times the profiled layers per stage: stage "
                              "times and per-GPU energies are multiplied by SCALE (paper: 10)")
-    energy.add_argument("--energy-scale", type=float, default=None,
+    energy.add_argument("--energy-scale", type=bounded_float(0, MAX_SCALE, inclusive_min=False), default=None,
                         help="per-GPU energy multiplier if it differs from --scale")
 
     scenario = parser.add_argument_group("straggler scenario (default: none)")
     which = scenario.add_mutually_exclusive_group()
-    which.add_argument("--slowdown", type=float, default=None,
+    which.add_argument("--slowdown", type=bounded_float(1, MAX_SLOWDOWN), default=None,
                        help="one pipeline is this many times slower (T'/T, e.g. 1.2)")
     which.add_argument("--slowdown-distribution", default=None, metavar="F:W,...",
                        help="share of iterations at each slowdown, e.g. '1.0:0.9,1.2:0.07,1.5:0.03'")
     which.add_argument("--slowdown-trace", default=None, metavar="CSV",
                        help="per-iteration slowdowns (column 'slowdown' or the first column)")
-    which.add_argument("--sweep", type=float, nargs="*", default=None, metavar="F",
+    which.add_argument("--sweep", type=bounded_float(1, MAX_SLOWDOWN), nargs="*", default=None, metavar="F",
                        help="one steady straggler per factor (default factors 1.0, 1.05, ..., 1.5)")
 
     budget = parser.add_argument_group("power budget")
-    budget.add_argument("--power-budget", type=float, nargs="*", default=None, metavar="FRACTION",
+    budget.add_argument("--power-budget", type=bounded_float(0, 1, inclusive_min=False), nargs="*",
+                        default=None, metavar="FRACTION",
                         help="also print throughput at equal average power: perseus-ext's budget "
                              "policy vs one global power limit vs one global clock, at these "
                              "fractions of the all-max-clock power (default 0.6, 0.65, ..., 1.0)")
@@ -71,22 +88,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     out.add_argument("--plot-dir", default=None, metavar="DIR",
                      help="write figures: frontier and timeline per job size, or savings vs slowdown "
                           "with --sweep")
-    out.add_argument("--plot-format", default="png", choices=["png", "svg", "pdf"])
+    out.add_argument("--plot-format", default="png", choices=["png", "svg", "pdf"],
+                     help="figure file type (default: %(default)s)")
     out.add_argument("--markdown", action="store_true", help="print tables as markdown")
     parser.set_defaults(func=run)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Fail before emulating if an output cannot be written."""
+    from pathlib import Path
+
+    if args.output:
+        check_writable_file(Path(args.output), "--output")
+    if args.plot_dir:
+        check_plotting(None, "--plot-dir")
+        check_writable_dir(Path(args.plot_dir), "--plot-dir")
 
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from perseus_ext.emulator import Emulator, JobLayout, StragglerScenario, resolve_blocking_power
-    from perseus_ext.emulator import report
+    from perseus_ext.commands.options import blocking_power_w, check_pipeline_size, resolve_profile
+    from perseus_ext.emulator import Emulator, JobLayout, StragglerScenario, report
     from perseus_ext.errors import ConfigError
     from perseus_ext.planning.profile import load_profile
 
-    profile = load_profile(args.profile, pareto=False)
-    pp = args.pp or profile.num_stages // args.chunks
-    blocking = resolve_blocking_power(args.blocking_power)
+    profile_path = resolve_profile(args.profile)
+    profile = load_profile(profile_path, pareto=False)
+    pp = args.pp if args.pp is not None else profile.num_stages // args.chunks
+    blocking = blocking_power_w(args.blocking_power, profile_path)
     if args.sweep is not None:
         factors = args.sweep or DEFAULT_SWEEP
         scenario = None
@@ -95,14 +125,18 @@ def run(args: argparse.Namespace) -> int:
     elif args.slowdown_distribution is not None:
         scenario = StragglerScenario.parse(args.slowdown_distribution)
     elif args.slowdown_trace is not None:
-        scenario = StragglerScenario.from_trace(args.slowdown_trace)
+        try:
+            scenario = StragglerScenario.from_trace(args.slowdown_trace)
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"--slowdown-trace {args.slowdown_trace}: cannot read it ({err})") from None
     else:
         scenario = StragglerScenario.none()
 
+    for microbatches in args.microbatches:
+        check_pipeline_size(pp, microbatches, args.chunks)
+    check_outputs(args)
     emulators = []
     for microbatches in args.microbatches:
-        if microbatches < 1:
-            raise ConfigError(f"--microbatches must be positive integers, got {microbatches}")
         global_batch = args.global_batch or microbatches * args.microbatch_size
         layout = JobLayout(
             tensor_parallel=args.tp, pipeline_parallel=pp, global_batch=global_batch,
@@ -115,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
 
     energy_scale = args.scale if args.energy_scale is None else args.energy_scale
     print(
-        f"profile {args.profile}: TP {args.tp} x PP {pp}, {args.schedule}, blocking power "
+        f"profile {profile_path.name}: TP {args.tp} x PP {pp}, {args.schedule}, blocking power "
         f"{blocking:g} W/GPU, stage time x{args.scale:g}, GPU energy x{energy_scale:g}"
     )
     plot_dir = Path(args.plot_dir) if args.plot_dir else None
@@ -126,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         results = [e for runs in sweeps.values() for e in runs]
         if plot_dir:
             path = plot_dir / f"savings_vs_slowdown.{args.plot_format}"
-            report.plot_sweep(sweeps, path, title=f"{Path(args.profile).stem}: energy saving vs slowdown")
+            report.plot_sweep(sweeps, path, title=f"{profile_path.stem}: energy saving vs slowdown")
             print(f"\nwrote {path}")
     else:
         results = [em.run(scenario) for em in emulators]

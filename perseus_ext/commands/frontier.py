@@ -7,34 +7,22 @@ import sys
 import time
 from pathlib import Path
 
-from perseus_ext.errors import ProfileError
+from perseus_ext.commands.options import (
+    add_blocking_power_argument,
+    add_profile_argument,
+    blocking_power_w,
+    bounded_float,
+    bounded_int,
+    check_pipeline_size,
+    check_plotting,
+    check_writable_file,
+    resolve_profile,
+)
 
-SHIPPED_PROFILES = Path(__file__).resolve().parents[2] / "examples" / "profiles"
-
-
-def resolve_profile(name: str) -> Path:
-    """A profile path, or the name of a shipped one (e.g. `gpt3-175b-a100_sxm`)."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    shipped = SHIPPED_PROFILES / (name if name.endswith(".csv") else f"{name}.csv")
-    if shipped.is_file():
-        return shipped
-    names = sorted(p.stem for p in SHIPPED_PROFILES.glob("*.csv"))
-    raise ProfileError(f"--profile {name!r}: no such file, nor a shipped profile ({', '.join(names)})")
-
-
-def default_blocking_power(profile: Path) -> float:
-    """The published blocking power for the GPU named in a shipped profile's file name."""
-    from perseus_ext.planning.energy import BLOCKING_POWER_W
-
-    for gpu, watts in BLOCKING_POWER_W.items():
-        if gpu in profile.stem.lower():
-            return watts
-    raise ProfileError(
-        f"--blocking-power is needed: {profile.name} does not name a GPU with a published "
-        f"blocking power ({', '.join(BLOCKING_POWER_W)})"
-    )
+MAX_STAGES = 256
+MAX_MICROBATCHES = 4096
+MAX_VIRTUAL_STAGES = 64
+MIN_RESOLUTION_S, MAX_RESOLUTION_S = 1e-4, 60.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,23 +32,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Compute every Pareto-optimal (iteration time, energy) plan of a pipeline, "
         "from all-max-clock speed to the minimum-energy plan, and write it as JSON.",
     )
-    parser.add_argument(
-        "--profile", required=True,
-        help="profile CSV (stage,instruction,frequency,time,energy) or a shipped profile name",
-    )
-    parser.add_argument("--stages", type=int, help="pipeline stages (default: the profile's)")
-    parser.add_argument("--microbatches", type=int, required=True, help="microbatches per iteration")
-    parser.add_argument(
-        "--blocking-power", type=float,
-        help="GPU power (W) while blocked on communication (default: published value for the "
-        "GPU in the profile's name: 83.64 A100, 70.38 A40)",
-    )
-    parser.add_argument("--schedule", choices=["1f1b", "interleaved"], default="1f1b")
-    parser.add_argument("--virtual-stages", type=int, default=1, help="model chunks per stage (interleaved)")
-    parser.add_argument("--resolution", type=float, default=1e-3, help="max time step between plans (s)")
+    add_profile_argument(parser)
+    parser.add_argument("--stages", type=bounded_int(1, MAX_STAGES),
+                        help="pipeline stages (default: the profile's)")
+    parser.add_argument("--microbatches", type=bounded_int(1, MAX_MICROBATCHES), required=True,
+                        help="microbatches per iteration")
+    add_blocking_power_argument(parser)
+    parser.add_argument("--schedule", choices=["1f1b", "interleaved"], default="1f1b",
+                        help="pipeline schedule (default: %(default)s)")
+    parser.add_argument("--virtual-stages", type=bounded_int(1, MAX_VIRTUAL_STAGES), default=1,
+                        help="model chunks per stage (interleaved schedule; default: %(default)s)")
+    parser.add_argument("--resolution", type=bounded_float(MIN_RESOLUTION_S, MAX_RESOLUTION_S),
+                        default=1e-3, help="max time step between plans in seconds (default: %(default)s)")
     parser.add_argument("--out", type=Path, help="write the frontier JSON here")
-    parser.add_argument("--plot", type=Path, help="write a frontier plot (PNG/SVG) here")
+    parser.add_argument("--plot", type=Path, help="write a frontier plot here (.png, .svg or .pdf)")
     parser.set_defaults(func=run)
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Fail before the solve if an output cannot be written."""
+    if args.out:
+        check_writable_file(args.out, "--out")
+    if args.plot:
+        check_plotting(args.plot, "--plot")
+        check_writable_file(args.plot, "--plot")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,12 +65,15 @@ def run(args: argparse.Namespace) -> int:
 
     path = resolve_profile(args.profile)
     profile = load_profile(path)
-    power = args.blocking_power if args.blocking_power is not None else default_blocking_power(path)
-    stages = args.stages or profile.num_stages
+    power = blocking_power_w(args.blocking_power, path)
+    stages = args.stages if args.stages is not None else profile.num_stages
+    check_pipeline_size(stages, args.microbatches, args.virtual_stages)
     schedule = build_schedule(args.schedule, stages, args.microbatches, args.virtual_stages)
+    check_outputs(args)
     started = time.perf_counter()
     frontier = solve_frontier(
-        schedule, profile, power, SolverOptions(resolution=args.resolution, progress=True)
+        schedule, profile, power,
+        SolverOptions(resolution=args.resolution, progress=sys.stderr.isatty()),
     )
     elapsed = time.perf_counter() - started
     if args.out:

@@ -3,11 +3,17 @@
 The on-disk format is the Perseus/Zeus CSV `stage,instruction,frequency,time,energy`
 (seconds and joules of one computation at one SM clock in MHz). The profiling pass writes it,
 the published profiles use it, and the planner reads it through `Profile`.
+
+Profiles come from users, so reading one never ends in a traceback or an unbounded allocation:
+the file size, row count, field length, stage count and every number are bounded, and each
+error names the file, the row, the field and the fix.
 """
 
 from __future__ import annotations
 
 import csv
+import difflib
+import io
 import logging
 import math
 from dataclasses import dataclass, field
@@ -22,6 +28,15 @@ logger = logging.getLogger(__name__)
 
 COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
 REQUIRED_INSTRUCTIONS = ("forward", "backward")
+
+# Bounds far above any real pipeline, so that a corrupt or mistyped profile fails at once.
+MAX_PROFILE_BYTES = 16 * 1024 * 1024  # the published profiles are ~50 KB
+MAX_ROWS = 250_000  # 512 stages x 2 instructions x 244 clocks
+MAX_FIELD_CHARS = 64
+MAX_STAGES = 512
+MAX_CLOCK_MHZ = 10_000  # SM clocks of today's GPUs are below 3,000 MHz
+MAX_TIME_S = 100.0  # one forward or backward of one microbatch; larger suggests milliseconds
+MAX_POWER_W = 50_000.0  # energy / time of one computation (a whole TP group); larger suggests mJ
 
 
 @dataclass(frozen=True)
@@ -71,17 +86,29 @@ class Profile:
         cls, rows: Iterable[Mapping[str, object]], source: str = "<memory>", first_row: int = 1
     ) -> "Profile":
         """Build and validate a profile from dict rows with the CSV's columns."""
+        return cls.from_numbered_rows(enumerate(rows, start=first_row), source)
+
+    @classmethod
+    def from_numbered_rows(
+        cls, rows: Iterable[tuple[int, Mapping[str, object]]], source: str = "<memory>"
+    ) -> "Profile":
+        """`from_rows` with each row's own number (a file's line, blank lines included)."""
         seen: dict[tuple[int, str, int], int] = {}
         grouped: dict[tuple[int, str], list[tuple[int, float, float]]] = {}
-        for row_number, row in enumerate(rows, start=first_row):
+        for count, (row_number, row) in enumerate(rows):
             where = f"{source}, row {row_number}"
-            stage = _parse_int(row, "stage", where, minimum=0)
-            instruction = str(row.get("instruction") or "").strip()
-            if not instruction:
-                raise ProfileError(f"{where}: field 'instruction' is empty; use 'forward' or 'backward'")
-            frequency = _parse_int(row, "frequency", where, minimum=1)
-            time = _parse_float(row, "time", where)
-            energy = _parse_float(row, "energy", where)
+            if count >= MAX_ROWS:
+                raise ProfileError(f"{where}: more than {MAX_ROWS:,} measurements; is this a profile?")
+            stage = _parse_int(row, "stage", where, 0, MAX_STAGES - 1, "pipeline stages are numbered from 0")
+            instruction = _parse_instruction(row, where)
+            frequency = _parse_int(row, "frequency", where, 1, MAX_CLOCK_MHZ, "an SM clock in MHz")
+            time = _parse_float(row, "time", where, MAX_TIME_S, "seconds")
+            energy = _parse_float(row, "energy", where, MAX_POWER_W * MAX_TIME_S, "joules")
+            if energy / time > MAX_POWER_W:
+                raise ProfileError(
+                    f"{where}: energy {energy:g} J in {time:g} s is {energy / time:,.0f} W; energy "
+                    f"must be joules and time seconds (millijoules? divide energy by 1000)"
+                )
             key = (stage, instruction, frequency)
             if key in seen:
                 raise ProfileError(
@@ -92,21 +119,21 @@ class Profile:
             grouped.setdefault((stage, instruction), []).append((frequency, time, energy))
         if not grouped:
             raise ProfileError(f"{source}: no measurements; expected columns {','.join(COLUMNS)}")
-        points = {
-            key: OperatingPoints(
-                frequencies=np.array([f for f, _, _ in sorted(rows, reverse=True)], dtype=np.int64),
-                times=np.array([t for _, t, _ in sorted(rows, reverse=True)]),
-                energies=np.array([e for _, _, e in sorted(rows, reverse=True)]),
+        points = {}
+        for key, measured in grouped.items():
+            measured.sort(reverse=True)  # fastest clock first
+            points[key] = OperatingPoints(
+                frequencies=np.array([f for f, _, _ in measured], dtype=np.int64),
+                times=np.array([t for _, t, _ in measured]),
+                energies=np.array([e for _, _, e in measured]),
             )
-            for key, rows in grouped.items()
-        }
         profile = cls(points, source)
         profile._check_complete()
         return profile
 
     def _check_complete(self) -> None:
         stages = range(self.num_stages)
-        instructions = sorted(set(self.instructions) | set(REQUIRED_INSTRUCTIONS))
+        instructions = list(REQUIRED_INSTRUCTIONS)
         for stage in stages:
             for instruction in instructions:
                 if (stage, instruction) not in self.points:
@@ -134,28 +161,29 @@ class Profile:
 
         Measurements are noisy: a lower clock can come out *faster*, or a clock below the
         minimum-energy one costs more energy while also being slower. Such points are never
-        worth running, so they are dropped here and the drop is logged.
+        worth running, so they are dropped here: one INFO line in all, the clocks at DEBUG.
         """
         filtered: dict[tuple[int, str], OperatingPoints] = {}
         dropped: list[tuple[int, str, int]] = list(self.dropped)
+        newly_dropped = 0
         for key, op in self.points.items():
-            order = np.lexsort((op.energies, op.times))  # by time, then energy
-            keep = []
-            best_energy = math.inf
-            for i in order:
-                if op.energies[i] < best_energy:
-                    keep.append(i)
-                    best_energy = op.energies[i]
+            keep = pareto_indices(op.times, op.energies)
             keep_set = set(keep)
             lost = [int(op.frequencies[i]) for i in range(len(op)) if i not in keep_set]
             if lost:
                 dropped += [(key[0], key[1], f) for f in lost]
-                logger.info(
+                newly_dropped += len(lost)
+                logger.debug(
                     "%s: stage %d %s: dropped %d dominated clock(s) %s",
                     self.source, key[0], key[1], len(lost), lost,
                 )
             idx = np.array(keep)
             filtered[key] = OperatingPoints(op.frequencies[idx], op.times[idx], op.energies[idx])
+        if newly_dropped:
+            logger.info(
+                "%s: dropped %d dominated clock measurement(s) (slower and costlier than another "
+                "clock of the same computation); -v lists them", self.source, newly_dropped,
+            )
         return Profile(filtered, self.source, dropped)
 
     def scaled(self, time_factor: float = 1.0, energy_factor: float = 1.0) -> "Profile":
@@ -189,46 +217,152 @@ class Profile:
 def load_profile(path: str | Path, pareto: bool = True) -> Profile:
     """Read and validate a profile CSV; by default drop dominated clocks (logged)."""
     path = Path(path)
-    if not path.is_file():
-        raise ProfileError(f"{path}: no such profile file")
-    with open(path, newline="") as fh:
-        reader = csv.DictReader(fh)
-        header = [name.strip() for name in (reader.fieldnames or [])]
-        unknown = [name for name in header if name not in COLUMNS]
-        missing = [name for name in COLUMNS if name not in header]
-        if unknown:
+    rows = _read_rows(path)
+    header = [name.strip() for name in rows[0]]
+    _check_header(header, path)
+    body = []
+    for row_number, row in enumerate(rows[1:], start=2):
+        if not any(field.strip() for field in row):
+            continue  # blank line
+        if len(row) != len(header):
             raise ProfileError(
-                f"{path}, row 1: unknown column(s) {unknown}; the header must be {','.join(COLUMNS)}"
+                f"{path}, row {row_number}: {len(row)} field(s) but the header has {len(header)} "
+                f"({','.join(header)}); quote fields that contain commas"
             )
-        if missing:
-            raise ProfileError(
-                f"{path}, row 1: missing column(s) {missing}; the header must be {','.join(COLUMNS)}"
-            )
-        rows = [{k.strip(): v for k, v in row.items()} for row in reader]
-    profile = Profile.from_rows(rows, source=str(path), first_row=2)
+        body.append((row_number, dict(zip(header, row))))
+    if not body:
+        raise ProfileError(f"{path}: no measurements after the header; add rows {','.join(COLUMNS)}")
+    profile = Profile.from_numbered_rows(body, source=str(path))
     return profile.pareto() if pareto else profile
 
 
-def _parse_int(row: Mapping[str, object], name: str, where: str, minimum: int) -> int:
-    raw = row.get(name)
+def pareto_indices(times: np.ndarray, energies: np.ndarray, tolerance: float = 0.0) -> list[int]:
+    """Indices of the (time, energy) points no other point beats on both, by increasing time;
+    a point must save more than `tolerance` energy over every faster one to be kept."""
+    keep: list[int] = []
+    best = math.inf
+    for i in np.lexsort((energies, times)):  # by time, then energy
+        if energies[i] < best - tolerance:
+            keep.append(int(i))
+            best = energies[i]
+    return keep
+
+
+def _read_rows(path: Path) -> list[list[str]]:
+    """The CSV's rows, read with bounded memory and as UTF-8 text (a BOM is allowed)."""
     try:
-        value = int(str(raw).strip())
+        if not path.is_file():
+            raise ProfileError(f"{path}: no such profile file" if not path.exists()
+                               else f"{path}: not a regular file; give a profile CSV")
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_PROFILE_BYTES + 1)
+    except OSError as err:
+        raise ProfileError(f"{path}: cannot read the profile ({err.strerror})") from None
+    if len(data) > MAX_PROFILE_BYTES:
+        raise ProfileError(
+            f"{path}: larger than {MAX_PROFILE_BYTES // (1024 * 1024)} MiB; a profile has one short "
+            f"row per (stage, instruction, clock): is this the right file?"
+        )
+    if b"\0" in data:
+        raise ProfileError(f"{path}: binary data (NUL bytes); a profile is a text CSV file")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ProfileError(
+            f"{path}, row {line}: byte 0x{data[err.start]:02x} is not UTF-8 text; save the "
+            f"profile as UTF-8 CSV"
+        ) from None
+    try:
+        rows = list(_bounded_rows(csv.reader(io.StringIO(text, newline="")), path))
+    except csv.Error as err:
+        raise ProfileError(f"{path}: not a valid CSV file ({err})") from None
+    if not rows or not any(field.strip() for field in rows[0]):
+        raise ProfileError(f"{path}: empty; the first row must be the header {','.join(COLUMNS)}")
+    return rows
+
+
+def _bounded_rows(reader: Iterable[list[str]], path: Path) -> Iterable[list[str]]:
+    """Rows of a csv reader, refusing overlong fields and too many rows or fields."""
+    for row_number, row in enumerate(reader, start=1):
+        where = f"{path}, row {row_number}"
+        if row_number > MAX_ROWS + 1:
+            raise ProfileError(f"{where}: more than {MAX_ROWS:,} measurements; is this a profile?")
+        if len(row) > 2 * len(COLUMNS):
+            raise ProfileError(f"{where}: {len(row)} fields; a profile row has {len(COLUMNS)}")
+        for field in row:
+            if "\n" in field or "\r" in field:
+                raise ProfileError(f"{where}: a quoted field spans several lines; is a '\"' unclosed?")
+            if len(field) > MAX_FIELD_CHARS:
+                raise ProfileError(
+                    f"{where}: a field of {len(field):,} characters ({field[:20]!r}...); "
+                    f"profile fields are short names and numbers"
+                )
+        yield row
+
+
+def _check_header(header: list[str], path: Path) -> None:
+    expected = f"the header must be {','.join(COLUMNS)}"
+    duplicated = sorted({name for name in header if header.count(name) > 1})
+    if duplicated:
+        raise ProfileError(f"{path}, row 1: column(s) {duplicated} appear more than once; {expected}")
+    unknown = [name for name in header if name not in COLUMNS]
+    if unknown:
+        raise ProfileError(f"{path}, row 1: unknown column(s) {unknown}; {expected}")
+    missing = [name for name in COLUMNS if name not in header]
+    if missing:
+        raise ProfileError(f"{path}, row 1: missing column(s) {missing}; {expected}")
+
+
+def _parse_instruction(row: Mapping[str, object], where: str) -> str:
+    raw = row.get("instruction")
+    instruction = str(raw if raw is not None else "").strip()
+    if instruction in REQUIRED_INSTRUCTIONS:
+        return instruction
+    if not instruction:
+        raise ProfileError(f"{where}: field 'instruction' is empty; use 'forward' or 'backward'")
+    close = difflib.get_close_matches(instruction.lower(), REQUIRED_INSTRUCTIONS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ProfileError(
+        f"{where}: field 'instruction' is {instruction!r}{hint}; use 'forward' or 'backward'"
+    )
+
+
+def _parse_int(
+    row: Mapping[str, object], name: str, where: str, minimum: int, maximum: int, meaning: str
+) -> int:
+    raw = row.get(name)
+    text = str(raw).strip()
+    if len(text) > MAX_FIELD_CHARS:
+        raise ProfileError(f"{where}: field {name!r} is {len(text):,} characters long; it must be {meaning}")
+    try:
+        value = int(text)
     except (TypeError, ValueError):
-        raise ProfileError(f"{where}: field {name!r} is {raw!r}; it must be an integer") from None
-    if value < minimum:
-        raise ProfileError(f"{where}: field {name!r} is {value}; it must be >= {minimum}")
+        raise ProfileError(f"{where}: field {name!r} is {raw!r}; it must be an integer ({meaning})") from None
+    if not minimum <= value <= maximum:
+        raise ProfileError(
+            f"{where}: field {name!r} is {value}; it must be between {minimum} and {maximum} ({meaning})"
+        )
     return value
 
 
-def _parse_float(row: Mapping[str, object], name: str, where: str) -> float:
+def _parse_float(row: Mapping[str, object], name: str, where: str, maximum: float, unit: str) -> float:
     raw = row.get(name)
+    text = str(raw).strip()
+    if len(text) > MAX_FIELD_CHARS:
+        raise ProfileError(f"{where}: field {name!r} is {len(text):,} characters long; it must be {unit}")
     try:
-        value = float(str(raw).strip())
+        value = float(text)
     except (TypeError, ValueError):
-        raise ProfileError(f"{where}: field {name!r} is {raw!r}; it must be a number") from None
+        raise ProfileError(f"{where}: field {name!r} is {raw!r}; it must be a number of {unit}") from None
     if not math.isfinite(value) or value <= 0:
-        unit = "seconds" if name == "time" else "joules"
         raise ProfileError(
             f"{where}: field {name!r} is {raw!r}; it must be a finite positive number of {unit}"
+        )
+    if value > maximum:
+        hint = " (milliseconds? divide by 1000)" if name == "time" else ""
+        raise ProfileError(
+            f"{where}: field {name!r} is {value:g} {unit}, more than {maximum:g} for one computation"
+            f"{hint}"
         )
     return value

@@ -1,0 +1,220 @@
+"""`perseus-ext doctor`: what this environment gives perseus-ext, and how to fix what is missing.
+
+Read-only (clocks and power limits are never changed), so it is safe on a shared node. It
+reports the installation (autoload hook, framework versions), every GPU NVML sees and which of
+them each CUDA device of this process maps to, the permission to set clocks (and how to grant
+it), and one GPU's measured behaviour: energy counter update period and the cost of the
+per-computation clock hook. Exit code 0: everything needed for the chosen GPU works; 1: a
+problem is listed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import site
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from perseus_ext.commands.options import bounded_int, check_writable_file
+
+PACKAGES = ("torch", "deepspeed", "megatron-core", "nvidia-ml-py", "matplotlib", "lowtime")
+AUTOLOAD_PTH = "perseus_ext_autoload.pth"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "doctor",
+        help="report GPUs, NVML mapping, permissions and framework versions",
+        description="Check the environment perseus-ext runs in (read-only): installation, "
+        "framework versions, GPUs and their NVML mapping, permission to set clocks, and one "
+        "GPU's energy counter update period and clock-hook cost.",
+    )
+    parser.add_argument("--gpu", default=None,
+                        help="GPU to measure: 'nvml' or 'sim:<preset>' (default: $PERSEUS_GPU or nvml)")
+    parser.add_argument("--local-rank", type=bounded_int(0, 1023), default=0,
+                        help="CUDA device of this process to measure (default: %(default)s)")
+    parser.add_argument("--updates", type=bounded_int(2, 1000), default=10,
+                        help="energy counter changes to watch for its update period (default: %(default)s)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write the report as JSON to PATH")
+    parser.set_defaults(func=run)
+
+
+def installation() -> dict[str, Any]:
+    """Where perseus-ext is installed, whether its autoload hook is, and framework versions."""
+    import perseus_ext
+    from perseus_ext.autoload import AUTOLOAD_ENV, autoload_enabled
+    from perseus_ext.data import patches_dir
+
+    site_dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    hooks = [str(Path(d) / AUTOLOAD_PTH) for d in site_dirs if (Path(d) / AUTOLOAD_PTH).is_file()]
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {
+        "perseus_ext": perseus_ext.__version__,
+        "location": str(Path(perseus_ext.__file__).parent),
+        "python": sys.version.split()[0],
+        "autoload_pth": hooks,
+        "autoload": f"{AUTOLOAD_ENV}={os.environ.get(AUTOLOAD_ENV, '1')}: "
+        + ("DeepSpeed is hooked on import" if autoload_enabled() else
+           "DeepSpeed is not hooked; call perseus_ext.adapters.deepspeed.install()"),
+        "packages": versions,
+        "megatron_lm_patches": str(patches_dir() / "megatron-lm"),
+    }
+
+
+def nvml_devices() -> dict[str, Any]:
+    """Every GPU NVML sees, and the NVML device each CUDA device of this process maps to."""
+    from perseus_ext.errors import PerseusError
+    from perseus_ext.measurement.gpu import nvml as nvml_backend
+
+    try:
+        nvml = nvml_backend._load_pynvml()
+        nvml_backend._init(nvml)
+    except PerseusError as err:
+        return {"available": False, "reason": str(err)}
+    try:
+        devices = []
+        index_of = {}
+        for handle, uuid, bus_id, name in nvml_backend._all_devices(nvml):
+            index = nvml.nvmlDeviceGetIndex(handle)
+            index_of[uuid] = index
+            devices.append({"nvml_index": index, "name": name, "uuid": uuid, "pci_bus_id": bus_id})
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        cuda_count = len(devices) if visible is None else len(nvml_backend._visible_entries(visible))
+        mapping = []
+        for ordinal in range(cuda_count):
+            try:
+                handle = nvml_backend.resolve_cuda_device(nvml, ordinal)
+                uuid = nvml_backend._text(nvml.nvmlDeviceGetUUID(handle))
+                mapping.append({"cuda": ordinal, "nvml_index": index_of.get(uuid), "uuid": uuid})
+            except PerseusError as err:
+                mapping.append({"cuda": ordinal, "error": str(err)})
+        return {
+            "available": True,
+            "driver": nvml_backend._text(nvml.nvmlSystemGetDriverVersion()),
+            "devices": devices,
+            "cuda_visible_devices": visible,
+            "cuda_device_order": os.environ.get("CUDA_DEVICE_ORDER"),
+            "cuda_to_nvml": mapping,
+        }
+    except nvml.NVMLError as err:
+        return {"available": False, "reason": f"NVML could not list GPUs ({err})"}
+    finally:
+        nvml.nvmlShutdown()
+
+
+def permissions() -> dict[str, Any]:
+    from perseus_ext.measurement.gpu.common import PERMISSION_HELP
+    from perseus_ext.measurement.gpu.nvml import has_clock_privilege
+
+    allowed = has_clock_privilege()
+    return {
+        "can_set_clocks": allowed,
+        "how_to_grant": None if allowed else PERMISSION_HELP,
+    }
+
+
+def hook_cost_us(gpu: Any, calls: int = 20000) -> dict[str, float]:
+    """Median/p99 cost of the controller's set_clock() on the training thread (dry-run: the
+    GPU is not touched)."""
+    from perseus_ext.actuation.controller import FrequencyController
+
+    clocks = gpu.supported_sm_clocks()[:8]
+    controller = FrequencyController(gpu, dry_run=True, watchdog=False, handle_signals=False)
+    costs = []
+    try:
+        for index in range(calls):
+            start = time.perf_counter_ns()
+            controller.set_clock(clocks[index % len(clocks)])
+            costs.append(time.perf_counter_ns() - start)
+    finally:
+        controller.close()
+    costs.sort()
+    return {"median_us": costs[len(costs) // 2] / 1000, "p99_us": costs[int(0.99 * len(costs))] / 1000}
+
+
+def measure_gpu(spec: str | None, local_rank: int, updates: int) -> dict[str, Any]:
+    from perseus_ext.errors import PerseusError
+    from perseus_ext.measurement.gpu import open_gpu
+    from perseus_ext.measurement.probe import cuda_event_timing, probe_gpu
+
+    try:
+        gpu = open_gpu(spec, local_rank=local_rank)
+    except PerseusError as err:
+        return {"available": False, "reason": str(err)}
+    try:
+        return {"available": True, **probe_gpu(gpu, updates), "set_clock_hook": hook_cost_us(gpu),
+                "cuda_events": cuda_event_timing()}
+    except PerseusError as err:
+        return {"available": False, "gpu": gpu.name, "reason": str(err)}
+    finally:
+        gpu.close()
+
+
+def _print_report(report: dict[str, Any]) -> list[str]:
+    """Print the report for a person; return the problems found."""
+    problems = []
+    inst = report["installation"]
+    print(f"perseus-ext {inst['perseus_ext']} at {inst['location']} (Python {inst['python']})")
+    print(f"  autoload hook: {', '.join(inst['autoload_pth']) or 'not installed (.pth missing)'}")
+    print(f"  {inst['autoload']}")
+    print("  " + ", ".join(f"{name} {version or '-'}" for name, version in inst["packages"].items()))
+    print(f"  Megatron-LM patches: {inst['megatron_lm_patches']}")
+    nvml = report["nvml"]
+    if nvml["available"]:
+        print(f"NVML: driver {nvml['driver']}, {len(nvml['devices'])} GPU(s); "
+              f"CUDA_VISIBLE_DEVICES={nvml['cuda_visible_devices']}")
+        for device in nvml["devices"]:
+            print(f"  nvml {device['nvml_index']}: {device['name']} {device['uuid']} {device['pci_bus_id']}")
+        for entry in nvml["cuda_to_nvml"]:
+            target = entry.get("error") or f"nvml {entry['nvml_index']} ({entry['uuid']})"
+            print(f"  cuda {entry['cuda']} -> {target}")
+    else:
+        print(f"NVML: unavailable: {nvml['reason']}")
+    perms = report["permissions"]
+    print(f"permission to set clocks: {'yes' if perms['can_set_clocks'] else 'no'}")
+    if perms["how_to_grant"]:
+        print(f"  {perms['how_to_grant']}; without it perseus-ext runs in dry-run mode")
+    gpu = report["gpu"]
+    if gpu["available"]:
+        counter, hook = gpu["energy_counter"], gpu["set_clock_hook"]
+        low, high = gpu["supported_sm_clocks"][-1], gpu["supported_sm_clocks"][0]
+        print(f"GPU measured: {gpu['gpu']}, SM clocks {low}-{high} MHz, power {gpu['power_w']:.1f} W, "
+              f"limit {gpu['power_limit_w']:.0f} W")
+        print(f"  energy counter: updates every {counter['update_period_s'] * 1000:.1f} ms "
+              f"(p90 {counter['update_period_p90_s'] * 1000:.1f} ms), step {counter['median_step_mj']:.0f} mJ")
+        print(f"  clock hook: median {hook['median_us']:.2f} us, p99 {hook['p99_us']:.2f} us per call")
+        events = gpu["cuda_events"]
+        print("  CUDA events: " + (f"{events['record_cost_us_median']:.1f} us to record" if events["available"]
+                                   else events["reason"]))
+    else:
+        problems.append(f"no GPU to measure: {gpu['reason']}")
+    return problems
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.json:
+        check_writable_file(args.json, "--json")
+    report = {
+        "installation": installation(),
+        "nvml": nvml_devices(),
+        "permissions": permissions(),
+        "gpu": measure_gpu(args.gpu, args.local_rank, args.updates),
+    }
+    problems = _print_report(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    for problem in problems:
+        print(f"problem: {problem}", file=sys.stderr)
+    return 1 if problems else 0

@@ -1,0 +1,160 @@
+"""Arguments several subcommands share, checked before any long computation starts.
+
+`frontier` and `emulate` take the same `--profile` (a path or a shipped name) and the same
+`--blocking-power` forms (a GPU name or watts); numbers are range-checked by argparse, so a
+typo is a one-line usage error (exit 2), never a traceback; output paths are tried for writing
+up front, so a solve never ends in an unwritable file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+from typing import Callable
+
+from perseus_ext.errors import ConfigError, ProfileError
+
+# Computations (forward + backward of every microbatch on every virtual stage) the in-process
+# solver is asked to plan: 8x the paper's largest pipeline (8 stages x 96 microbatches x 2,
+# solved in seconds), so a typo'd size fails at once instead of after minutes and gigabytes.
+MAX_COMPUTATIONS = 8 * (8 * 96 * 2)
+
+PROFILE_HELP = "profile CSV (stage,instruction,frequency,time,energy) or a shipped profile name"
+BLOCKING_POWER_HELP = (
+    "watts one GPU draws while blocked on communication, or a GPU with a published value "
+    "(a100 or a40, see perseus_ext.planning.energy.BLOCKING_POWER_W); default: the GPU that a "
+    "shipped profile's name names"
+)
+
+
+def bounded_int(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [minimum, maximum]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: use {minimum}..{maximum}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def bounded_float(minimum: float, maximum: float, *, inclusive_min: bool = True) -> Callable[[str], float]:
+    """An argparse type: a finite number in [minimum, maximum] (or (minimum, maximum])."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        above = value >= minimum if inclusive_min else value > minimum
+        if not (math.isfinite(value) and above and value <= maximum):
+            low = "[" if inclusive_min else "("
+            raise argparse.ArgumentTypeError(
+                f"{text} is out of range: use a number in {low}{minimum:g}, {maximum:g}]"
+            )
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def add_profile_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument("--profile", required=True, metavar="CSV_OR_NAME", help=PROFILE_HELP)
+
+
+def add_blocking_power_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument("--blocking-power", default=None, metavar="WATTS_OR_GPU", help=BLOCKING_POWER_HELP)
+
+
+def resolve_profile(name: str) -> Path:
+    """A profile path, or the name of a shipped profile (e.g. `gpt3-175b-a100_sxm`)."""
+    from perseus_ext.data import shipped_profile, shipped_profile_names
+
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = shipped_profile(name)
+    if shipped is not None:
+        return shipped
+    if path.exists():
+        raise ProfileError(f"--profile {name}: not a file")
+    raise ProfileError(
+        f"--profile {name!r}: no such file, nor a shipped profile "
+        f"({', '.join(shipped_profile_names())})"
+    )
+
+
+def blocking_power_w(value: str | None, profile: Path) -> float:
+    """--blocking-power as watts; without it, the published value of the GPU that a shipped
+    profile's file name names (e.g. `...-a100_sxm.csv` -> a100)."""
+    from perseus_ext.emulator.layout import resolve_blocking_power
+    from perseus_ext.planning.energy import BLOCKING_POWER_W
+
+    if value is not None:
+        try:
+            return resolve_blocking_power(value)
+        except ConfigError as err:
+            raise ConfigError(f"--blocking-power: {err}") from None
+    for gpu in BLOCKING_POWER_W:
+        if gpu in profile.stem.lower():
+            return BLOCKING_POWER_W[gpu]
+    raise ConfigError(
+        f"--blocking-power is needed: {profile.name} does not name a GPU with a published "
+        f"blocking power ({', '.join(BLOCKING_POWER_W)}); pass watts or a GPU name"
+    )
+
+
+def check_pipeline_size(stages: int, microbatches: int, chunks: int) -> None:
+    computations = 2 * stages * microbatches * chunks
+    if computations > MAX_COMPUTATIONS:
+        raise ConfigError(
+            f"{stages} stages x {microbatches} microbatches x {chunks} model chunks is "
+            f"{computations:,} computations; the solver plans at most {MAX_COMPUTATIONS:,} in one "
+            f"run: use fewer microbatches"
+        )
+
+
+def check_writable_file(path: Path, option: str) -> None:
+    """Fail now, not after a long solve, if `path` cannot be written (parents are created,
+    as the writers do)."""
+    if path.is_dir():
+        raise ConfigError(f"{option} {path}: is a directory; give a file name")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{option} {path}: cannot write there ({err.strerror}); pick a writable path") from None
+    if not existed:
+        path.unlink()
+
+
+def check_writable_dir(path: Path, option: str) -> None:
+    """Fail now if files cannot be created in directory `path` (created if missing)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".perseus-ext-write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"{option} {path}: cannot write there ({err.strerror}); pick a writable directory") from None
+
+
+def check_plotting(path: Path | None, option: str) -> None:
+    """A figure needs matplotlib and a supported suffix: check both before solving."""
+    import importlib.util
+
+    from perseus_ext.plotting import SUPPORTED_SUFFIXES
+
+    if path is not None and path.suffix.lower() not in SUPPORTED_SUFFIXES:
+        raise ConfigError(f"{option} {path}: use a file name ending in {', '.join(SUPPORTED_SUFFIXES)}")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError(f"{option} needs matplotlib: pip install 'perseus-ext[plot]'")

@@ -1,0 +1,59 @@
+"""`perseus-ext doctor`: environment report, NVML mapping through a fake pynvml, exit codes."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from perseus_ext.cli import main
+from test_gpu_nvml import FakeDevice, FakeNVML
+
+
+class FakeNVMLWithDriver(FakeNVML):
+    """The fake NVML of the backend tests plus the two calls only doctor makes."""
+
+    def nvmlSystemGetDriverVersion(self):
+        return "550.54.15"
+
+    def nvmlDeviceGetIndex(self, device):
+        return self.devices.index(device)
+
+
+def test_doctor_on_the_simulator_reports_counter_hook_and_versions(tmp_path, capsys) -> None:
+    out = tmp_path / "doctor.json"
+    assert main(["doctor", "--gpu", "sim:a40?pace=0&period=0.05", "--updates", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    gpu = report["gpu"]
+    assert gpu["energy_counter"]["update_period_s"] == pytest.approx(0.05, abs=0.001)
+    assert gpu["set_clock_hook"]["median_us"] < 50
+    installation = report["installation"]
+    assert installation["packages"]["deepspeed"] and installation["packages"]["megatron-core"]
+    assert installation["megatron_lm_patches"].endswith("megatron-lm")
+    printed = capsys.readouterr().out
+    assert "energy counter: updates every 50.0 ms" in printed
+    assert "deepspeed " + installation["packages"]["deepspeed"] in printed
+
+
+def test_doctor_maps_cuda_devices_to_nvml_and_says_how_to_grant_clocks(monkeypatch, capsys) -> None:
+    devices = [FakeDevice("GPU-aaaa", "00000000:81:00.0"), FakeDevice("GPU-bbbb", "00000000:01:00.0")]
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVMLWithDriver(devices))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa,0")
+    monkeypatch.setattr("perseus_ext.measurement.gpu.nvml.has_clock_privilege", lambda: False)
+    assert main(["doctor", "--gpu", "sim:a100_sxm?pace=0&period=0.02", "--updates", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "NVML: driver 550.54.15, 2 GPU(s)" in printed
+    # CUDA 0 is the UUID-named GPU (NVML index 0); CUDA 1 is physical device 0 in PCI order,
+    # i.e. NVML index 1 (bus 01 sorts before bus 81).
+    assert "cuda 0 -> nvml 0 (GPU-aaaa)" in printed
+    assert "cuda 1 -> nvml 1 (GPU-bbbb)" in printed
+    assert "permission to set clocks: no" in printed and "cap_sys_admin" in printed
+
+
+def test_doctor_without_a_gpu_lists_the_problem(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no nvidia-ml-py
+    assert main(["doctor", "--gpu", "nvml"]) == 1
+    captured = capsys.readouterr()
+    assert "NVML: unavailable: the NVML backend needs nvidia-ml-py" in captured.out
+    assert "problem: no GPU to measure" in captured.err
