@@ -220,7 +220,7 @@ def test_pp2_dp2_straggler_slows_the_other_pipeline_to_match(pp2_dp2):
     for summary in fast:
         switches = [s for s in summary["plan_switches"] if s["reason"] != "deploy"]
         assert switches, summary["plan_switches"]
-        assert switches[-1]["factor"] > 1.1  # moved to a slower, cheaper plan
+        assert switches[-1]["factor"] > 1.05  # moved to a slower, cheaper plan
         assert switches[-1]["plan_energy_j"] < summary["plan_switches"][0]["plan_energy_j"]
         assert summary["deployed_extrinsic"] is not None
     for summary in slow:  # the straggler itself keeps its fastest plan
