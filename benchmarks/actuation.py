@@ -13,7 +13,8 @@ computations alternate between two planned clocks. Two controllers drive the sam
 
 Coverage is the share of compute time that ran at its planned clock, exact from the simulated
 device. The hook cost is what the training thread pays per computation for the marker and the
-queued request (median over all computations), without the simulated launch. Run:
+queued request (median over all computations), without the simulated launch; a second table
+measures it alone on the real-GPU path (host-only markers instead of CUDA events). Run:
 
     python benchmarks/actuation.py [--durations-ms 10 25 50 100] [--iterations 6]
 """
@@ -31,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from perseus_ext.actuation.controller import FrequencyController  # noqa: E402
 from perseus_ext.actuation.sequencer import ClockSequencer  # noqa: E402
 from perseus_ext.measurement.gpu import SimulatedGPU  # noqa: E402
-from perseus_ext.measurement.gpu.timeline import open_timeline  # noqa: E402
+from perseus_ext.measurement.gpu.timeline import HostOnlyTimeline, open_timeline  # noqa: E402
 
 CLOCKS_MHZ = (1050, 1410)
 
@@ -69,6 +70,27 @@ def run(ordering: str, work_s: float, *, iterations: int, computations: int, gap
     return {"coverage": tally.coverage, "hook_us": statistics.median(hook_ns) / 1000.0}
 
 
+def hook_cost(plan: tuple[int, ...], iterations: int = 300) -> tuple[float, float]:
+    """Median and p99 µs the training thread pays per computation (both hooks) on the real-GPU
+    path with host-only markers (a CUDA event record adds its own few µs on a GPU)."""
+    gpu = SimulatedGPU("a100_sxm", seed=1)
+    controller = FrequencyController(gpu, dry_run=True, watchdog=False, handle_signals=False)
+    sequencer = ClockSequencer(controller, HostOnlyTimeline(), lead_s=gpu.switch_latency.effective_s)
+    durations = tuple(0.01 for _ in plan)
+    costs = []
+    for iteration in range(iterations):
+        sequencer.start_iteration(iteration, plan, durations)
+        for _ in plan:
+            started = time.perf_counter_ns()
+            sequencer.computation_started()
+            sequencer.computation_finished()
+            costs.append(time.perf_counter_ns() - started)
+            time.sleep(0.0002)  # the framework's own work between hooks
+    controller.close()
+    costs.sort()
+    return costs[len(costs) // 2] / 1000.0, costs[int(0.99 * len(costs))] / 1000.0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--durations-ms", type=float, nargs="+", default=[10.0, 25.0, 50.0, 100.0])
@@ -88,6 +110,12 @@ def main() -> int:
                    for ordering in orderings}
         print(f"{duration_ms:>9.0f} ms" + "".join(f"{100 * results[o]['coverage']:>21.1f}%" for o in orderings)
               + "".join(f"{results[o]['hook_us']:>21.2f}" for o in orderings))
+    print()
+    print("# training-thread cost per computation (both hooks), host-only markers, dry-run controller")
+    for label, plan in (("one clock change per iteration", (1050,) * 12 + (1410,) * 4),
+                        ("a clock change at every computation", (1410, 1050) * 8)):
+        median, p99 = hook_cost(plan)
+        print(f"{label:<40} median {median:6.2f} us   p99 {p99:6.2f} us")
     return 0
 
 

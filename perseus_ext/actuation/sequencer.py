@@ -23,6 +23,8 @@ computation so the clock coverage can be estimated from device timestamps.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +62,7 @@ class ClockSequencer:
         self.lead_s = lead_s
         self._clocks: tuple[int, ...] | None = None
         self._durations_s: tuple[float, ...] | None = None
+        self._planned_ends_s: list[float] = []  # planned end of each computation from iteration start
         self._ends: list[DeviceMarker] = []
         self._previous_last_end: DeviceMarker | None = None  # of the iteration before the last
         self._last_first_start: DeviceMarker | None = None  # of the last iteration
@@ -79,6 +82,8 @@ class ClockSequencer:
         marker = self.timeline.record_marker()
         self._clocks = clocks
         self._durations_s = durations_s
+        if durations_s is not None:
+            self._planned_ends_s = [0.0, *itertools.accumulate(durations_s)]
         self._ends = [marker]  # _ends[j + 1]: end of computation j; _ends[0]: iteration start
         self._position = 0
         self.trace = IterationTrace(iteration)
@@ -134,15 +139,12 @@ class ClockSequencer:
     def _ahead(self) -> tuple[DeviceMarker, float]:
         """(marker, delay) that puts a change `lead_s` before the next computation's planned
         start: the latest computation end with at least `lead_s` of planned work after it."""
-        durations = self._durations_s
-        ahead_s = 0.0
-        for j in range(self._position - 1, -1, -1):  # computation j's end is self._ends[j + 1]
-            if ahead_s >= self.lead_s:
-                return self._ends[j + 1], ahead_s - self.lead_s
-            ahead_s += durations[j]
-        if ahead_s >= self.lead_s:
-            return self._ends[0], ahead_s - self.lead_s
-        return self._ends[0], 0.0  # not enough planned work before it: as early as possible
+        ends = self._planned_ends_s  # ends[j + 1]: planned end of computation j (ends[0] = 0)
+        due = ends[self._position] - self.lead_s  # planned start of the next computation, minus the lead
+        if due <= 0.0:
+            return self._ends[0], 0.0  # not enough planned work before it: as early as possible
+        j = bisect.bisect_right(ends, due, 0, self._position + 1) - 1  # latest end at or before `due`
+        return self._ends[j], due - ends[j]
 
     def planned_clock(self) -> int | None:
         """The clock planned for the computation about to run (None: default clocks)."""
