@@ -12,9 +12,12 @@
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import threading
 import time
+
+import pytest
 
 from perseus_ext.measurement.gpu.cuda_timeline import CudaTimeline
 from perseus_ext.planning.profile import Profile
@@ -120,3 +123,33 @@ def test_between_iterations_the_stage_runs_at_the_default_clock():
     # Each iteration ends with the default clocks (None) for the gradient sync and optimizer step.
     assert gpu.clock_history.count(None) == 2 and gpu.clock_history[-1] is None
     runtime.close()
+
+
+def test_deployed_plan_runs_as_predicted_within_2_percent(tmp_path):
+    """A saved profile of the simulated GPU's own model, a noise-free fast counter: the plan's
+    predicted time and energy match what the asynchronous device measures."""
+    forward_s, backward_s = 0.020, 0.040
+    gpu = sim_gpu(period="0.002", noise="0")
+    rows = [{"stage": 0, "instruction": kind, "frequency": clock,
+             "time": gpu.expected(seconds, clock)[0], "energy": gpu.expected(seconds, clock)[1]}
+            for kind, seconds in (("forward", forward_s), ("backward", backward_s))
+            for clock in gpu.supported_sm_clocks()[::6]]
+    profile = tmp_path / "profile.csv"
+    Profile.from_rows(rows).save(profile)
+    config = make_config(profile_path=str(profile), blocking_power_w=gpu.preset.idle_power_w,
+                         policy={"type": "zeus", "eta": 1.0, "max_power_w": 500},
+                         simulated_workload={"forward_seconds": forward_s, "backward_seconds": backward_s})
+    runtime = PerseusRuntime(config, schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=gpu)
+    train(runtime, 14)
+    runtime.close()
+    plan = runtime.plan
+    assert runtime.phase is Phase.DEPLOYED and plan.time > runtime.frontier.fastest.time  # a slowed plan
+    deployed = [r for r in runtime.history if r.setting.plan is not None][2:]  # settled iterations
+    assert len(deployed) >= 5
+    measured_time = statistics.median(r.compute_s for r in deployed)
+    # The plan's energy covers its computations and waits; the rest of the iteration idles.
+    measured_energy = statistics.median(
+        r.energy_j - gpu.preset.idle_power_w * (r.time_s - r.compute_s) for r in deployed)
+    print(f"planned {plan.time:.4f} s {plan.energy:.2f} J, measured {measured_time:.4f} s {measured_energy:.2f} J")
+    assert measured_time == pytest.approx(plan.time, rel=0.02)
+    assert measured_energy == pytest.approx(plan.energy, rel=0.02)
