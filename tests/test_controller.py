@@ -284,7 +284,7 @@ def test_watchdog_restores_clocks_after_sigkill(mode, tmp_path):
 
 
 def test_watchdog_tells_a_clean_close_a_hand_over_and_a_death_apart():
-    from perseus_ext.actuation.watchdog import Claims, wait_for_trainer
+    from perseus_ext.actuation.watchdog import wait_for_trainer
 
     for message, ending in ((b"lock 1005\nheld 1005\nclean\n", "clean"), (b"held 1005\nrestore\n", "restore"),
                             (b"", "died"), (b"garbage", "died"), (b"held 1005\ncle", "died")):

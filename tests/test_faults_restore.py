@@ -25,15 +25,6 @@ REPO = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
 
 
-def _wait_until(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def _state(path: Path) -> dict:
     return read_state_file(path)
 

@@ -34,18 +34,17 @@ Guarantees:
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import queue
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from perseus_ext.actuation.exit_guard import register, unregister
+from perseus_ext.actuation.watchdog import start_watchdog
 from perseus_ext.measurement.gpu import (
     GPU,
     PERMISSION_HELP,
@@ -236,13 +235,7 @@ class FrequencyController:
         spec = dict(spec, power_limit_w=self._initial_power_limit, retry_for_s=WATCHDOG_RETRY_FOR_S,
                     retry_interval_s=WATCHDOG_RETRY_INTERVAL_S, power_match_w=POWER_MATCH_W)
         try:
-            self._watchdog = subprocess.Popen(
-                [sys.executable, "-m", "perseus_ext.actuation.watchdog", json.dumps(spec),
-                 str(os.getpid())],
-                stdin=subprocess.PIPE,
-                start_new_session=True,  # a Ctrl-C to the job must not kill it before we die
-                env=_env_with_package_path(),
-            )
+            self._watchdog = start_watchdog(spec, os.getpid())
         except OSError as err:
             self._note_error("watchdog", err, "could not start the clock-restoring watchdog",
                              "clocks are not restored if this process is killed with SIGKILL")
@@ -616,11 +609,3 @@ def _retry(call: Any) -> BaseException | None:
             if attempt + 1 < RESTORE_ATTEMPTS:
                 time.sleep(RESTORE_BACKOFF_S * 2 ** attempt)
     return error
-
-
-def _env_with_package_path() -> dict[str, str]:
-    """Environment for the watchdog so it imports this very copy of perseus_ext."""
-    env = dict(os.environ)
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    return env

@@ -26,6 +26,7 @@ import json
 import os
 import select
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -142,6 +143,18 @@ def restore(spec: dict[str, Any], claims: Claims) -> tuple[bool, list[str]]:
         if finished or time.monotonic() >= deadline:
             return finished, notes
         time.sleep(float(spec.get("retry_interval_s", 1.0)))
+
+
+def start_watchdog(spec: dict[str, Any], trainer_pid: int) -> subprocess.Popen[bytes]:
+    """Start the watchdog of `trainer_pid` with the trainer's report pipe on its stdin; in its
+    own session, so a Ctrl-C or job-wide signal to the job cannot kill it before the trainer."""
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)  # the watchdog imports this very copy of perseus_ext
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return subprocess.Popen(
+        [sys.executable, "-m", "perseus_ext.actuation.watchdog", json.dumps(spec), str(trainer_pid)],
+        stdin=subprocess.PIPE, start_new_session=True, env=env,
+    )
 
 
 def main(argv: list[str]) -> int:
