@@ -78,10 +78,12 @@ class _Reset:
 
 @dataclass(frozen=True)
 class _ClockAt:
-    """Queue item: apply `target` (MHz or _RESET) once the device reaches `at` (None: now)."""
+    """Queue item: apply `target` (MHz or _RESET) `after_s` seconds after the device reaches
+    `at` (None: now)."""
 
     target: Any
     at: DeviceMarker | None
+    after_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -170,19 +172,26 @@ class FrequencyController:
         self._close_done = threading.Event()
         self._watchdog_fd: int | None = None
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._observer_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._observations: collections.deque[Observation] = collections.deque()
         self._stopping = False
         self._worker: threading.Thread | None = None
+        self._observer: threading.Thread | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self.dry_run = self._decide_dry_run(dry_run)
         if not self.dry_run:
             self._initial_power_limit = self._read_power_limit()
         if self.gpu is not None:
-            # Also in dry-run: the worker still follows the device to time and meter it.
+            # Also in dry-run: the worker records changes in device order. The observer is its
+            # own thread so a change held back to land on time never delays a measurement.
             self._worker = threading.Thread(
                 target=self._work, name="perseus-clock-controller", daemon=True
             )
             self._worker.start()
+            self._observer = threading.Thread(
+                target=self._observe_loop, name="perseus-device-observer", daemon=True
+            )
+            self._observer.start()
         if not self.dry_run and watchdog:
             self._start_watchdog()
         register(self, handle_signals)
@@ -256,9 +265,10 @@ class FrequencyController:
                              "clocks are not restored if this process is killed with SIGKILL")
 
     # ----------------------------------------------------------------- hook path
-    def set_clock(self, mhz: int, at: DeviceMarker | None = None) -> None:
-        """Ask for SM clock `mhz` from the moment the device reaches `at` (None: as soon as
-        possible); returns at once, never raises."""
+    def set_clock(self, mhz: int, at: DeviceMarker | None = None, after_s: float = 0.0) -> None:
+        """Ask for SM clock `mhz` `after_s` seconds after the device reaches `at` (None: as soon
+        as possible); returns at once, never raises. A positive `after_s` lets the caller issue
+        a change ahead of a computation by the switching latency, so it lands on time."""
         if mhz == self._last_requested:
             return
         self._last_requested = mhz
@@ -270,7 +280,7 @@ class FrequencyController:
             self.dropped_count += 1
             return
         if self._worker is not None and not self._closed:
-            self._queue.put(_ClockAt(mhz, at))
+            self._queue.put(_ClockAt(mhz, at, after_s))
 
     def reset(self, at: DeviceMarker | None = None) -> None:
         """Ask for the default (unlocked) clocks from marker `at` on; non-blocking."""
@@ -280,8 +290,8 @@ class FrequencyController:
 
     def observe(self, at: DeviceMarker, tag: Any) -> None:
         """Time and meter the moment the device reaches `at`; collect with `observations()`."""
-        if self._worker is not None and not self._closed:
-            self._queue.put(_Observe(tag, at))
+        if self._observer is not None and not self._closed:
+            self._observer_queue.put(_Observe(tag, at))
 
     def observations(self) -> list[Observation]:
         """Everything observed since the last call, in device order; never blocks."""
@@ -309,11 +319,16 @@ class FrequencyController:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is done (its markers reached); False if
         `timeout` ran out. Blocks the caller: only for profiling, tests and shutdown."""
-        if self._worker is None or not self._worker.is_alive():
-            return True
-        barrier = _Barrier(threading.Event())
-        self._queue.put(barrier)
-        return barrier.done.wait(timeout)
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        for thread, items in ((self._worker, self._queue), (self._observer, self._observer_queue)):
+            if thread is None or not thread.is_alive():
+                continue
+            barrier = _Barrier(threading.Event())
+            items.put(barrier)
+            remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            if not barrier.done.wait(remaining):
+                return False
+        return True
 
     @property
     def current_clock(self) -> int | None:
@@ -334,6 +349,16 @@ class FrequencyController:
             if self._run_batch(batch):
                 return
 
+    def _observe_loop(self) -> None:
+        while True:
+            item = self._observer_queue.get()
+            if item is _STOP:
+                return
+            if isinstance(item, _Barrier):
+                item.done.set()
+            elif self._reach(item.at):
+                self._record_observation(item)
+
     def _run_batch(self, batch: list[Any]) -> bool:
         """Process queue items in order; True once the worker must end."""
         for index, item in enumerate(batch):
@@ -347,21 +372,28 @@ class FrequencyController:
                 item.done.set()
             elif isinstance(item, _PowerLimit):
                 self._apply_power_limit(item.watts)
-            elif isinstance(item, _Observe):
-                if self._reach(item.at):
-                    self._record_observation(item)
             elif isinstance(item, _ClockAt):
                 if self._superseded(item, batch[index + 1:]):
                     self.stale_skipped += 1
-                elif self._reach(item.at):
+                elif self._reach(item.at) and self._sleep_past(item):
                     self._apply_clock(item.target)
         return False
 
     @staticmethod
     def _superseded(item: _ClockAt, later: list[Any]) -> bool:
-        """A newer clock target whose marker the device has already passed makes this one stale."""
-        return any(isinstance(other, _ClockAt) and (other.at is None or other.at.query())
-                   for other in later)
+        """A newer clock target already due (its marker passed, its delay over) makes this one
+        stale."""
+        now = time.perf_counter()
+        for other in later:
+            if not isinstance(other, _ClockAt):
+                continue
+            if other.at is None:
+                return True
+            if other.at.query():
+                reached = other.at.device_time_s()
+                if reached is None or reached + other.after_s <= now:
+                    return True
+        return False
 
     def _reach(self, marker: DeviceMarker | None) -> bool:
         """Block this worker until the device reaches `marker`; False when stopping first."""
@@ -375,6 +407,19 @@ class FrequencyController:
                 self._note_error("marker", err, "could not wait for a device marker",
                                  "its clock change or measurement happens at once instead")
                 return True
+        return False
+
+    def _sleep_past(self, item: _ClockAt) -> bool:
+        """Wait until `after_s` past the marker's device time; False when stopping first."""
+        if item.after_s <= 0 or item.at is None:
+            return True
+        reached = item.at.device_time_s()
+        due = (reached if reached is not None else time.perf_counter()) + item.after_s
+        while not self._stopping:
+            remaining = due - time.perf_counter()
+            if remaining <= 0:
+                return True
+            time.sleep(min(remaining, MARKER_POLL_S))
         return False
 
     def _record_observation(self, item: _Observe) -> None:
@@ -531,6 +576,10 @@ class FrequencyController:
                     self._restore()
         elif self.restore_error is not None:
             self._restore()
+        observer = self._observer
+        if observer is not None and observer.is_alive() and observer is not threading.current_thread():
+            self._observer_queue.put(_STOP)
+            observer.join(JOIN_TIMEOUT_S)
         self._stop_watchdog(hand_over=self.restore_error is not None, worker_hung=hung)
         unregister(self)
         self._close_done.set()

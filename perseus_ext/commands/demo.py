@@ -274,7 +274,33 @@ def compare(scenario: Scenario, results: list[list[dict[str, Any]]], baseline: s
         row["measured_energy_saving"] = 1.0 - row["perseus_energy_j"] / row["baseline_energy_j"]
         row["iterations"] = [span.start, span.stop]
         table[label] = row
-    return {"windows": table, "series": series}
+    return {"windows": table, "series": series, "model_check": model_check(scenario, pers)}
+
+
+def model_check(scenario: Scenario, perseus_ranks: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Pipeline 0's deployed fastest plan, predicted against what the simulated devices did in
+    the no-straggler window: the plan's time against stage 0's measured compute span (device
+    markers), its energy against the pipeline's exact energy per iteration less the blocking
+    energy of the time outside the plan (gradient sync, optimizer step)."""
+    pipeline = sorted((r for r in perseus_ranks if r["pipeline"] == 0), key=lambda r: r["stage"])
+    frontier = pipeline[0]["summary"].get("frontier")
+    span = windows(scenario, perseus_ranks).get("no straggler")
+    if frontier is None or not span:
+        return None
+    fastest = frontier["fastest"]
+    at_plan = [i for i in span if pipeline[0]["iterations"][i].get("plan") == 0]
+    if not at_plan:
+        return None
+    compute = statistics.median(pipeline[0]["iterations"][i]["compute_s"] for i in at_plan)
+    iteration = statistics.fmean(pipeline[0]["iterations"][i]["time_s"] for i in at_plan)
+    energy = statistics.fmean(sum(r["iterations"][i]["true_energy_j"] for r in pipeline) for i in at_plan)
+    outside = frontier["blocking_power_w"] * len(pipeline) * max(0.0, iteration - fastest["time_s"])
+    return {
+        "planned_time_s": fastest["time_s"], "measured_compute_s": compute,
+        "time_error": compute / fastest["time_s"] - 1.0,
+        "planned_energy_j": fastest["energy_j"], "measured_energy_j": energy - outside,
+        "energy_error": (energy - outside) / fastest["energy_j"] - 1.0,
+    }
 
 
 def straggler_response(scenario: Scenario, perseus_ranks: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
@@ -321,6 +347,12 @@ def print_report(scenario: Scenario, comparison: dict[str, Any], results: list[l
             print(f"extrinsic savings (non-stragglers slowed to the straggler): {total - intrinsic:.1f} "
                   f"J/iteration on top ({100 * (total - intrinsic) / slow['baseline_true_energy_j']:.1f}%), "
                   f"{100 * slow['energy_saving']:.1f}% in total")
+    check = comparison.get("model_check")
+    if check:
+        print(f"model check (pipeline 0, fastest plan): time {check['planned_time_s']:.4f} s planned vs "
+              f"{check['measured_compute_s']:.4f} s measured ({100 * check['time_error']:+.1f}%), energy "
+              f"{check['planned_energy_j']:.1f} J planned vs {check['measured_energy_j']:.1f} J measured "
+              f"({100 * check['energy_error']:+.1f}%)")
     coverage = [r["summary"]["clock_coverage"] for r in pers if r["summary"]]
     exact = [c["exact"] for c in coverage if c["exact"] is not None]
     estimated = [c["estimated"] for c in coverage if c["estimated"] is not None]
@@ -397,7 +429,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--stages must be >= 2, --pipelines and --microbatches >= 1")
     if args.iterations < 40:
         raise ConfigError("--iterations must be >= 40 to leave room for profiling and a straggler")
-    forward = [0.010 + 0.004 * s / (args.stages - 1) for s in range(args.stages)]
+    # Half the published GPT-3 175B per-stage forward time (~50 ms on an A100), so clock changes
+    # (25 ms to land) are short against a computation, as on real large-model stages.
+    forward = [0.025 + 0.010 * s / (args.stages - 1) for s in range(args.stages)]
     scenario = Scenario(
         out_dir=args.out, stages=args.stages, pipelines=args.pipelines,
         microbatches=args.microbatches, iterations=args.iterations,

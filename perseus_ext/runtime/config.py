@@ -245,22 +245,25 @@ class PerseusConfig(Section):
         int | Literal["min"] | None,
         Rule('null, "min" or a clock in MHz (an integer >= 1)', "min",
              lambda v: v is None or v == "min" or v >= 1),
-        Field(description="Clock requested before blocking receives and the gradient all-reduce (deployed plans "
-                          "only); `\"min\"` = the GPU's lowest clock.")] = None
+        Field(description="Clock in force on the device between computations, while a stage waits for its next "
+                          "input (deployed plans only; each computation's own clock is issued at its start, so "
+                          "computations pay the switching latency); `\"min\"` = the GPU's lowest clock.")] = None
     log_interval: Annotated[integer(0, example=10), Field(
         description="Log a line (time, energy, plan) every N iterations on rank 0 (other ranks at DEBUG); `0` = "
                     "off.")] = 1
     log_path: Annotated[rank_template(example="logs/perseus-{rank}.jsonl") | None, Field(
-        description="JSONL file with one record per iteration; `{rank}` (the only placeholder) is replaced by "
-                    "the global rank. Its directory must be creatable.")] = None
+        description="JSONL file with one record per iteration as the device ran it (timestamp, rank, stage, "
+                    "phase, plan, time, energy, clock coverage), appended across restarts; `{rank}` (the only "
+                    "placeholder) is replaced by the global rank. Its directory must be creatable.")] = None
     summary_path: Annotated[rank_template(example="logs/summary-{rank}.json") | None, Field(
         description="JSON summary per rank written at the end; `{rank}` as above.")] = None
     simulated_workload: Annotated[
         Annotated[SimulatedWorkload, Rule("an object", SimulatedWorkload.example)] | None,
         Field(description="Simulated GPUs only: `{\"forward_seconds\": s or [s per stage], \"backward_seconds\": "
                           "...}`, the duration of one microbatch's forward/backward at the max clock. Each "
-                          "computation is paced (the process sleeps) to that duration at the current clock, so "
-                          "time and energy follow the GPU model while the math is untouched.")] = None
+                          "computation launches that much work on the simulated device, which runs it "
+                          "asynchronously at its effective clock (time and energy follow the GPU model, the math "
+                          "is untouched).")] = None
     policy: Annotated[
         Annotated[PolicyConfig, Rule("an object", PolicyConfig.example)] | None,
         Field(description="Which frontier plan to run: `null` = Perseus' straggler policy; Zeus/Chase cost "

@@ -19,10 +19,11 @@ import statistics
 
 from perseus_ext.errors import PerseusError
 from perseus_ext.planning.frontier import Frontier, Plan
+from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
 from perseus_ext.runtime.comm import ControlPlane
 from perseus_ext.runtime.config import PerseusConfig
-from perseus_ext.runtime.records import IterationRecord, PlanChoice, PlanSwitch
+from perseus_ext.runtime.records import IterationRecord, MeasuredProfile, PlanChoice, PlanSwitch
 from perseus_ext.runtime.straggler import SlowdownTracker
 
 logger = logging.getLogger(__name__)
@@ -32,8 +33,10 @@ class PlanDeployment:
     """Plan selection for one rank once its pipeline's frontier is known."""
 
     def __init__(self, frontier: Frontier, policy: OperatingPointPolicy, config: PerseusConfig,
-                 comm: ControlPlane) -> None:
+                 comm: ControlPlane, schedule: PipelineSchedule, measured: MeasuredProfile | None) -> None:
         self.frontier = frontier
+        self.schedule = schedule
+        self.measured = measured
         self.policy = policy
         self.config = config
         self.comm = comm
@@ -47,7 +50,7 @@ class PlanDeployment:
         self._deadline: float | None = None
         self._policy_check_at: int | None = None
         self._recent_times: list[float] = []
-        self._clock_cache: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._clock_cache: dict[tuple[int, int], tuple] = {}
 
     @property
     def plan(self) -> Plan:
@@ -60,6 +63,22 @@ class PlanDeployment:
         if clocks is None:
             clocks = self._clock_cache[key] = tuple(int(c) for c in self.plan.frequencies[stage])
         return clocks
+
+    def stage_durations(self, stage: int) -> tuple[float, ...] | None:
+        """The deployed plan's planned duration of each computation of `stage` (from the profile
+        the frontier was solved with; None without one), for issuing clock changes ahead."""
+        if self.measured is None:
+            return None
+        key = (self.index, -1 - stage)
+        durations = self._clock_cache.get(key)
+        if durations is None:
+            profile = self.measured.profile
+            durations = tuple(
+                float(profile[stage, c.kind.value].times[profile[stage, c.kind.value].index_of(clock)])
+                for c, clock in zip(self.schedule.orders[stage], self.stage_clocks(stage))
+            )
+            self._clock_cache[key] = durations
+        return durations
 
     @property
     def factor(self) -> float:

@@ -88,7 +88,8 @@ class PerseusRuntime:
         self.pacer = self.setup.pacer(config, self.timeline, schedule, stage=stage,
                                       pipeline=self.comm.pipeline, num_pipelines=self.comm.num_pipelines)
         self.sequencer = ClockSequencer(self.controller, self.timeline,
-                                        communication_clock=self.setup.communication_clock)
+                                        communication_clock=self.setup.communication_clock,
+                                        lead_s=self.setup.latency.effective_s)
         self.store = ProfileStore(config.profile_path, gpus_per_stage=self.comm.gpus_per_stage,
                                   gpu_name=self.gpu.name if self.gpu is not None else None,
                                   blocking_power_per_gpu_w=config.blocking_power_w or config.saved_blocking_power_w)
@@ -126,7 +127,8 @@ class PerseusRuntime:
             self._setting = self._current_setting()
             if self._profiling_now:
                 self.profiling.start_iteration()
-            start = self.sequencer.start_iteration(self.iteration, self._iteration_clocks())
+            durations = self.deployment.stage_durations(self.stage) if self._setting.plan is not None else None
+            start = self.sequencer.start_iteration(self.iteration, self._iteration_clocks(), durations)
             self.recorder.begin(self._setting, start)
         except Exception as err:  # never break the training step
             self.fall_back("iteration_start failed", err)
@@ -331,7 +333,9 @@ class PerseusRuntime:
             self._leader_outcome = SolveOutcome(None, "no usable profile", 0.0, False)
             return
         try:
-            problem = SolveProblem(self.schedule, measured, self.config.solver, self.setup.latency.effective_s)
+            # Changes within an iteration are issued ahead by the switching latency (ClockSequencer),
+            # so what plans pay per change is about half the ramp.
+            problem = SolveProblem(self.schedule, measured, self.config.solver, self.setup.latency.transition_s / 2)
             if self.config.solve_in_background:
                 self._solver = BackgroundSolve(problem)
             else:
@@ -368,7 +372,8 @@ class PerseusRuntime:
                     frontier.save(self.config.frontier_path)
                 except OSError as err:
                     logger.error("perseus-ext: cannot save the frontier to %s: %s", self.config.frontier_path, err)
-        self.deployment = PlanDeployment(frontier, self.policy, self.config, self.comm)
+        self.deployment = PlanDeployment(frontier, self.policy, self.config, self.comm, self.schedule,
+                                         outcome.measured)
         self.deployment.deploy(self.iteration)
         self._set_phase(Phase.DEPLOYED)
 
