@@ -332,18 +332,25 @@ class PerseusRuntime:
         if measured is None:
             self._leader_outcome = SolveOutcome(None, "no usable profile", 0.0, False)
             return
-        # Changes within an iteration are issued ahead by the switching latency (ClockSequencer),
-        # so what plans pay per change is about half the ramp.
-        problem = SolveProblem(self.schedule, measured, self.config.solver, self.setup.latency.transition_s / 2)
-        if self.config.solve_in_background:
-            self._solver = BackgroundSolve(problem)
-        else:
-            self._leader_outcome = solve(problem)
+        try:
+            # Changes within an iteration are issued ahead by the switching latency (ClockSequencer),
+            # so what plans pay per change is about half the ramp.
+            problem = SolveProblem(self.schedule, measured, self.config.solver, self.setup.latency.transition_s / 2)
+            if self.config.solve_in_background:
+                self._solver = BackgroundSolve(problem)
+            else:
+                self._leader_outcome = solve(problem)
+        except Exception as err:  # leader-only work: failing it must not skip a collective
+            logger.exception("perseus-ext: pipeline %d: starting the solve failed", self.comm.pipeline)
+            self._leader_outcome = SolveOutcome(None, f"starting the solve failed: {err!r}", 0.0, False)
 
     def _solving_step(self) -> None:
         leader = self.comm.is_pipeline_leader
         if leader and self._leader_outcome is None and self._solver is not None:
-            self._leader_outcome = self._solver.result()
+            try:
+                self._leader_outcome = self._solver.result()
+            except Exception as err:  # leader-only work: failing it must not skip a collective
+                self._leader_outcome = SolveOutcome(None, f"reading the solver's result failed: {err!r}", 0.0, True)
         (all_ready,) = self.comm.all_min([float(self._leader_outcome is not None or not leader)])
         if not all_ready:
             return

@@ -324,6 +324,14 @@ class SimulatedGPU(GPU):
         """The requested locked SM clock, None when the driver picks (it may not have landed)."""
         return self._locked_clock
 
+    def locked_sm_clock(self) -> int | None:
+        """The lock as the hardware holds it: re-read from the state file, which another
+        process (another job, or this one's watchdog) may have changed."""
+        self._maybe_fail("locked_sm_clock")
+        if self.state_file is not None and self.state_file.exists():
+            return read_state_file(self.state_file).get("locked_sm_clock")
+        return self._locked_clock
+
     def energy_mj(self) -> int:
         self._maybe_fail("energy_mj")
         return int(self.device.counter_j() * 1000.0)
