@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from perseus_ext.actuation.exit_guard import register, unregister
+from perseus_ext.actuation.observer import MARKER_POLL_S, DeviceObserver, Observation, wait_for_marker
 from perseus_ext.actuation.watchdog import start_watchdog
 from perseus_ext.measurement.gpu import (
     GPU,
@@ -69,7 +70,6 @@ RESTORE_RETRY_S = 5.0  # while training goes on, how often an unfinished restore
 WATCHDOG_RETRY_FOR_S = 300.0  # how long the watchdog retries a restore handed over at close
 WATCHDOG_RETRY_INTERVAL_S = 2.0
 POWER_MATCH_W = 0.5  # a power limit read back within this of one this job set is still ours
-MARKER_POLL_S = 0.05  # how often a worker waiting on a marker checks whether it must stop
 
 
 class _Reset:
@@ -87,26 +87,8 @@ class _ClockAt:
 
 
 @dataclass(frozen=True)
-class _Observe:
-    """Queue item: note when the device reached `at` and read the energy counter there."""
-
-    tag: Any
-    at: DeviceMarker
-
-
-@dataclass(frozen=True)
 class _PowerLimit:
     watts: float
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What the worker saw when the device reached an observed marker."""
-
-    tag: Any
-    device_time_s: float  # when the device reached the marker (GPU.timestamp() clock)
-    noticed_s: float  # when the worker noticed (perf_counter): the notice delay is the difference
-    energy_mj: int | None  # the energy counter read right after noticing (None: no GPU or a failed read)
 
 
 @dataclass(frozen=True)
@@ -172,11 +154,9 @@ class FrequencyController:
         self._close_done = threading.Event()
         self._watchdog_fd: int | None = None
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._observer_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._observations: collections.deque[Observation] = collections.deque()
         self._stopping = False
         self._worker: threading.Thread | None = None
-        self._observer: threading.Thread | None = None
+        self.observer: DeviceObserver | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self.dry_run = self._decide_dry_run(dry_run)
         if not self.dry_run:
@@ -188,10 +168,7 @@ class FrequencyController:
                 target=self._work, name="perseus-clock-controller", daemon=True
             )
             self._worker.start()
-            self._observer = threading.Thread(
-                target=self._observe_loop, name="perseus-device-observer", daemon=True
-            )
-            self._observer.start()
+            self.observer = DeviceObserver(self.gpu, self._note_error)
         if not self.dry_run and watchdog:
             self._start_watchdog()
         register(self, handle_signals)
@@ -290,15 +267,12 @@ class FrequencyController:
 
     def observe(self, at: DeviceMarker, tag: Any) -> None:
         """Time and meter the moment the device reaches `at`; collect with `observations()`."""
-        if self._observer is not None and not self._closed:
-            self._observer_queue.put(_Observe(tag, at))
+        if self.observer is not None and not self._closed:
+            self.observer.observe(at, tag)
 
     def observations(self) -> list[Observation]:
         """Everything observed since the last call, in device order; never blocks."""
-        seen = []
-        while self._observations:
-            seen.append(self._observations.popleft())
-        return seen
+        return self.observer.observations() if self.observer is not None else []
 
     def drain_changes(self) -> list[ClockChange]:
         """The clock changes issued since the last call, oldest first; never blocks."""
@@ -320,13 +294,16 @@ class FrequencyController:
         """Wait until everything queued so far is done (its markers reached); False if
         `timeout` ran out. Blocks the caller: only for profiling, tests and shutdown."""
         deadline = None if timeout is None else time.perf_counter() + timeout
-        for thread, items in ((self._worker, self._queue), (self._observer, self._observer_queue)):
-            if thread is None or not thread.is_alive():
-                continue
+        done = []
+        if self._worker is not None and self._worker.is_alive():
             barrier = _Barrier(threading.Event())
-            items.put(barrier)
+            self._queue.put(barrier)
+            done.append(barrier.done)
+        if self.observer is not None and (event := self.observer.barrier()) is not None:
+            done.append(event)
+        for event in done:
             remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
-            if not barrier.done.wait(remaining):
+            if not event.wait(remaining):
                 return False
         return True
 
@@ -348,16 +325,6 @@ class FrequencyController:
                 self._restore()  # a GPU left locked after a failure: keep trying while we run
             if self._run_batch(batch):
                 return
-
-    def _observe_loop(self) -> None:
-        while True:
-            item = self._observer_queue.get()
-            if item is _STOP:
-                return
-            if isinstance(item, _Barrier):
-                item.done.set()
-            elif self._reach(item.at):
-                self._record_observation(item)
 
     def _run_batch(self, batch: list[Any]) -> bool:
         """Process queue items in order; True once the worker must end."""
@@ -399,15 +366,8 @@ class FrequencyController:
         """Block this worker until the device reaches `marker`; False when stopping first."""
         if marker is None:
             return True
-        while not self._stopping:
-            try:
-                if marker.wait(MARKER_POLL_S):
-                    return True
-            except Exception as err:  # a broken event must not kill the worker
-                self._note_error("marker", err, "could not wait for a device marker",
-                                 "its clock change or measurement happens at once instead")
-                return True
-        return False
+        return wait_for_marker(marker, lambda: self._stopping, lambda err: self._note_error(
+            "marker", err, "could not wait for a device marker", "its clock change happens at once instead"))
 
     def _sleep_past(self, item: _ClockAt) -> bool:
         """Wait until `after_s` past the marker's device time; False when stopping first."""
@@ -421,18 +381,6 @@ class FrequencyController:
                 return True
             time.sleep(min(remaining, MARKER_POLL_S))
         return False
-
-    def _record_observation(self, item: _Observe) -> None:
-        noticed = time.perf_counter()
-        reached = item.at.device_time_s()
-        energy = None
-        if self.gpu is not None:
-            try:
-                energy = self.gpu.energy_mj()
-            except Exception as err:
-                self._note_error("read", err, "could not read the energy counter",
-                                 "the iteration's energy is not measured")
-        self._observations.append(Observation(item.tag, noticed if reached is None else reached, noticed, energy))
 
     def _apply_clock(self, target: int | _Reset) -> None:
         assert self.gpu is not None
@@ -576,10 +524,8 @@ class FrequencyController:
                     self._restore()
         elif self.restore_error is not None:
             self._restore()
-        observer = self._observer
-        if observer is not None and observer.is_alive() and observer is not threading.current_thread():
-            self._observer_queue.put(_STOP)
-            observer.join(JOIN_TIMEOUT_S)
+        if self.observer is not None:
+            self.observer.close()
         self._stop_watchdog(hand_over=self.restore_error is not None, worker_hung=hung)
         unregister(self)
         self._close_done.set()
