@@ -73,7 +73,6 @@ def test_coarse_stride_is_about_a_sixteenth_of_the_max_clock():
 @pytest.mark.parametrize("stage", [0, 1])
 def test_search_reaches_the_min_energy_clock_and_keeps_wait_useful_clocks(stage, seed):
     profiler, gpu = profile_stage(stage, seed)
-    assert "early stop" in profiler.stop_reason
     profiled = profiler.profiled_clocks
     step = profiler.search_clocks[0] - profiler.search_clocks[1]
     truth = {c: true_block_energy(gpu, stage, c) for c in gpu.supported_sm_clocks()}
