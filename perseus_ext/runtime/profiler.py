@@ -282,6 +282,10 @@ class StageProfiler:
 
     def _finish(self, reason: str) -> None:
         self.done = True
+        if self.keep_wait_useful and self.energy_stop_iterations is not None \
+                and self.energy_stop_iterations < self.iterations:
+            reason += (f" ({self.iterations - self.energy_stop_iterations} iteration(s) kept clocks useful once a "
+                       f"wait is paid)")
         self.stop_reason = reason
         logger.info("perseus-ext: stage %d profiling done after %d iteration(s): %s",
                     self.stage, self.iterations, reason)
