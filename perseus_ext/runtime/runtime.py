@@ -291,7 +291,7 @@ class PerseusRuntime:
             self._start_solve(self.saved_profile if self.comm.is_pipeline_leader else None)
         elif can_set_clocks and none_fell_back:
             self.profiling = ProfilingRun.create(self.config, self.stage, self.setup, self.controller,
-                                                 self.timeline)
+                                                 self.timeline, self.schedule)
             self._set_phase(Phase.PROFILING)
         else:
             why = ("a rank fell back to default clocks during warm-up (its error says why)" if not none_fell_back
