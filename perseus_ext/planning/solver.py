@@ -34,8 +34,6 @@ all no cheaper than the plan before it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 import highspy
 import numpy as np
 from scipy import sparse
@@ -43,6 +41,7 @@ from scipy import sparse
 from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier
+from perseus_ext.planning.options import SolverOptions, check_problem_size
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.planning.switching import merge_switches, repair_latency
@@ -55,19 +54,6 @@ _FILL_BIN = 0.5  # gap-fill bin width as a fraction of the resolution
 _MERGE_FASTEST, _MERGE_SAMPLE = 64, 64  # Pareto plans the latency merge pass works on
 _REPAIR_STRIDE = 2  # the latency repair works on every other grid deadline
 _CHUNK = 2560  # plans processed at once by the batched DAG passes (bounds peak memory)
-
-
-@dataclass(frozen=True)
-class SolverOptions:
-    """Knobs of the solver; the defaults meet the quality/speed targets in the README."""
-
-    resolution: float = 1e-3  # seconds between grid deadlines (and between gap-search deadlines)
-    grid_oversampling: int = 1  # grid deadlines per `resolution` (finer grid, denser frontier)
-    min_grid_points: int = 500  # short frontiers get a finer grid than `resolution`
-    anchors: int = 256  # LP anchors from T_min to all-slowest (the walk stops past min energy)
-    anchor_budget: int = 4_000  # small pipelines get up to anchor_budget / computations anchors
-    progress: bool = False  # show a tqdm bar over the LP anchors
-    polish_budget: int = 20_000_000  # max deadlines x (computations x clocks)^2 for the local-search polish
 
 
 class _ConvexRelaxation:
@@ -375,8 +361,9 @@ def solve_frontier(
     than they save are merged away. 0 plans for instant clock changes.
     """
     options = options or SolverOptions()
-    if options.resolution <= 0 or options.anchors < 2 or options.grid_oversampling < 1:
-        raise SolverError("solver options: resolution > 0, anchors >= 2, grid_oversampling >= 1")
+    options.validate()  # also catches options changed with object.__setattr__ or pickled
+    num_nodes = sum(len(order) for order in schedule.orders)
+    check_problem_size(options, num_nodes, options.min_grid_points, _anchor_count(options, num_nodes))
     model = CostModel(schedule, profile, blocking_power, switch_latency_s)
     return FrontierSolver(model, options).solve()
 
@@ -394,6 +381,11 @@ class FrontierSolver:
         t_min = float(model.dag.makespan(model.times[:, 0]))
         slowest = model.num_options - 1
         t_slowest = float(model.dag.makespan(model.times[np.arange(model.num_nodes), slowest]))
+        grid_bound = int((t_slowest - t_min) / self._grid_step(t_min, t_slowest)) + 2
+        check_problem_size(
+            self.options, model.num_nodes, grid_bound,
+            _anchor_count(self.options, model.num_nodes), t_slowest - t_min,
+        )
         anchors, anchor_durations = self._relaxed_anchors(t_min, t_slowest)
         grid = self._deadline_grid(t_min, float(anchors[-1]))
         relaxed = _interpolate(anchors, anchor_durations, grid)
@@ -450,11 +442,15 @@ class FrontierSolver:
         )
         return frontier
 
-    def _deadline_grid(self, t_min: float, t_max: float) -> np.ndarray:
-        """Deadlines from T_min to t_max: `resolution` apart, finer for short frontiers."""
+    def _grid_step(self, t_min: float, t_max: float) -> float:
+        """Grid spacing: `resolution` (over `grid_oversampling`), finer for short frontiers."""
         options = self.options
         step = min(options.resolution / options.grid_oversampling, (t_max - t_min) / options.min_grid_points)
-        step = max(step, 1e-9)
+        return max(step, 1e-9)
+
+    def _deadline_grid(self, t_min: float, t_max: float) -> np.ndarray:
+        """Deadlines from T_min to t_max, `_grid_step` apart."""
+        step = self._grid_step(t_min, t_max)
         grid = np.arange(t_min, t_max + step, step)
         grid[-1] = max(grid[-1], t_max)
         return grid
@@ -467,7 +463,7 @@ class FrontierSolver:
         slower clocks save), so deadlines there are not worth planning.
         """
         n = self.model.num_nodes
-        count = max(self.options.anchors, self.options.anchor_budget // n, 2)
+        count = _anchor_count(self.options, n)
         if t_slowest - t_min < _EPS:  # slower clocks save no time: a single deadline
             count = 1
         spacing = (t_slowest - t_min) / max(count - 1, 1)
@@ -518,6 +514,11 @@ class _CandidatePool:
     def frontier(self, resolution: float) -> np.ndarray:
         """Indices of the Pareto plans plus the gap-filling ones, by time."""
         return np.array(_fill_gaps(self.times, self.energies, _pareto(self.times, self.energies), resolution))
+
+
+def _anchor_count(options: SolverOptions, num_nodes: int) -> int:
+    """LP anchors: `anchors`, more for small pipelines (up to `anchor_budget` / computations)."""
+    return max(options.anchors, options.anchor_budget // max(num_nodes, 1), 2)
 
 
 def _interpolate(anchors: np.ndarray, durations: np.ndarray, deadlines: np.ndarray) -> np.ndarray:
