@@ -53,7 +53,7 @@ _GAP_ROUNDS = 6  # stretch rounds; each fills the gaps the previous one opened
 _FILL_BIN = 0.5  # gap-fill bin width as a fraction of the resolution
 _MERGE_FASTEST, _MERGE_SAMPLE = 64, 64  # Pareto plans the latency merge pass works on
 _REPAIR_STRIDE = 2  # the latency repair works on every other grid deadline
-_CHUNK = 2560  # plans processed at once by the batched DAG passes (bounds peak memory)
+_CELLS = 4_000_000  # (computation, plan) cells per batched DAG pass (bounds peak memory)
 
 
 class _ConvexRelaxation:
@@ -201,14 +201,15 @@ def reclaim_slack(
     Durations only grow and every plan still meets its deadline. `cap` (same shape as
     `choice`), if given, bounds how slow each computation may become.
     """
-    if choice.shape[1] > _CHUNK:  # bound memory: a few (N, _CHUNK) matrices at a time
+    step = _chunk_columns(model.num_nodes)
+    if choice.shape[1] > step:  # bound memory: a few (N, step) matrices at a time
         return np.concatenate(
             [
                 reclaim_slack(
-                    model, choice[:, k : k + _CHUNK], deadlines[k : k + _CHUNK],
-                    None if cap is None else cap[:, k : k + _CHUNK], backward_first,
+                    model, choice[:, k : k + step], deadlines[k : k + step],
+                    None if cap is None else cap[:, k : k + step], backward_first,
                 )
-                for k in range(0, choice.shape[1], _CHUNK)
+                for k in range(0, choice.shape[1], step)
             ],
             axis=1,
         )
@@ -388,22 +389,27 @@ class FrontierSolver:
         )
         anchors, anchor_durations = self._relaxed_anchors(t_min, t_slowest)
         grid = self._deadline_grid(t_min, float(anchors[-1]))
-        relaxed = _interpolate(anchors, anchor_durations, grid)
         pool = _CandidatePool(model, fastest[:, None])
-
-        rounded = round_to_options(model, relaxed)
-        feasible = reclaim_slack(model, rounded["down"], grid)
-        pool.add(feasible)
-        if model.switch_latency_s > 0:
-            # Latency makes most of these plans late; win their deadlines back (every other
-            # deadline: neighbours differ by little and the pass costs a few replays).
-            stride = slice(None, None, _REPAIR_STRIDE)
-            pool.add(repair_latency(model, feasible[:, stride], grid[stride]))
-        overshooting = np.concatenate([rounded["up"], rounded["nearest"]], axis=1)
-        pool.add(overshooting)
+        # Deadlines in blocks: the float and int64 intermediates of one block stay small, only
+        # the int16 candidates accumulate (peak memory ~ the pool, not 10x the pool).
+        block = 2 * max(32, _CELLS // (2 * model.num_nodes))
+        for k in range(0, len(grid), block):
+            deadlines = grid[k : k + block]
+            rounded = round_to_options(model, _interpolate(anchors, anchor_durations, deadlines))
+            feasible = reclaim_slack(model, rounded["down"], deadlines)
+            pool.add(feasible)
+            if model.switch_latency_s > 0:
+                # Latency makes most of these plans late; win their deadlines back (every
+                # other deadline: neighbours differ by little and the pass costs a few replays).
+                stride = slice(None, None, _REPAIR_STRIDE)
+                pool.add(repair_latency(model, feasible[:, stride], deadlines[stride]))
+            pool.add(rounded["up"])
+            pool.add(rounded["nearest"])
         # Rounding loses more at some deadlines than at others. Give every deadline a second
         # chance: the best plan found for any earlier deadline, stretched into the new slack.
-        pool.add(reclaim_slack(model, pool.best_for(grid), grid))
+        best = _best_so_far(pool.times, pool.energies, grid)
+        for k in range(0, len(grid), block):
+            pool.add(reclaim_slack(model, pool.choices[:, best[k : k + block]], grid[k : k + block]))
 
         resolution = self.options.resolution
         # Where the frontier is flat, Pareto plans can be more than `resolution` apart; stretch
@@ -497,13 +503,27 @@ class _CandidatePool:
 
     def __init__(self, model: CostModel, choices: np.ndarray):
         self.model = model
-        self.choices = choices.astype(self.DTYPE)
-        self.times, self.energies = model.replay(choices)
+        self._buffer = np.empty((model.num_nodes, 1024), dtype=self.DTYPE)
+        self.size = 0
+        self.times, self.energies = np.empty(0), np.empty(0)
+        self.add(choices)
+
+    @property
+    def choices(self) -> np.ndarray:
+        """(N, plans) option indices of every candidate (a view; `add` may reallocate)."""
+        return self._buffer[:, : self.size]
 
     def add(self, choices: np.ndarray) -> None:
-        parts = [self.model.replay(choices[:, k : k + _CHUNK]) for k in range(0, choices.shape[1], _CHUNK)]
+        step = _chunk_columns(self.model.num_nodes)
+        parts = [self.model.replay(choices[:, k : k + step]) for k in range(0, choices.shape[1], step)]
         times, energies = np.concatenate([t for t, _ in parts]), np.concatenate([e for _, e in parts])
-        self.choices = np.concatenate([self.choices, choices.astype(self.DTYPE)], axis=1)
+        end = self.size + choices.shape[1]
+        if end > self._buffer.shape[1]:  # grow by half: amortised O(1) per plan
+            grown = np.empty((self._buffer.shape[0], max(end, self._buffer.shape[1] * 3 // 2)), self.DTYPE)
+            grown[:, : self.size] = self.choices
+            self._buffer = grown
+        self._buffer[:, self.size : end] = choices
+        self.size = end
         self.times = np.r_[self.times, times]
         self.energies = np.r_[self.energies, energies]
 
@@ -514,6 +534,11 @@ class _CandidatePool:
     def frontier(self, resolution: float) -> np.ndarray:
         """Indices of the Pareto plans plus the gap-filling ones, by time."""
         return np.array(_fill_gaps(self.times, self.energies, _pareto(self.times, self.energies), resolution))
+
+
+def _chunk_columns(num_nodes: int) -> int:
+    """Plans per batched DAG pass: `_CELLS` cells, at least 64 plans."""
+    return max(64, _CELLS // max(num_nodes, 1))
 
 
 def _anchor_count(options: SolverOptions, num_nodes: int) -> int:
