@@ -58,6 +58,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--schedule", choices=["1f1b", "interleaved"], default="1f1b")
     parser.add_argument("--virtual-stages", type=int, default=1, help="model chunks per stage (interleaved)")
     parser.add_argument("--resolution", type=float, default=1e-3, help="max time step between plans (s)")
+    parser.add_argument(
+        "--switch-latency", type=float, default=0.0,
+        help="effective clock-change latency (s): plans pay for it and avoid changes not worth it",
+    )
     parser.add_argument("--out", type=Path, help="write the frontier JSON here")
     parser.add_argument("--plot", type=Path, help="write a frontier plot (PNG/SVG) here")
     parser.set_defaults(func=run)
@@ -75,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     schedule = build_schedule(args.schedule, stages, args.microbatches, args.virtual_stages)
     started = time.perf_counter()
     frontier = solve_frontier(
-        schedule, profile, power, SolverOptions(resolution=args.resolution, progress=True)
+        schedule, profile, power, SolverOptions(resolution=args.resolution, progress=True),
+        switch_latency_s=args.switch_latency,
     )
     elapsed = time.perf_counter() - started
     if args.out:

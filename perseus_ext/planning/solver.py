@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import highspy
 import numpy as np
-from scipy import sparse
 
 from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
@@ -103,7 +102,7 @@ class _ConvexRelaxation:
             vals += [1.0, -1.0] + [1.0] * len(fills_of[node])
             rhs.append(-self.t_min[node])
         r = len(rhs)
-        a = sparse.csc_matrix((vals, (rows, cols)), shape=(r, n + m + 1))
+        start, index, value = _csc(np.array(rows), np.array(cols), np.array(vals, dtype=float), n + m + 1)
 
         lp = highspy.HighsLp()
         lp.num_col_ = n + m + 1
@@ -114,9 +113,9 @@ class _ConvexRelaxation:
         lp.row_lower_ = np.full(r, -highspy.kHighsInf)
         lp.row_upper_ = np.array(rhs)
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-        lp.a_matrix_.start_ = a.indptr
-        lp.a_matrix_.index_ = a.indices
-        lp.a_matrix_.value_ = a.data
+        lp.a_matrix_.start_ = start
+        lp.a_matrix_.index_ = index
+        lp.a_matrix_.value_ = value
         self.highs = highspy.Highs()
         self.highs.setOptionValue("output_flag", False)
         self.highs.setOptionValue("solver", "simplex")
@@ -140,6 +139,14 @@ class _ConvexRelaxation:
         x = np.asarray(h.getSolution().col_value)
         fills = np.clip(x[self.n : self.n + self.m], 0.0, self.seg_len)
         return self.t_min + np.bincount(self.seg_node, weights=fills, minlength=self.n)
+
+
+def _csc(rows: np.ndarray, cols: np.ndarray, values: np.ndarray, num_cols: int):
+    """(column starts, row indices, values) of a sparse matrix given as distinct triplets
+    (what HiGHS takes; building it with numpy spares the CLI scipy's import time)."""
+    order = np.lexsort((rows, cols))
+    starts = np.r_[0, np.cumsum(np.bincount(cols, minlength=num_cols))]
+    return starts, rows[order], values[order]
 
 
 def _lower_hull(t: np.ndarray, c: np.ndarray) -> np.ndarray:
