@@ -14,14 +14,15 @@ from dataclasses import dataclass, fields
 
 from perseus_ext.errors import SolverError
 
-# Calibrated on the GPT-3 A100 profile (8 x 24 .. 8 x 96, this repo's benchmarks): the
-# candidate pool, the rounding and the batched passes hold ~110 bytes per (computation, grid
-# deadline); they take ~0.5 us of CPU per pair, and the LP ~7 us per (anchor, computation).
-BYTES_PER_NODE_DEADLINE = 110
+# Calibrated on the GPT-3 A100 profile (8 x 96 and 16 x 128, benchmarks/scale.py), per
+# (computation, grid deadline up to the all-slowest plan): the int16 candidate pool and the
+# blocked passes peak at ~30-40 bytes; the passes take ~0.5 us of CPU. Each LP anchor's
+# re-solve grows with the square of the computations (~10 ms at 1,536, ~70 ms at 4,096).
+BYTES_PER_NODE_DEADLINE = 48
 BYTES_PER_NODE = 4096  # DAG, option tables and the schedule's Python objects
 BASE_BYTES = 64 * 2**20
 SECONDS_PER_NODE_DEADLINE = 0.5e-6
-SECONDS_PER_NODE_ANCHOR = 7e-6
+SECONDS_PER_ANCHOR_NODE2 = 4.2e-9
 
 # field: (lowest, highest) allowed value
 BOUNDS: dict[str, tuple[float, float]] = {
@@ -78,7 +79,7 @@ def estimate_cost(num_nodes: int, grid_points: int, anchors: int) -> tuple[float
     """(peak bytes, CPU seconds) a solve of this size is expected to take."""
     pairs = float(num_nodes) * grid_points
     memory = BASE_BYTES + BYTES_PER_NODE * num_nodes + BYTES_PER_NODE_DEADLINE * pairs
-    seconds = SECONDS_PER_NODE_DEADLINE * pairs + SECONDS_PER_NODE_ANCHOR * anchors * num_nodes
+    seconds = SECONDS_PER_NODE_DEADLINE * pairs + SECONDS_PER_ANCHOR_NODE2 * anchors * float(num_nodes) ** 2
     return memory, seconds
 
 
