@@ -5,9 +5,10 @@ device marker (a CUDA event) recorded at the computation boundary, and the contr
 applies it when the device reaches that marker:
 
 * iteration start marker  -> the first computation's clock (the device has finished the previous
-  iteration's optimizer step, which ran at the default clock); issued ahead instead when the
-  last iteration's gap between its final computation and this one's first (gradient sync,
-  optimizer step) was longer than the switching latency;
+  iteration's optimizer step, which ran at the default clock); once the gap between iterations
+  (gradient sync, optimizer step) has been measured, issued ahead instead, the switching latency
+  before the next iteration is due to start -- a gap shorter than the latency keeps the last
+  clock (no change could land inside it anyway);
 * end of computation k    -> computation k+1's clock, so the switch happens while the stage waits
   for its next input (for a receive-bound stage that is the start of the communication gap);
   with a communication clock, that clock instead, and k+1's clock at k+1's start marker;
@@ -88,8 +89,8 @@ class ClockSequencer:
         self._position = 0
         self.trace = IterationTrace(iteration)
         if clocks is not None:
-            if self.lead_s > 0 and last_end is not None and gap_s is not None and gap_s > self.lead_s:
-                self.controller.set_clock(clocks[0], at=last_end, after_s=gap_s - self.lead_s)
+            if self.lead_s > 0 and last_end is not None and gap_s is not None:
+                self.controller.set_clock(clocks[0], at=last_end, after_s=max(0.0, gap_s - self.lead_s))
             else:
                 self.controller.set_clock(clocks[0], at=marker)
             self._locked = True
