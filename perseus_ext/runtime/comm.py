@@ -142,3 +142,16 @@ class ControlPlane:
         box = [obj]
         self._dist.broadcast_object_list(box, src=self.pipeline_leader(), group=self._pipeline_group)
         return box[0]
+
+
+def check_pipeline_rank(pp_group: Any, stage: int) -> None:
+    """The pipeline group's ranks must be ordered by stage (what the plan's stage index means)."""
+    if pp_group is None:
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank(pp_group) != stage:
+        from perseus_ext.errors import PerseusError
+
+        raise PerseusError(f"stage {stage} is rank {dist.get_rank(pp_group)} of its pipeline group; "
+                           f"perseus-ext expects pipeline-group ranks ordered by stage")

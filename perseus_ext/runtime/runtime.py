@@ -29,7 +29,7 @@ from perseus_ext.actuation.sequencer import ClockSequencer
 from perseus_ext.errors import PerseusError
 from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
-from perseus_ext.runtime.comm import ControlPlane
+from perseus_ext.runtime.comm import ControlPlane, check_pipeline_rank
 from perseus_ext.runtime.config import PerseusConfig
 from perseus_ext.runtime.deployment import PlanDeployment, parse_announcement
 from perseus_ext.runtime.emissions import EmissionsAccount
@@ -67,7 +67,7 @@ class PerseusRuntime:
     ) -> None:
         if not 0 <= stage < schedule.num_stages:
             raise PerseusError(f"stage {stage} is outside the schedule's 0..{schedule.num_stages - 1}")
-        _check_pipeline_rank(pp_group, stage)
+        check_pipeline_rank(pp_group, stage)
         if config.simulated_workload is not None:
             config.simulated_workload.check_stages(schedule.num_stages)
         self.config = config
@@ -438,12 +438,3 @@ class PerseusRuntime:
         except Exception:
             logger.exception("perseus-ext: writing the summary failed")
 
-
-def _check_pipeline_rank(pp_group: Any, stage: int) -> None:
-    if pp_group is None:
-        return
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_rank(pp_group) != stage:
-        raise PerseusError(f"stage {stage} is rank {dist.get_rank(pp_group)} of its pipeline group; "
-                           f"perseus-ext expects pipeline-group ranks ordered by stage")
