@@ -70,9 +70,8 @@ def worker(out_dir: str) -> None:
     train(runtime, 30, seed=rank)
     runtime.close()
     summary = runtime.summary()
-    outcome = runtime.solve_outcome
     summary["gpus_per_stage"] = runtime.comm.gpus_per_stage
-    summary["frontier_blocking_power_w"] = outcome.frontier.blocking_power if outcome and outcome.frontier else None
+    summary["frontier_blocking_power_w"] = runtime.frontier.blocking_power if runtime.frontier else None
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(summary))
     dist.destroy_process_group()
 

@@ -135,6 +135,16 @@ class ControlPlane:
         by_rank = {m.rank: m for m in members}
         return [(by_rank[rank], value) for rank, value in out]
 
+    def scatter_pipeline(self, by_rank: dict[int, Any] | None) -> Any:
+        """This rank's entry of the pipeline leader's `by_rank` (global rank -> object)."""
+        if self._dist is None:
+            return by_rank[self.rank]
+        ranks = sorted(m.rank for m in self.pipeline_members)  # the group's rank order
+        inputs = [by_rank[rank] for rank in ranks] if by_rank is not None else None
+        out: list[Any] = [None]
+        self._dist.scatter_object_list(out, inputs, src=self.pipeline_leader(), group=self._pipeline_group)
+        return out[0]
+
     def broadcast_pipeline(self, obj: Any) -> Any:
         """The pipeline leader's `obj` on every rank of the pipeline."""
         if self._dist is None:

@@ -17,6 +17,8 @@ import logging
 import math
 import statistics
 
+import numpy as np
+
 from perseus_ext.errors import PerseusError
 from perseus_ext.planning.frontier import Frontier, Plan
 from perseus_ext.planning.schedule import PipelineSchedule
@@ -33,8 +35,12 @@ class PlanDeployment:
     """Plan selection for one rank once its pipeline's frontier is known."""
 
     def __init__(self, frontier: Frontier, policy: OperatingPointPolicy, config: PerseusConfig,
-                 comm: ControlPlane, schedule: PipelineSchedule, measured: MeasuredProfile | None) -> None:
+                 comm: ControlPlane, schedule: PipelineSchedule, measured: MeasuredProfile | None,
+                 stage_table: np.ndarray | None = None) -> None:
+        """stage_table: (plans, computations) clocks of this rank's stage when `frontier` carries
+        no clocks (ranks other than the pipeline leader receive only their own stage's)."""
         self.frontier = frontier
+        self.stage_table = stage_table
         self.schedule = schedule
         self.measured = measured
         self.policy = policy
@@ -61,7 +67,8 @@ class PlanDeployment:
         key = (self.index, stage)
         clocks = self._clock_cache.get(key)
         if clocks is None:
-            clocks = self._clock_cache[key] = tuple(int(c) for c in self.plan.frequencies[stage])
+            row = self.stage_table[self.index] if self.stage_table is not None else self.plan.frequencies[stage]
+            clocks = self._clock_cache[key] = tuple(int(c) for c in row)
         return clocks
 
     def stage_durations(self, stage: int) -> tuple[float, ...] | None:

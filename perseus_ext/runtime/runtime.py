@@ -40,6 +40,7 @@ from perseus_ext.runtime.profiling import ProfilingRun
 from perseus_ext.runtime.rank_setup import RankSetup, describe_gpu
 from perseus_ext.runtime.recorder import RunRecorder
 from perseus_ext.runtime.records import IterationSetting, MeasuredProfile, SolveOutcome, SolveProblem
+from perseus_ext.runtime.shipping import StageFrontier, ship, shipped_bytes
 from perseus_ext.runtime.solver_process import BackgroundSolve, solve
 from perseus_ext.runtime.summary import build_summary, log_summary
 from perseus_ext.measurement.gpu import GPU
@@ -104,7 +105,7 @@ class PerseusRuntime:
         self.profiling: ProfilingRun | None = None
         self.deployment: PlanDeployment | None = None
         self.power_limit: PowerLimitMode | None = None
-        self.solve_outcome: SolveOutcome | None = None
+        self.solve_outcome: SolveOutcome | StageFrontier | None = None  # the leader's, or this rank's share
         self._phase_iterations = 0
         self._announced: tuple[str, float] | None = None
         self._solver: BackgroundSolve | None = None
@@ -354,26 +355,29 @@ class PerseusRuntime:
         (all_ready,) = self.comm.all_min([float(self._leader_outcome is not None or not leader)])
         if not all_ready:
             return
-        outcome: SolveOutcome = self.comm.broadcast_pipeline(self._leader_outcome if leader else None)
-        self.solve_outcome = outcome
-        if outcome.frontier is None:
+        shipments = ship(self._leader_outcome, self.comm.pipeline_members) if leader else None
+        shipment: StageFrontier = self.comm.scatter_pipeline(shipments)
+        self.solve_outcome = self._leader_outcome if leader else shipment
+        if shipment.compact is None:
             logger.warning("perseus-ext: pipeline %d has no frontier (%s); staying at default clocks",
-                           self.comm.pipeline, outcome.error)
+                           self.comm.pipeline, shipment.error)
             self._set_phase(Phase.OBSERVING)
             return
-        frontier = outcome.frontier
+        # The leader keeps the whole frontier; the others get their own stage's clocks only.
+        frontier = self._leader_outcome.frontier if leader else shipment.frontier()
         if leader:
-            how = "in a background process while training went on" if outcome.in_background else "inline"
+            how = "in a background process while training went on" if shipment.in_background else "inline"
             logger.info("perseus-ext: pipeline %d frontier: %d plans, solved in %.1f s %s; the fastest "
-                        "plan saves %.1f%% energy at no slowdown (model)", self.comm.pipeline,
-                        len(frontier.plans), outcome.solve_s, how, 100 * frontier.intrinsic_saving())
+                        "plan saves %.1f%% energy at no slowdown (model); %.3f MB shipped per rank",
+                        self.comm.pipeline, len(frontier.plans), shipment.solve_s, how,
+                        100 * frontier.intrinsic_saving(), max(map(shipped_bytes, shipments.values())) / 1e6)
             if self.comm.pipeline == 0 and self.config.frontier_path:
                 try:
                     frontier.save(self.config.frontier_path)
                 except OSError as err:
                     logger.error("perseus-ext: cannot save the frontier to %s: %s", self.config.frontier_path, err)
         self.deployment = PlanDeployment(frontier, self.policy, self.config, self.comm, self.schedule,
-                                         outcome.measured)
+                                         shipment.measured, None if leader else shipment.stage_clocks())
         self.deployment.deploy(self.iteration)
         self._set_phase(Phase.DEPLOYED)
 
