@@ -113,26 +113,14 @@ class PlanDeployment:
                         reason=f"{self.policy.name} re-evaluated (period {self.policy.period_s:g} s)")
 
     def _straggler_check(self, iteration: int, announced: tuple[str, float] | None) -> None:
-        own = statistics.median(self._check_times) if self._check_times else math.nan
+        own = statistics.median(self._check_times) if self._check_times else None
         self._check_times = []
         kind, value = announced or ("", 0.0)
-        rows = self.comm.all_gather_floats([
-            self.comm.pipeline, own,
-            value if kind == "factor" else 0.0, value if kind == "time" else 0.0,
-        ])
-        pipeline_time: dict[int, float] = {}
-        for pipeline, seconds, _, _ in rows:
-            if not math.isnan(seconds):
-                pipeline_time[int(pipeline)] = max(pipeline_time.get(int(pipeline), 0.0), seconds)
-        mine = pipeline_time.get(self.comm.pipeline)
+        mine, normal, slowest, factor_announced, time_announced = self.comm.straggler_exchange(
+            own, value if kind == "factor" else 0.0, value if kind == "time" else 0.0)
         if mine is None:  # no device record yet on this pipeline: keep the plan
             return
-        normal = min(pipeline_time.values())
-        straggler = max(
-            max(pipeline_time.values()),
-            max(r[2] for r in rows) * normal,  # announced factor of the normal iteration time
-            max(r[3] for r in rows),  # announced iteration time
-        )
+        straggler = max(slowest, factor_announced * normal, time_announced)
         # This pipeline may take (straggler - mine) longer without slowing the job down.
         ratio = 1.0 + (straggler - mine) / self.frontier.fastest.time
         self.tracker.update(ratio)
