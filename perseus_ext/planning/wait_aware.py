@@ -75,10 +75,14 @@ def extend_frontier(
     options: SolverOptions | None = None,
     switch_latency_s: float = 0.0,
 ) -> Frontier:
-    """`frontier` with wait-aware plans appended past its minimum-energy plan.
+    """`frontier` merged with the wait-aware solve: the ordinary plans (Pareto in time and
+    energy, up to the minimum-energy plan T*) first, then every other plan that is cheapest for
+    some deadline the iteration is held to, by time (mostly past T*).
 
     `profile` is the pipeline's unfiltered profile and `blocking_power` the one `frontier` was
-    solved with (per stage). The ordinary plans, their indices and figures are unchanged.
+    solved with (per stage). Wait-useful clocks can also make ordinary plans cheaper (a clock
+    whose extra energy is less than the blocking energy it replaces inside the iteration), so
+    the ordinary part is the Pareto set of both solves' plans.
     """
     from perseus_ext.planning.solver import solve_frontier
 
@@ -88,13 +92,25 @@ def extend_frontier(
         switch_latency_s=switch_latency_s,
     )
     true_model = CostModel(schedule, useful, blocking_power, switch_latency_s)
-    candidates = [p for p in transformed.plans if p.time > frontier.min_energy.time]
-    if not candidates:
-        return _with_extension(frontier, ())
-    choices = np.stack([true_model.choice_of(p) for p in candidates], axis=1)
+    choices = np.stack([true_model.choice_of(p) for p in transformed.plans], axis=1)
     times, energies = true_model.replay(choices)
-    replayed = true_model.make_plans(choices, times, energies)
-    return _with_extension(frontier, _wait_pareto(frontier, replayed))
+    candidates = _distinct([*frontier.ordinary_plans, *true_model.make_plans(choices, times, energies)])
+    ordinary = _pareto(candidates, 0.0)
+    chosen = {id(p) for p in ordinary}
+    slope = len(frontier.fastest.frequencies) * frontier.blocking_power
+    extension = [p for p in _pareto(candidates, slope) if id(p) not in chosen]
+    if extension:
+        logger.info(
+            "wait-aware plans: %d beyond the %d ordinary ones, up to T %.4f s (T* %.4f s)",
+            len(extension), len(ordinary), extension[-1].time, ordinary[-1].time,
+        )
+    return Frontier(
+        schedule=frontier.schedule,
+        blocking_power=frontier.blocking_power,
+        plans=tuple(ordinary) + tuple(extension),
+        baseline=frontier.baseline,
+        extension_start=len(ordinary),
+    )
 
 
 def solve_wait_aware(
@@ -137,36 +153,24 @@ def plan_ending_at(frontier: Frontier, deadline: float) -> Plan:
     return best
 
 
-def _wait_pareto(frontier: Frontier, candidates: list[Plan]) -> list[Plan]:
-    """Candidates, by time, that each cost less at their own time than every faster plan
-    (T* included) would at that time: Pareto-optimal in (time, energy - P S time)."""
-    anchor = frontier.min_energy
-    stages = len(anchor.frequencies)
-    slope = stages * frontier.blocking_power
-    best = anchor.energy - slope * anchor.time
+def _distinct(plans: list[Plan]) -> list[Plan]:
+    """Plans with distinct clocks, the first of each kept."""
+    seen: set[bytes] = set()
     kept = []
-    for plan in sorted(candidates, key=lambda p: (round(p.time, 12), p.energy)):
-        waiting = plan.energy - slope * plan.time
-        if waiting < best - _EPS_J:
+    for plan in plans:
+        key = plan.frequencies.tobytes()
+        if key not in seen:
+            seen.add(key)
             kept.append(plan)
-            best = waiting
     return kept
 
 
-def _with_extension(frontier: Frontier, extension: list[Plan] | tuple[Plan, ...]) -> Frontier:
-    ordinary = frontier.ordinary_plans
-    if extension:
-        logger.info(
-            "wait-aware extension: %d plans past the minimum-energy plan, T %.4f..%.4f s",
-            len(extension), extension[0].time, extension[-1].time,
-        )
-    return Frontier(
-        schedule=frontier.schedule,
-        blocking_power=frontier.blocking_power,
-        plans=tuple(ordinary) + tuple(extension),
-        baseline=frontier.baseline,
-        extension_start=len(ordinary),
-    )
+def _pareto(plans: list[Plan], slope: float) -> list[Plan]:
+    """Plans Pareto-optimal in (time, energy - slope x time), by time; times equal to 1e-12 s
+    count as equal (replays along one critical path differ by rounding)."""
+    times = np.round([p.time for p in plans], 12)
+    costs = np.array([p.energy for p in plans]) - slope * times
+    return [plans[i] for i in pareto_indices(times, costs, tolerance=_EPS_J)]
 
 
 def _check_power(blocking_power: float) -> None:

@@ -8,8 +8,8 @@ straggler. Each pipeline then deploys the plan its leader's policy picks for "th
 take as long as the slowest pipeline", broadcast to the pipeline's stages so they never disagree.
 Measurements come from device-side records, which arrive an iteration or so after launch; a
 check simply uses the records that have arrived. A frontier with a wait-aware extension keeps one
-plan numbering; the policy sees the extension only when the deadline lies past the
-minimum-energy plan (the iteration then ends at the deadline anyway).
+plan numbering; the policy sees the extension only when there is a deadline (the iteration then
+ends at the deadline anyway), the ordinary frontier otherwise.
 """
 
 from __future__ import annotations
@@ -148,8 +148,7 @@ class PlanDeployment:
         emissions ledger), but ranks may read a time-varying signal at slightly different
         moments, so only the leader's plan counts. The leader also says when to evaluate again:
         every `period_s` seconds, converted to iterations with its recent iteration time."""
-        past_min_energy = deadline is not None and deadline > self.frontier.min_energy.time
-        offered = self.frontier if past_min_energy else self._ordinary
+        offered = self._ordinary if deadline is None else self.frontier
         try:
             chosen = self._index_of[id(self.policy.select(offered, deadline))]
         except Exception as err:  # a failing policy must not skip the broadcast below
@@ -178,7 +177,7 @@ class PlanDeployment:
         plan = self.plan
         start = self.frontier.extension_start
         if start is not None and index >= start:
-            reason += "; wait-aware plan past the minimum-energy one"
+            reason += "; wait-aware plan"
         self.switches.append(PlanSwitch(iteration, index, factor, reason, plan.time, plan.energy))
         if self.comm.is_pipeline_leader:
             logger.info("perseus-ext: pipeline %d iteration %d: plan %d/%d (%s): model time "
