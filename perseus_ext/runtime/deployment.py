@@ -7,11 +7,14 @@ and optimizer overheads stay put, so a pipeline that slowed down on purpose neve
 straggler. Each pipeline then deploys the plan its leader's policy picks for "the iteration may
 take as long as the slowest pipeline", broadcast to the pipeline's stages so they never disagree.
 Measurements come from device-side records, which arrive an iteration or so after launch; a
-check simply uses the records that have arrived.
+check simply uses the records that have arrived. A frontier with a wait-aware extension keeps one
+plan numbering; the policy sees the extension only when there is a deadline (the iteration then
+ends at the deadline anyway), the ordinary frontier otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import math
@@ -51,6 +54,7 @@ class PlanDeployment:
         self.index = 0
         self.switches: list[PlanSwitch] = []
         self._index_of = {id(plan): index for index, plan in enumerate(frontier.plans)}
+        self._ordinary = dataclasses.replace(frontier, plans=frontier.ordinary_plans, extension_start=None)
         self._deployed_iterations = 0
         self._check_times: list[float] = []
         self._deadline: float | None = None
@@ -139,8 +143,9 @@ class PlanDeployment:
         emissions ledger), but ranks may read a time-varying signal at slightly different
         moments, so only the leader's plan counts. The leader also says when to evaluate again:
         every `period_s` seconds, converted to iterations with its recent iteration time."""
+        offered = self._ordinary if deadline is None else self.frontier
         try:
-            chosen = self._index_of[id(self.policy.select(self.frontier, deadline))]
+            chosen = self._index_of[id(self.policy.select(offered, deadline))]
         except Exception as err:  # a failing policy must not skip the broadcast below
             logger.error("perseus-ext: the %s policy failed (%r); deploying the fastest plan",
                          getattr(self.policy, "name", "?"), err)
@@ -165,6 +170,9 @@ class PlanDeployment:
             return
         self.index = index
         plan = self.plan
+        start = self.frontier.extension_start
+        if start is not None and index >= start:
+            reason += "; wait-aware plan"
         self.switches.append(PlanSwitch(iteration, index, factor, reason, plan.time, plan.energy))
         if self.comm.is_pipeline_leader:
             logger.info("perseus-ext: pipeline %d iteration %d: plan %d/%d (%s): model time "
