@@ -132,7 +132,9 @@ def test_straggler_slows_the_other_pipeline_and_plans_return(straggler_job):
     # Detected at the second check that sees it (straggler_confirmations = 2).
     assert scenario.straggler_start <= slowed[0]["iteration"] <= scenario.straggler_start + 3 * CHECK_INTERVAL
     assert 1.1 <= slowed[0]["factor"] <= 1.3
-    assert returned and returned[0]["iteration"] <= scenario.straggler_end + 2 * CHECK_INTERVAL
+    # Recovery at the first check whose window lies after the straggler (device records come in
+    # an iteration late, so that may be the third check).
+    assert returned and returned[0]["iteration"] <= scenario.straggler_end + 3 * CHECK_INTERVAL
     assert returned[0]["plan"] == 0
     # Both stages of a pipeline always run the same plan.
     for pipeline in (0, 1):

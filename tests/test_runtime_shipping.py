@@ -32,6 +32,7 @@ def test_each_rank_gets_its_stage_and_every_plans_figures():
         assert [p.time for p in light.plans] == [p.time for p in frontier.plans]
         assert [p.energy for p in light.plans] == [p.energy for p in frontier.plans]
         assert light.fastest.time == frontier.fastest.time and light.baseline.energy == frontier.baseline.energy
+        assert light.extension_start == frontier.extension_start and light.min_energy.time == frontier.min_energy.time
         assert len(light.fastest.frequencies) == 8  # policies count stages by it
         assert shipped_bytes(shipment) < whole / 4
     print(f"whole outcome {whole / 1e6:.3f} MB, one rank {shipped_bytes(shipments[0]) / 1e6:.3f} MB")

@@ -40,6 +40,7 @@ class StageFrontier:
             schedule=dict(data["schedule"]), blocking_power=float(data["blocking_power"]),
             plans=tuple(Plan(float(t), float(e), no_clocks) for t, e in zip(data["times"], data["energies"])),
             baseline=Plan(float(data["baseline"][0]), float(data["baseline"][1]), no_clocks),
+            extension_start=data.get("extension_start"),
         )
 
     def stage_clocks(self) -> np.ndarray:
