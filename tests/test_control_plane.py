@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from runtime_helpers import run_gloo_job  # noqa: E402
 
 PP, TP, DP = 2, 2, 2
 WORLD = PP * TP * DP
@@ -54,32 +56,9 @@ def worker(out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("control-plane")
-    env = dict(os.environ, WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [
-                   str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
-    processes = [subprocess.Popen([sys.executable, __file__, str(out)], env=dict(env, RANK=str(rank)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for rank in range(WORLD)]
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output[-3000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return run_gloo_job(__file__, tmp_path_factory.mktemp("control-plane"), WORLD, TIMEOUT_S)
 
 
 def test_groups_are_the_pipeline_and_the_data_parallel_peers(job):

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from perseus_ext.runtime.profiling import ProfilingRun
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runtime_helpers import make_config, sim_gpu, train  # noqa: E402
+from runtime_helpers import make_config, run_gloo_job, sim_gpu, train  # noqa: E402
 
 WORKER_TIMEOUT_S = 240
 
@@ -50,12 +48,6 @@ def test_assembly_adds_up_the_gpus_of_a_stage():
     assert overridden.blocking_power_per_stage_w == pytest.approx(180.0)  # the override is per GPU
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def worker(out_dir: str) -> None:
     """One of two tensor-parallel ranks of a one-stage pipeline."""
     import torch.distributed as dist
@@ -77,23 +69,7 @@ def worker(out_dir: str) -> None:
 
 
 def test_a_tensor_parallel_stage_is_planned_as_one_stage_of_two_gpus(tmp_path):
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [
-                   str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")])))
-    processes = [subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=dict(env, RANK=str(rank)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for rank in range(2)]
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=WORKER_TIMEOUT_S)[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output[-3000:]
-    summaries = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    summaries = run_gloo_job(__file__, tmp_path, 2, WORKER_TIMEOUT_S)
     idle_w = 83.64  # the simulated A100's blocking power per GPU
     for summary in summaries:
         assert summary["gpus_per_stage"] == 2 and summary["final_phase"] == "deployed"
