@@ -27,6 +27,7 @@ from typing import Any
 from perseus_ext.actuation.controller import FrequencyController
 from perseus_ext.actuation.sequencer import ClockSequencer
 from perseus_ext.errors import PerseusError
+from perseus_ext.planning.frontier import Frontier
 from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
 from perseus_ext.runtime.comm import ControlPlane
@@ -108,6 +109,8 @@ class PerseusRuntime:
         self._announced: tuple[str, float] | None = None
         self._solver: BackgroundSolve | None = None
         self._leader_outcome: SolveOutcome | None = None
+        self._measured: MeasuredProfile | None = None  # the pipeline leader's, kept for re-plans
+        self._frontiers: dict[PipelineSchedule, Frontier] = {}  # solved frontiers, per schedule
         self._setting = IterationSetting(-1, self.phase)
         self._compute_ended = False
         self._closed = False
@@ -208,6 +211,42 @@ class PerseusRuntime:
         timedelta an absolute iteration time, None withdraws the announcement. Takes effect at
         the next straggler check."""
         self._announced = parse_announcement(factor_or_time)
+
+    def reschedule(self, schedule: PipelineSchedule) -> None:
+        """Run `schedule` from the next iteration on (e.g. another number of microbatches).
+
+        Every rank calls it at the same iteration boundary (between `iteration_end()` and
+        `iteration_start()`). The measured profile stays: a computation's time and energy do
+        not depend on how many microbatches the iteration holds. A pipeline that had a
+        frontier (or was solving one) re-solves for the new schedule -- or re-uses the frontier
+        it solved for that schedule before -- and redeploys through the solving phase, so all
+        ranks deploy together; warm-up, profiling and power-limit mode simply go on."""
+        if self._closed or schedule == self.schedule:
+            return
+        if schedule.num_stages != self.schedule.num_stages:
+            raise PerseusError(f"reschedule: the new schedule has {schedule.num_stages} stages, this "
+                               f"pipeline {self.schedule.num_stages}; a new pipeline needs a new runtime")
+        if self.deployment is not None:
+            self._frontiers[self.schedule] = self.deployment.frontier
+        if self._solver is not None:
+            self._solver.cancel()
+            self._solver = None
+        self._leader_outcome = None
+        self.schedule = schedule
+        self.order = schedule.orders[self.stage]
+        self.pacer = self.setup.pacer(self.config, self.timeline, schedule, stage=self.stage,
+                                      pipeline=self.comm.pipeline, num_pipelines=self.comm.num_pipelines)
+        logger.info("perseus-ext: stage %d runs %s from iteration %d on", self.stage,
+                    schedule.describe(), self.iteration)
+        if self.phase not in (Phase.SOLVING, Phase.DEPLOYED):
+            return
+        cached = self._frontiers.get(schedule)
+        if cached is None:
+            self._start_solve(self._measured)
+            return
+        self._set_phase(Phase.SOLVING)
+        if self.comm.is_pipeline_leader:
+            self._leader_outcome = SolveOutcome(cached, None, 0.0, False)
 
     # ------------------------------------------------------------------ state
     @property
@@ -324,6 +363,7 @@ class PerseusRuntime:
         self._start_solve(measured)
 
     def _start_solve(self, measured: MeasuredProfile | None) -> None:
+        self._measured = measured
         self._set_phase(Phase.SOLVING)
         if not self.comm.is_pipeline_leader:
             return
