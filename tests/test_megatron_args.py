@@ -164,13 +164,16 @@ def test_megatron_lm_patches_are_git_diffs_of_pretrain_gpt():
     assert [p.name for p in patches] == [
         "pretrain_gpt.core_v0.16.patch",
         "pretrain_gpt.core_v0.18.patch",
+        "pretrain_gpt.core_v0.19.patch",
     ]
     for patch in patches:
         text = patch.read_text()
         assert text.startswith("diff --git a/pretrain_gpt.py b/pretrain_gpt.py")
         assert "perseus_megatron.add_perseus_args" in text
-        assert "perseus = perseus_megatron.install()" in text
-        assert "perseus.close()" in text
+        # the parsed arguments go to install(), so bad flags fail before training
+        assert "+    perseus = perseus_megatron.install(args)" in text or (
+            "+    perseus = perseus_megatron.install(parse_args(extra_args_provider))" in text)
+        assert "+    if perseus is not None:\n+        perseus.close()" in text
         result = subprocess.run(
             ["git", "apply", "--stat", str(patch)], capture_output=True, text=True, cwd=ROOT
         )
@@ -228,7 +231,7 @@ def test_optimize_mode_without_a_pipeline_fails_at_install():
     pytest.importorskip("megatron.core", reason="megatron-core is the optional 'megatron' extra")
     args = parse("--perseus")
     args.pipeline_model_parallel_size = 1
-    with pytest.raises(ConfigError, match="no pipeline parallelism.*--perseus-mode observe"):
+    with pytest.raises(ConfigError, match="without pipeline parallelism; use --perseus-mode observe"):
         install(args)
     args = parse("--perseus", "--perseus-mode", "observe")
     args.pipeline_model_parallel_size = 1

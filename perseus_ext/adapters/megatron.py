@@ -140,9 +140,9 @@ def _check_mode(config: Any, num_stages: int, where: str) -> None:
     power_limit = config.policy is not None and config.policy.mode == "power_limit"
     if num_stages == 1 and config.mode == "optimize" and not power_limit:
         raise ConfigError(
-            f"perseus.mode 'optimize' plans GPU clocks across pipeline stages, but {where} has no "
-            f"pipeline parallelism (1 stage); use --perseus-mode observe, or a power-limit policy "
-            f"(--perseus-policy '{{\"type\": \"zeus\", \"mode\": \"power_limit\"}}'), or "
+            f"perseus.mode 'optimize' plans GPU clocks across pipeline stages, but {where} runs "
+            f"without pipeline parallelism; use --perseus-mode observe, a power-limit policy "
+            f"(--perseus-policy '{{\"type\": \"zeus\", \"mode\": \"power_limit\"}}') or "
             f"--pipeline-model-parallel-size > 1")
 
 
@@ -399,7 +399,7 @@ class MegatronPerseus:
         if config is None:  # --perseus not given: stay out of the way for good
             return False
         self.schedule = self._schedule_of(bound, original, models)
-        _check_mode(config, self.schedule.num_stages, f"megatron-core's {original.__name__}")
+        _check_mode(config, self.schedule.num_stages, f"this job (megatron-core's {original.__name__})")
         pp_group = self._pp_group(bound) if self.schedule.num_stages > 1 else None
         self.stage = pp_group.rank() if pp_group is not None else 0
         from perseus_ext.runtime import PerseusRuntime
@@ -465,7 +465,7 @@ def install(
             return None
         stages = _pipeline_size(args)
         if stages is not None:
-            _check_mode(config, stages, "--pipeline-model-parallel-size 1")
+            _check_mode(config, stages, "this job (--pipeline-model-parallel-size 1)")
     perseus = MegatronPerseus(args, gpu=gpu, policy=policy)
     perseus._config = config
     perseus._patch()
