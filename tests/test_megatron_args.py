@@ -244,3 +244,20 @@ def test_optimize_mode_without_a_pipeline_fails_at_install():
 def test_bad_flags_fail_at_install_not_at_the_first_step():
     with pytest.raises(ConfigError, match="--perseus-straggler-threshold"):
         install(parse("--perseus", "--perseus-straggler-threshold", "2"))
+
+
+def test_a_schedule_bound_before_install_is_an_error_not_a_silent_no_op(monkeypatch):
+    """A script that held megatron-core's schedule function from before install() would run it
+    unhooked; its first step raises a ConfigError that says what to do instead."""
+    pytest.importorskip("megatron.core", reason="megatron-core is the optional 'megatron' extra")
+    from megatron.core.pipeline_parallel import schedules
+    from megatron_shims import run_megatron_schedule
+
+    bound_early = schedules.forward_backward_no_pipelining  # get_forward_backward_func() before install
+    perseus = install(parse("--perseus", "--perseus-mode", "observe"))
+    try:
+        monkeypatch.setattr(schedules, "get_forward_backward_func", lambda **_: bound_early)
+        with pytest.raises(ConfigError, match=r"before perseus_megatron.install\(\); call install\(\) first"):
+            run_megatron_schedule(1, 2)
+    finally:
+        perseus.close()
