@@ -19,10 +19,13 @@ that look `forward_step`/`backward_step` up in their module at call time, and th
 change between releases. The wrappers bind arguments by *name* with `inspect.signature`. A
 forward is identified from the schedule's own objects (the chunk is the position of the `model`
 argument in the iteration's model list, the microbatch megatron's `current_microbatch` or the
-chunk's running forward count). A backward carries no model, and tensor identities are reused
-by Python after a free, so it is identified by the schedule's own order instead: it is the
+chunk's running forward count). A backward carries no model, and tensor ids are reused by
+Python after a free, so it is identified by the schedule's own order instead: it is the
 computation the stage's `PipelineSchedule` order puts next, which must be a backward of a
-microbatch whose forward already ran on that chunk.
+microbatch whose forward already ran on that chunk. The output tensor megatron hands the
+backward only cross-checks that (through weak references to this iteration's forward outputs,
+live objects whose identity cannot be reused): if it is another forward's output, the order is
+wrong and the rank falls back.
 
 The plan lists each stage's computations in the order `perseus_ext.planning.schedule` predicts
 (the interleaved order is built with megatron's own `microbatch_group_size_per_vp_stage`). The
@@ -47,6 +50,7 @@ import importlib
 import inspect
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -146,6 +150,13 @@ def _check_mode(config: Any, num_stages: int, where: str) -> None:
             f"--pipeline-model-parallel-size > 1")
 
 
+def _first_tensor(value: Any) -> Any:
+    """Megatron passes single tensors or one-element lists depending on the version/path."""
+    while isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    return value
+
+
 @dataclasses.dataclass
 class _Iteration:
     """Book-keeping for one training iteration on this stage."""
@@ -154,6 +165,8 @@ class _Iteration:
     order: tuple[Computation, ...]
     forwards_per_chunk: list[int]
     position: int = 0  # computations reported so far
+    # (microbatch, chunk) -> weak reference to that forward's output, until its backward
+    outputs: dict[tuple[int, int], weakref.ref] = dataclasses.field(default_factory=dict)
 
     def chunk_of(self, model: Any, vp_stage: Any) -> int | None:
         for index, candidate in enumerate(self.models):
@@ -164,6 +177,22 @@ class _Iteration:
     @property
     def expected(self) -> Computation | None:
         return self.order[self.position] if self.position < len(self.order) else None
+
+    def remember_output(self, identity: tuple[int, int], result: Any) -> None:
+        output = _first_tensor(result[0] if isinstance(result, tuple) else result)
+        try:
+            self.outputs[identity] = weakref.ref(output)
+        except TypeError:  # not weak-referenceable: nothing to cross-check the backward with
+            pass
+
+    def producer_of(self, output_tensor: Any) -> tuple[int, int] | None:
+        """The forward that made `output_tensor` (a live object, so never a reused id), or None
+        when it is none of this iteration's forwards."""
+        output = _first_tensor(output_tensor)
+        for identity, reference in self.outputs.items():
+            if reference() is output:
+                return identity
+        return None
 
 
 class MegatronPerseus:
@@ -268,6 +297,8 @@ class MegatronPerseus:
             microbatch, chunk = identity
             self.runtime.before_computation(kind, microbatch, chunk=chunk)
             result = original(*args, **kwargs)
+            if kind is Kind.FORWARD:
+                iteration.remember_output(identity, result)
             self.runtime.after_computation(kind, microbatch, chunk=chunk)
             iteration.position += 1
             if iteration.position == len(iteration.order):
@@ -304,12 +335,20 @@ class MegatronPerseus:
             iteration.forwards_per_chunk[chunk] += 1
             return (reported if isinstance(reported, int) else counted), chunk
         expected = iteration.expected
+        where = (f"where the {self.schedule.kind.value} schedule expects "
+                 f"{expected if expected else 'no more computations'} (position {iteration.position})")
         if (expected is None or expected.kind is not Kind.BACKWARD
                 or iteration.forwards_per_chunk[expected.chunk] <= expected.microbatch):
-            return self._cannot_identify(
-                f"a backward step where the {self.schedule.kind.value} schedule expects "
-                f"{expected if expected else 'no more computations'} (position {iteration.position})")
-        return expected.microbatch, expected.chunk
+            return self._cannot_identify(f"a backward step {where}")
+        identity = expected.microbatch, expected.chunk
+        # The order names the backward; the output tensor (when it is a forward's of this
+        # iteration) can only confirm it or prove the order wrong.
+        produced_by = iteration.producer_of(bound.get("output_tensor"))
+        if produced_by is not None and produced_by != identity:
+            ran = Computation(self.stage, produced_by[1], produced_by[0], Kind.BACKWARD)
+            return self._cannot_identify(f"{ran} {where}")
+        iteration.outputs.pop(identity, None)
+        return identity
 
     def _cannot_identify(self, what: str) -> None:
         self._unidentified = what
