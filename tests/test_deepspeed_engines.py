@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from perseus_ext.errors import PerseusError
+from perseus_ext.planning.profile import load_profile
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.runtime import PerseusRuntime, Phase
 
@@ -79,6 +81,42 @@ def test_reschedule_while_profiling_keeps_the_measurements():
         assert runtime.frontier.fastest.time > 0 and runtime.schedule.num_microbatches == 3
     finally:
         runtime.close()
+
+
+def train_steadily(runtime: PerseusRuntime, iterations: int) -> None:
+    """An adapter's hooks with no host-side waits between computations (a busy pipeline)."""
+    for _ in range(iterations):
+        runtime.iteration_start()
+        for computation in runtime.order:
+            runtime.before_computation(computation.kind, computation.microbatch)
+            runtime.after_computation(computation.kind, computation.microbatch)
+        runtime.mark_compute_end()
+        runtime.gpu.wait(0.005)  # optimizer step
+        runtime.iteration_end()
+
+
+def test_a_model_that_misjudges_the_measured_iteration_is_warned_about(tmp_path, caplog):
+    """A saved profile that halves every computation (as the per-chunk bug did for V = 2) makes
+    the frontier model half the measured compute time: one warning says so. The profile the job
+    measured itself never models the iteration too short (its per-computation framework
+    overhead, larger on a loaded machine, can only lengthen the model)."""
+    schedule = build_schedule("1f1b", 1, 4)
+    path = tmp_path / "profile.csv"
+    caplog.set_level(logging.WARNING, logger="perseus_ext")
+    runtime = PerseusRuntime(make_config(profile_path=str(path)), schedule=schedule, stage=0, gpu=sim_gpu())
+    train_steadily(runtime, 20)
+    runtime.close()
+    assert runtime.phase is Phase.DEPLOYED
+    assert not [r for r in caplog.records if "the frontier models" in r.getMessage() and "(+" in r.getMessage()]
+    caplog.clear()
+
+    load_profile(path, pareto=False).scaled(0.5, 0.5).save(path)
+    halved = PerseusRuntime(make_config(profile_path=str(path)), schedule=schedule, stage=0, gpu=sim_gpu())
+    train_steadily(halved, 10)
+    halved.close()
+    warnings = [r.getMessage() for r in caplog.records if "the frontier models" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "(+" in warnings[0]  # measured about twice the model
 
 
 # --------------------------------------------------------------------------- DeepSpeed
