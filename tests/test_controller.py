@@ -283,17 +283,32 @@ def test_watchdog_restores_clocks_after_sigkill(mode, tmp_path):
             os.kill(child, signal.SIGKILL)
 
 
-def test_watchdog_tells_a_clean_close_from_a_death():
+def test_watchdog_tells_a_clean_close_a_hand_over_and_a_death_apart():
     from perseus_ext.actuation.watchdog import wait_for_trainer
 
-    for message, clean in ((b"clean\n", True), (b"", False), (b"garbage", False)):
+    for message, ending in ((b"lock 1005\nheld 1005\nclean\n", "clean"), (b"held 1005\nrestore\n", "restore"),
+                            (b"", "died"), (b"garbage", "died"), (b"held 1005\ncle", "died")):
         read_end, write_end = os.pipe()
         os.write(write_end, message)
         os.close(write_end)
-        assert wait_for_trainer(read_end, os.getppid()) is clean
+        assert wait_for_trainer(read_end, os.getppid()) == ending
         os.close(read_end)
     read_end, write_end = os.pipe()  # pipe still open, but the "trainer" is not our parent
-    assert wait_for_trainer(read_end, trainer_pid=-1) is False
+    assert wait_for_trainer(read_end, trainer_pid=-1) == "died"
     os.close(read_end)
     os.close(write_end)
 
+
+def test_watchdog_claims_follow_the_trainers_reports():
+    from perseus_ext.actuation.watchdog import Claims
+
+    claims = Claims()
+    for line in ("lock 1005", "held 1005", "lock 1200", "power 300.0"):
+        claims.note(line)
+    assert claims.clocks == {1005, 1200} and claims.power_limits == {300.0}  # 1200 may have landed
+    for line in ("held 1200", "power-held 300.0"):
+        claims.note(line)
+    assert claims.clocks == {1200} and claims.power_limits == {300.0}
+    for line in ("released", "power-released"):
+        claims.note(line)
+    assert claims.empty

@@ -22,26 +22,30 @@ Guarantees:
 * A failing device call is logged once, counted, and the controller falls back to the default
   clocks and stops touching the GPU; training goes on.
 * Clocks and power limit are restored on close, normal exit (atexit), exceptions (context
-  manager), SIGINT/SIGTERM (handler, then the previous handler runs) and SIGKILL (watchdog).
+  manager), SIGINT/SIGTERM (handler, then the previous handler runs; a watcher thread restores
+  when the main thread is blocked in a collective, see exit_guard.py) and SIGKILL (watchdog).
+* A restore that fails is retried (a few quick attempts, then every RESTORE_RETRY_S while
+  training goes on); one still unfinished at close is handed to the watchdog, which keeps
+  retrying after the job ends, and the log says the GPU is still locked -- never that it runs at
+  default clocks. The watchdog is told each clock and power limit this job sets, and only undoes
+  a setting the GPU still holds, never one another job has made since.
 """
 
 from __future__ import annotations
 
-import atexit
 import collections
-import json
 import logging
 import os
 import queue
-import signal
 import subprocess
-import sys
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from perseus_ext.actuation.exit_guard import register, unregister
+from perseus_ext.actuation.observer import MARKER_POLL_S, DeviceObserver, Observation, wait_for_marker
+from perseus_ext.actuation.watchdog import start_watchdog
 from perseus_ext.measurement.gpu import (
     GPU,
     PERMISSION_HELP,
@@ -60,7 +64,12 @@ logger = logging.getLogger(__name__)
 DRY_RUN_LOG_LIMIT = 1_000_000  # entries kept in dry_run_log; beyond it only dry_run_count grows
 CHANGE_LOG_LIMIT = 100_000  # timestamped clock changes kept for clock-coverage estimates
 JOIN_TIMEOUT_S = 10.0
-MARKER_POLL_S = 0.05  # how often a worker waiting on a marker checks whether it must stop
+RESTORE_ATTEMPTS = 3  # quick attempts per restore; a transient NVML error rarely outlasts them
+RESTORE_BACKOFF_S = 0.05  # pause after the first failed attempt, doubled after each one
+RESTORE_RETRY_S = 5.0  # while training goes on, how often an unfinished restore is tried again
+WATCHDOG_RETRY_FOR_S = 300.0  # how long the watchdog retries a restore handed over at close
+WATCHDOG_RETRY_INTERVAL_S = 2.0
+POWER_MATCH_W = 0.5  # a power limit read back within this of one this job set is still ours
 
 
 class _Reset:
@@ -69,33 +78,17 @@ class _Reset:
 
 @dataclass(frozen=True)
 class _ClockAt:
-    """Queue item: apply `target` (MHz or _RESET) once the device reaches `at` (None: now)."""
+    """Queue item: apply `target` (MHz or _RESET) `after_s` seconds after the device reaches
+    `at` (None: now)."""
 
     target: Any
     at: DeviceMarker | None
-
-
-@dataclass(frozen=True)
-class _Observe:
-    """Queue item: note when the device reached `at` and read the energy counter there."""
-
-    tag: Any
-    at: DeviceMarker
+    after_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class _PowerLimit:
     watts: float
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What the worker saw when the device reached an observed marker."""
-
-    tag: Any
-    device_time_s: float  # when the device reached the marker (GPU.timestamp() clock)
-    noticed_s: float  # when the worker noticed (perf_counter): the notice delay is the difference
-    energy_mj: int | None  # the energy counter read right after noticing (None: no GPU or a failed read)
 
 
 @dataclass(frozen=True)
@@ -152,26 +145,33 @@ class FrequencyController:
         self._closed = False
         self._last_requested: int | None = None
         self._applied_clock: int | None = None
-        self._clock_touched = False
+        self._clock_dirty = False  # a lock was attempted since the last successful reset
         self._initial_power_limit: float | None = None
-        self._power_touched = False
+        self._power_dirty = False  # a power limit was attempted since the last successful restore
+        self.restore_error: str | None = None  # set while a failed restore is unfinished
+        self._restore_tried_s = 0.0
+        self._closer: int | None = None  # thread that runs close(); a re-entrant call returns
+        self._close_done = threading.Event()
+        self._watchdog_fd: int | None = None
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._observations: collections.deque[Observation] = collections.deque()
         self._stopping = False
         self._worker: threading.Thread | None = None
+        self.observer: DeviceObserver | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self.dry_run = self._decide_dry_run(dry_run)
         if not self.dry_run:
             self._initial_power_limit = self._read_power_limit()
         if self.gpu is not None:
-            # Also in dry-run: the worker still follows the device to time and meter it.
+            # Also in dry-run: the worker records changes in device order. The observer is its
+            # own thread so a change held back to land on time never delays a measurement.
             self._worker = threading.Thread(
                 target=self._work, name="perseus-clock-controller", daemon=True
             )
             self._worker.start()
+            self.observer = DeviceObserver(self.gpu, self._note_error)
         if not self.dry_run and watchdog:
             self._start_watchdog()
-        _register(self, handle_signals)
+        register(self, handle_signals)
 
     # ----------------------------------------------------------------- setup
     def _decide_dry_run(self, dry_run: bool | None) -> bool:
@@ -186,7 +186,8 @@ class FrequencyController:
         except GPUError as err:
             if self.strict:
                 raise
-            self._note_error("probe", err, "could not probe GPU clock permission")
+            self._note_error("probe", err, "could not probe GPU clock permission",
+                             "running in DRY-RUN mode at default clocks")
             return True
         if allowed:
             return False
@@ -207,7 +208,8 @@ class FrequencyController:
         try:
             return self.gpu.power_limit_w()
         except GPUError as err:
-            self._note_error("read", err, "could not read the power limit to restore later")
+            self._note_error("read", err, "could not read the power limit to restore later",
+                             "a power limit set later is restored to the GPU's default")
             return None
 
     def _start_watchdog(self) -> None:
@@ -216,22 +218,34 @@ class FrequencyController:
         if spec is None:
             logger.debug("%s: no restore spec, no SIGKILL watchdog needed", self.gpu.name)
             return
-        spec = dict(spec, power_limit_w=self._initial_power_limit)
+        spec = dict(spec, power_limit_w=self._initial_power_limit, retry_for_s=WATCHDOG_RETRY_FOR_S,
+                    retry_interval_s=WATCHDOG_RETRY_INTERVAL_S, power_match_w=POWER_MATCH_W)
         try:
-            self._watchdog = subprocess.Popen(
-                [sys.executable, "-m", "perseus_ext.actuation.watchdog", json.dumps(spec),
-                 str(os.getpid())],
-                stdin=subprocess.PIPE,
-                start_new_session=True,  # a Ctrl-C to the job must not kill it before we die
-                env=_env_with_package_path(),
-            )
+            self._watchdog = start_watchdog(spec, os.getpid())
         except OSError as err:
-            self._note_error("watchdog", err, "could not start the clock-restoring watchdog")
+            self._note_error("watchdog", err, "could not start the clock-restoring watchdog",
+                             "clocks are not restored if this process is killed with SIGKILL")
+            return
+        assert self._watchdog.stdin is not None
+        self._watchdog_fd = self._watchdog.stdin.fileno()
+
+    def _tell_watchdog(self, message: str) -> None:
+        """One line of the watchdog protocol (watchdog.py); an atomic pipe write of a few bytes."""
+        fd = self._watchdog_fd
+        if fd is None:
+            return
+        try:
+            os.write(fd, f"{message}\n".encode())
+        except OSError as err:
+            self._watchdog_fd = None
+            self._note_error("watchdog", err, "lost the clock-restoring watchdog",
+                             "clocks are not restored if this process is killed with SIGKILL")
 
     # ----------------------------------------------------------------- hook path
-    def set_clock(self, mhz: int, at: DeviceMarker | None = None) -> None:
-        """Ask for SM clock `mhz` from the moment the device reaches `at` (None: as soon as
-        possible); returns at once, never raises."""
+    def set_clock(self, mhz: int, at: DeviceMarker | None = None, after_s: float = 0.0) -> None:
+        """Ask for SM clock `mhz` `after_s` seconds after the device reaches `at` (None: as soon
+        as possible); returns at once, never raises. A positive `after_s` lets the caller issue
+        a change ahead of a computation by the switching latency, so it lands on time."""
         if mhz == self._last_requested:
             return
         self._last_requested = mhz
@@ -243,7 +257,7 @@ class FrequencyController:
             self.dropped_count += 1
             return
         if self._worker is not None and not self._closed:
-            self._queue.put(_ClockAt(mhz, at))
+            self._queue.put(_ClockAt(mhz, at, after_s))
 
     def reset(self, at: DeviceMarker | None = None) -> None:
         """Ask for the default (unlocked) clocks from marker `at` on; non-blocking."""
@@ -253,15 +267,12 @@ class FrequencyController:
 
     def observe(self, at: DeviceMarker, tag: Any) -> None:
         """Time and meter the moment the device reaches `at`; collect with `observations()`."""
-        if self._worker is not None and not self._closed:
-            self._queue.put(_Observe(tag, at))
+        if self.observer is not None and not self._closed:
+            self.observer.observe(at, tag)
 
     def observations(self) -> list[Observation]:
         """Everything observed since the last call, in device order; never blocks."""
-        seen = []
-        while self._observations:
-            seen.append(self._observations.popleft())
-        return seen
+        return self.observer.observations() if self.observer is not None else []
 
     def drain_changes(self) -> list[ClockChange]:
         """The clock changes issued since the last call, oldest first; never blocks."""
@@ -282,11 +293,19 @@ class FrequencyController:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is done (its markers reached); False if
         `timeout` ran out. Blocks the caller: only for profiling, tests and shutdown."""
-        if self._worker is None or not self._worker.is_alive():
-            return True
-        barrier = _Barrier(threading.Event())
-        self._queue.put(barrier)
-        return barrier.done.wait(timeout)
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        done = []
+        if self._worker is not None and self._worker.is_alive():
+            barrier = _Barrier(threading.Event())
+            self._queue.put(barrier)
+            done.append(barrier.done)
+        if self.observer is not None and (event := self.observer.barrier()) is not None:
+            done.append(event)
+        for event in done:
+            remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            if not event.wait(remaining):
+                return False
+        return True
 
     @property
     def current_clock(self) -> int | None:
@@ -302,6 +321,8 @@ class FrequencyController:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+            if self.restore_error is not None and time.monotonic() - self._restore_tried_s >= RESTORE_RETRY_S:
+                self._restore()  # a GPU left locked after a failure: keep trying while we run
             if self._run_batch(batch):
                 return
 
@@ -318,45 +339,48 @@ class FrequencyController:
                 item.done.set()
             elif isinstance(item, _PowerLimit):
                 self._apply_power_limit(item.watts)
-            elif isinstance(item, _Observe):
-                if self._reach(item.at):
-                    self._record_observation(item)
             elif isinstance(item, _ClockAt):
                 if self._superseded(item, batch[index + 1:]):
                     self.stale_skipped += 1
-                elif self._reach(item.at):
+                elif self._reach(item.at) and self._sleep_past(item):
                     self._apply_clock(item.target)
         return False
 
     @staticmethod
     def _superseded(item: _ClockAt, later: list[Any]) -> bool:
-        """A newer clock target whose marker the device has already passed makes this one stale."""
-        return any(isinstance(other, _ClockAt) and (other.at is None or other.at.query())
-                   for other in later)
+        """A newer clock target already due (its marker passed, its delay over) makes this one
+        stale."""
+        now = time.perf_counter()
+        for other in later:
+            if not isinstance(other, _ClockAt):
+                continue
+            if other.at is None:
+                return True
+            if other.at.query():
+                reached = other.at.device_time_s()
+                if reached is None or reached + other.after_s <= now:
+                    return True
+        return False
 
     def _reach(self, marker: DeviceMarker | None) -> bool:
         """Block this worker until the device reaches `marker`; False when stopping first."""
         if marker is None:
             return True
-        while not self._stopping:
-            try:
-                if marker.wait(MARKER_POLL_S):
-                    return True
-            except Exception as err:  # a broken event must not kill the worker
-                self._note_error("marker", err, "could not wait for a device marker")
-                return True
-        return False
+        return wait_for_marker(marker, lambda: self._stopping, lambda err: self._note_error(
+            "marker", err, "could not wait for a device marker", "its clock change happens at once instead"))
 
-    def _record_observation(self, item: _Observe) -> None:
-        noticed = time.perf_counter()
+    def _sleep_past(self, item: _ClockAt) -> bool:
+        """Wait until `after_s` past the marker's device time; False when stopping first."""
+        if item.after_s <= 0 or item.at is None:
+            return True
         reached = item.at.device_time_s()
-        energy = None
-        if self.gpu is not None:
-            try:
-                energy = self.gpu.energy_mj()
-            except Exception as err:
-                self._note_error("read", err, "could not read the energy counter")
-        self._observations.append(Observation(item.tag, noticed if reached is None else reached, noticed, energy))
+        due = (reached if reached is not None else time.perf_counter()) + item.after_s
+        while not self._stopping:
+            remaining = due - time.perf_counter()
+            if remaining <= 0:
+                return True
+            time.sleep(min(remaining, MARKER_POLL_S))
+        return False
 
     def _apply_clock(self, target: int | _Reset) -> None:
         assert self.gpu is not None
@@ -371,17 +395,28 @@ class FrequencyController:
             self.changes.append(ClockChange(time.perf_counter(), mhz))
             return
         try:
-            if mhz is None:
-                self.gpu.reset_locked_sm_clocks()
-            else:
-                self._clock_touched = True
-                self.gpu.set_locked_sm_clocks(mhz)
+            self._unlock() if mhz is None else self._lock(mhz)
         except Exception as err:  # any device failure must stay out of the training step
             self._fail("set", err, f"could not {'reset' if mhz is None else f'set {mhz} MHz'}")
             return
-        self._applied_clock = mhz
         self.applied_count += 1
         self.changes.append(ClockChange(time.perf_counter(), mhz))
+
+    def _lock(self, mhz: int) -> None:
+        """Lock `mhz`, telling the watchdog before (it may land) and after (it did)."""
+        assert self.gpu is not None
+        self._clock_dirty = True
+        self._tell_watchdog(f"lock {mhz}")
+        self.gpu.set_locked_sm_clocks(mhz)
+        self._applied_clock = mhz
+        self._tell_watchdog(f"held {mhz}")
+
+    def _unlock(self) -> None:
+        assert self.gpu is not None
+        self.gpu.reset_locked_sm_clocks()
+        self._applied_clock = None
+        self._clock_dirty = False
+        self._tell_watchdog("released")
 
     def _apply_power_limit(self, watts: float) -> None:
         assert self.gpu is not None
@@ -389,35 +424,70 @@ class FrequencyController:
             self.dropped_count += 1
             return
         try:
-            self._power_touched = True
+            self._power_dirty = True
+            self._tell_watchdog(f"power {watts}")
             self.gpu.set_power_limit_w(watts)
+            self._tell_watchdog(f"power-held {watts}")
         except Exception as err:
             self._fail("set", err, f"could not set the power limit to {watts} W")
 
+    def _restore_power_limit(self) -> None:
+        assert self.gpu is not None
+        if self._initial_power_limit is None:
+            self.gpu.reset_power_limit()
+        else:
+            self.gpu.set_power_limit_w(self._initial_power_limit)
+        self._power_dirty = False
+        self._tell_watchdog("power-released")
+
     def _fail(self, kind: str, err: BaseException, what: str) -> None:
         """A device call failed: log once, count, go back to defaults and stop touching the GPU."""
-        self._note_error(kind, err, what)
+        self._note_error(kind, err, what, "perseus-ext stops changing this GPU's clocks and restores its defaults")
         self.disabled_reason = f"{what}: {err}"
         self._restore()
 
-    def _restore(self) -> None:
-        """Unlock clocks and put the power limit back; each failure is counted, never raised."""
+    def _restore(self) -> bool:
+        """Undo every clock and power limit this job set, each call retried a few times; True
+        when nothing of ours is left on the GPU. Never raises; an unfinished restore is logged
+        (once) as what it is and kept in `restore_error` for close() to hand to the watchdog."""
         gpu = self.gpu
         if gpu is None or self.dry_run:
-            return
-        if self._clock_touched or self._applied_clock is not None:
-            try:
-                gpu.reset_locked_sm_clocks()
-                self._applied_clock = None
-            except Exception as err:
-                self._note_error("restore", err, "could not reset locked clocks")
-        if self._power_touched and self._initial_power_limit is not None:
-            try:
-                gpu.set_power_limit_w(self._initial_power_limit)
-            except Exception as err:
-                self._note_error("restore", err, "could not restore the power limit")
+            return True
+        failures = []
+        if self._clock_dirty or self._applied_clock is not None:
+            err = _retry(self._unlock)
+            if err is not None:
+                failures.append(f"could not reset locked clocks ({err})")
+        if self._power_dirty:
+            err = _retry(self._restore_power_limit)
+            if err is not None:
+                failures.append(f"could not restore the power limit ({err})")
+        self._restore_tried_s = time.monotonic()
+        if not failures:
+            if self.restore_error is not None:
+                logger.warning("perseus-ext: %s: default clocks restored after earlier failures", gpu.name)
+                self.restore_error = None
+            return True
+        first = self.restore_error is None
+        self.restore_error = "; ".join(failures)
+        self.error_count += 1
+        if first:
+            held = (f"locked at {self._applied_clock} MHz" if self._applied_clock is not None
+                    else "possibly locked" if self._clock_dirty else "at a power limit perseus-ext set")
+            logger.error("perseus-ext: %s: restoring default clocks failed after %d attempts: %s. The GPU "
+                         "is still %s; perseus-ext retries every %.0f s while training goes on and %s",
+                         gpu.name, RESTORE_ATTEMPTS, self.restore_error, held, RESTORE_RETRY_S,
+                         self._restore_fallback_text())
+        return False
 
-    def _note_error(self, kind: str, err: BaseException, what: str) -> None:
+    def _restore_fallback_text(self) -> str:
+        if self._watchdog is not None:
+            return f"its watchdog (pid {self._watchdog.pid}) keeps retrying for {WATCHDOG_RETRY_FOR_S:.0f} s after the job ends"
+        assert self.gpu is not None
+        return (f"nothing retries after the job ends: reset it with `nvidia-smi -i {self.gpu.uuid} -rgc` "
+                f"(and `-pl <watts>` for the power limit)")
+
+    def _note_error(self, kind: str, err: BaseException, what: str, outcome: str) -> None:
         self.error_count += 1
         self.last_error = err
         key = f"{kind}:{type(err).__name__}"
@@ -425,40 +495,57 @@ class FrequencyController:
             self._logged.add(key)
             name = self.gpu.name if self.gpu is not None else "GPU"
             logger.warning(
-                "perseus-ext: %s: %s (%s); training continues at default clocks. Further errors "
-                "of this kind are only counted (FrequencyController.error_count).",
-                name, what, err,
+                "perseus-ext: %s: %s (%s); %s. Further errors of this kind are only counted "
+                "(FrequencyController.error_count).", name, what, err, outcome,
             )
 
     # ----------------------------------------------------------------- shutdown
     def close(self) -> None:
-        """Restore default clocks and the original power limit, stop the worker; idempotent."""
+        """Restore default clocks and the original power limit, stop the worker; idempotent.
+        A second caller on another thread (signal watcher vs. main thread) waits for the first;
+        a re-entrant call (a signal handler interrupting close()) returns at once."""
         if self._closed:
+            if self._closer != threading.get_ident():
+                self._close_done.wait(2 * JOIN_TIMEOUT_S)
             return
         self._closed = True
+        self._closer = threading.get_ident()
         self._stopping = True  # a worker waiting on a marker the device never reaches gives up
         worker = self._worker
+        hung = False
         if worker is not None and worker.is_alive():
             if worker is threading.current_thread():
                 self._restore()
             else:
                 self._queue.put(_STOP)
                 worker.join(JOIN_TIMEOUT_S)
-                if worker.is_alive():  # hung device call: restore from here as a last resort
+                hung = worker.is_alive()
+                if hung:  # hung device call: restore from here as a last resort
                     self._restore()
-        self._stop_watchdog()
-        _unregister(self)
+        elif self.restore_error is not None:
+            self._restore()
+        if self.observer is not None:
+            self.observer.close()
+        self._stop_watchdog(hand_over=self.restore_error is not None, worker_hung=hung)
+        unregister(self)
+        self._close_done.set()
 
-    def _stop_watchdog(self) -> None:
+    def _stop_watchdog(self, *, hand_over: bool, worker_hung: bool) -> None:
+        """Say "clean", or hand an unfinished restore over ("restore": the watchdog retries after
+        we are gone). The pipe stays open while a hung worker might still write to it."""
         watchdog = self._watchdog
         if watchdog is None:
             return
+        self._tell_watchdog("restore" if hand_over else "clean")
+        self._watchdog_fd = None
         self._watchdog = None
+        if worker_hung:
+            return
         try:
             assert watchdog.stdin is not None
-            watchdog.stdin.write(b"clean\n")
             watchdog.stdin.close()
-            watchdog.wait(JOIN_TIMEOUT_S)
+            if not hand_over:
+                watchdog.wait(JOIN_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as err:
             logger.debug("watchdog did not stop cleanly: %s", err)
 
@@ -505,60 +592,15 @@ def open_controller(
     return FrequencyController(gpu, strict=strict, dry_run=dry_run, watchdog=watchdog)
 
 
-def _env_with_package_path() -> dict[str, str]:
-    """Environment for the watchdog so it imports this very copy of perseus_ext."""
-    env = dict(os.environ)
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    return env
-
-
-# --------------------------------------------------------------------------- process-wide restore
-_live: "weakref.WeakSet[FrequencyController]" = weakref.WeakSet()
-_previous_handlers: dict[int, Any] = {}
-_registry_lock = threading.Lock()
-_HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-def close_all() -> None:
-    """Restore every live controller of this process (atexit and signal path)."""
-    for controller in list(_live):
-        controller.close()
-
-
-def _register(controller: FrequencyController, handle_signals: bool) -> None:
-    with _registry_lock:
-        _live.add(controller)
-        if handle_signals and threading.current_thread() is threading.main_thread():
-            for signum in _HANDLED_SIGNALS:
-                if signum in _previous_handlers:
-                    continue
-                previous = signal.getsignal(signum)
-                if previous is signal.SIG_IGN or previous is None:
-                    continue  # ignored (or set outside Python): do not make it fatal
-                _previous_handlers[signum] = previous
-                signal.signal(signum, _on_signal)
-
-
-def _unregister(controller: FrequencyController) -> None:
-    _live.discard(controller)
-    if _live or threading.current_thread() is not threading.main_thread():
-        return
-    for signum, previous in list(_previous_handlers.items()):
-        if signal.getsignal(signum) is _on_signal:
-            signal.signal(signum, previous)
-        del _previous_handlers[signum]
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    """Restore clocks first, then let the signal do what it did before (usually: end us)."""
-    previous = _previous_handlers.get(signum, signal.SIG_DFL)
-    close_all()
-    if callable(previous):
-        previous(signum, frame)
-    else:  # SIG_DFL: re-deliver with the default action
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-
-atexit.register(close_all)
+def _retry(call: Any) -> BaseException | None:
+    """Run a restoring device call up to RESTORE_ATTEMPTS times; the last error, None on success."""
+    error: BaseException | None = None
+    for attempt in range(RESTORE_ATTEMPTS):
+        try:
+            call()
+            return None
+        except Exception as err:
+            error = err
+            if attempt + 1 < RESTORE_ATTEMPTS:
+                time.sleep(RESTORE_BACKOFF_S * 2 ** attempt)
+    return error

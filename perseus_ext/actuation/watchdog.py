@@ -1,10 +1,21 @@
-"""SIGKILL safety net: a tiny process that restores GPU clocks when the trainer dies hard.
+"""SIGKILL safety net: a tiny process that restores GPU clocks when the trainer dies hard, or
+when the trainer's own restore failed.
 
-Started by FrequencyController with a pipe on its stdin. A clean shutdown writes "clean" and
-closes the pipe; any other end of the trainer (SIGKILL, OOM killer, segfault) closes the pipe
-without it, or re-parents this process, and the watchdog then unlocks the clocks and puts the
-power limit back. It ignores SIGINT/SIGTERM so that a Ctrl-C or job-wide SIGTERM cannot kill it
-before the trainer is gone.
+Started by FrequencyController with a pipe on its stdin, over which the trainer reports, one line
+each, what it does to the GPU:
+
+    lock <mhz>      about to lock that clock (it may land even if the trainer dies in the call)
+    held <mhz>      the lock is in place: this job's only clock now
+    released        the trainer unlocked the clocks itself
+    power <w>, power-held <w>, power-released    the same for the power limit
+    clean           the trainer restored everything: exit
+    restore         the trainer is done but its restore failed: take it over
+
+End of input without "clean" (SIGKILL, OOM killer, segfault), or the trainer no longer being our
+parent (a forked child may still hold the pipe), means the trainer died. Either way the watchdog
+then undoes only what this job set and the GPU *still holds* -- a lock or power limit another job
+made since is left alone -- retrying a failing call for `retry_for_s`. It ignores SIGINT/SIGTERM
+so a Ctrl-C or job-wide SIGTERM cannot kill it before the trainer is gone.
 
 Usage (internal): python -m perseus_ext.actuation.watchdog '<restore spec json>' <trainer pid>
 """
@@ -15,49 +26,135 @@ import json
 import os
 import select
 import signal
+import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 POLL_S = 0.5  # how often the parent pid is re-checked (pipe may be inherited by forked children)
+UNKNOWN = object()  # the backend cannot read back the locked clock
 
 
-def wait_for_trainer(stdin_fd: int, trainer_pid: int) -> bool:
-    """Block until the trainer ends; True if it ended cleanly (said "clean" before closing)."""
-    received = b""
+@dataclass
+class Claims:
+    """What this job may have left on the GPU, from the trainer's reports."""
+
+    clocks: set[int] = field(default_factory=set)
+    power_limits: set[float] = field(default_factory=set)
+
+    def note(self, line: str) -> None:
+        word, _, value = line.partition(" ")
+        if word == "lock":
+            self.clocks.add(int(value))
+        elif word == "held":
+            self.clocks = {int(value)}
+        elif word == "released":
+            self.clocks = set()
+        elif word == "power":
+            self.power_limits.add(float(value))
+        elif word == "power-held":
+            self.power_limits = {float(value)}
+        elif word == "power-released":
+            self.power_limits = set()
+
+    @property
+    def empty(self) -> bool:
+        return not self.clocks and not self.power_limits
+
+
+def wait_for_trainer(stdin_fd: int, trainer_pid: int, claims: Claims | None = None) -> str:
+    """Follow the trainer's reports until it ends: "clean", "restore" (hand-over) or "died"."""
+    claims = claims if claims is not None else Claims()
+    pending = b""
     while True:
         readable, _, _ = select.select([stdin_fd], [], [], POLL_S)
         if readable:
-            chunk = os.read(stdin_fd, 64)
+            chunk = os.read(stdin_fd, 4096)
             if not chunk:
-                return received.strip() == b"clean"
-            received += chunk
+                return "died"  # a partial last line is no "clean"
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace").strip()
+                if line in ("clean", "restore"):
+                    return line
+                try:
+                    claims.note(line)
+                except ValueError:
+                    continue  # a garbled line: keep what was known
         elif os.getppid() != trainer_pid:
-            return False  # trainer died while a forked child still holds the pipe open
+            return "died"  # trainer died while a forked child still holds the pipe open
 
 
-def restore(spec: dict[str, Any]) -> list[str]:
-    """Reset locked clocks and the power limit on the GPU `spec` names; returns problems."""
-    from perseus_ext.measurement.gpu import open_restore_target
+def restore_once(spec: dict[str, Any], claims: Claims) -> tuple[bool, list[str]]:
+    """One attempt to undo `claims` on the GPU `spec` names: (finished, notes). Finished means
+    nothing of ours is left (restored, already default, or since taken over by another job)."""
+    from perseus_ext.measurement.gpu import GPUNotSupportedError, open_restore_target
 
-    problems = []
     try:
         gpu = open_restore_target(spec)
     except Exception as err:
-        return [f"could not open the GPU: {err}"]
+        return False, [f"could not open the GPU: {err}"]
+    notes: list[str] = []
+    finished = True
     try:
-        gpu.reset_locked_sm_clocks()
+        if claims.clocks:
+            try:
+                current: Any = gpu.locked_sm_clock()
+            except GPUNotSupportedError:
+                current = UNKNOWN  # cannot tell: resetting is what this job owes
+            if current is None:
+                claims.clocks = set()
+            elif current is not UNKNOWN and current not in claims.clocks:
+                notes.append(f"left the lock at {current} MHz alone: another job set it")
+                claims.clocks = set()
+            else:
+                gpu.reset_locked_sm_clocks()
+                claims.clocks = set()
+                notes.append("reset locked clocks")
+        if claims.power_limits:
+            current_w = gpu.power_limit_w()
+            match_w = float(spec.get("power_match_w", 0.5))
+            if not any(abs(current_w - ours) <= match_w for ours in claims.power_limits):
+                notes.append(f"left the power limit of {current_w:g} W alone: another job set it")
+            elif spec.get("power_limit_w") is None:
+                gpu.reset_power_limit()
+                notes.append("reset the power limit")
+            else:
+                gpu.set_power_limit_w(spec["power_limit_w"])
+                notes.append(f"restored the power limit to {spec['power_limit_w']:g} W")
+            claims.power_limits = set()
     except Exception as err:
-        problems.append(f"could not reset locked clocks: {err}")
-    power_limit = spec.get("power_limit_w")
-    try:
-        if power_limit is None:
-            gpu.reset_power_limit()
-        elif gpu.power_limit_w() != power_limit:
-            gpu.set_power_limit_w(power_limit)
-    except Exception as err:
-        problems.append(f"could not restore the power limit: {err}")
-    gpu.close()
-    return problems
+        finished = False
+        notes.append(f"failed: {err}")
+    finally:
+        gpu.close()
+    return finished, notes
+
+
+def restore(spec: dict[str, Any], claims: Claims) -> tuple[bool, list[str]]:
+    """Retry `restore_once` every `retry_interval_s` for up to `retry_for_s` seconds."""
+    deadline = time.monotonic() + float(spec.get("retry_for_s", 0.0))
+    notes: list[str] = []
+    while True:
+        finished, attempt_notes = restore_once(spec, claims)
+        notes += attempt_notes
+        if finished or time.monotonic() >= deadline:
+            return finished, notes
+        time.sleep(float(spec.get("retry_interval_s", 1.0)))
+
+
+def start_watchdog(spec: dict[str, Any], trainer_pid: int) -> subprocess.Popen[bytes]:
+    """Start the watchdog of `trainer_pid` with the trainer's report pipe on its stdin; in its
+    own session, so a Ctrl-C or job-wide signal to the job cannot kill it before the trainer."""
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)  # the watchdog imports this very copy of perseus_ext
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return subprocess.Popen(
+        [sys.executable, "-m", "perseus_ext.actuation.watchdog", json.dumps(spec), str(trainer_pid)],
+        stdin=subprocess.PIPE, start_new_session=True, env=env,
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -65,17 +162,17 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     spec = json.loads(argv[0])
     trainer_pid = int(argv[1])
-    if wait_for_trainer(sys.stdin.fileno(), trainer_pid):
+    claims = Claims()
+    ending = wait_for_trainer(sys.stdin.fileno(), trainer_pid, claims)
+    if ending == "clean" or claims.empty:
         return 0
-    problems = restore(spec)
+    finished, notes = restore(spec, claims)
     where = spec.get("uuid") or spec.get("state_file")
-    if problems:
-        print(f"perseus-ext watchdog: trainer {trainer_pid} died; restoring {where} failed: "
-              + "; ".join(problems), file=sys.stderr)
-        return 1
-    print(f"perseus-ext watchdog: trainer {trainer_pid} died; restored default clocks on {where}",
-          file=sys.stderr)
-    return 0
+    why = "died" if ending == "died" else "could not restore its GPU"
+    summary = "; ".join(dict.fromkeys(notes)) or "nothing to do"
+    print(f"perseus-ext watchdog: trainer {trainer_pid} {why}; on {where}: {summary}"
+          + ("" if finished else " -- GIVING UP, the GPU may still be locked"), file=sys.stderr)
+    return 0 if finished else 1
 
 
 if __name__ == "__main__":

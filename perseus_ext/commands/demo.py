@@ -274,7 +274,33 @@ def compare(scenario: Scenario, results: list[list[dict[str, Any]]], baseline: s
         row["measured_energy_saving"] = 1.0 - row["perseus_energy_j"] / row["baseline_energy_j"]
         row["iterations"] = [span.start, span.stop]
         table[label] = row
-    return {"windows": table, "series": series}
+    return {"windows": table, "series": series, "model_check": model_check(scenario, pers)}
+
+
+def model_check(scenario: Scenario, perseus_ranks: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Pipeline 0's deployed fastest plan, predicted against what the simulated devices did in
+    the no-straggler window: the plan's time against stage 0's measured compute span (device
+    markers), its energy against the pipeline's exact energy per iteration less the blocking
+    energy of the time outside the plan (gradient sync, optimizer step)."""
+    pipeline = sorted((r for r in perseus_ranks if r["pipeline"] == 0), key=lambda r: r["stage"])
+    frontier = pipeline[0]["summary"].get("frontier")
+    span = windows(scenario, perseus_ranks).get("no straggler")
+    if frontier is None or not span:
+        return None
+    fastest = frontier["fastest"]
+    at_plan = [i for i in span if pipeline[0]["iterations"][i].get("plan") == 0]
+    if not at_plan:
+        return None
+    compute = statistics.median(pipeline[0]["iterations"][i]["compute_s"] for i in at_plan)
+    iteration = statistics.fmean(pipeline[0]["iterations"][i]["time_s"] for i in at_plan)
+    energy = statistics.fmean(sum(r["iterations"][i]["true_energy_j"] for r in pipeline) for i in at_plan)
+    outside = frontier["blocking_power_w"] * len(pipeline) * max(0.0, iteration - fastest["time_s"])
+    return {
+        "planned_time_s": fastest["time_s"], "measured_compute_s": compute,
+        "time_error": compute / fastest["time_s"] - 1.0,
+        "planned_energy_j": fastest["energy_j"], "measured_energy_j": energy - outside,
+        "energy_error": (energy - outside) / fastest["energy_j"] - 1.0,
+    }
 
 
 def straggler_response(scenario: Scenario, perseus_ranks: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
@@ -321,6 +347,12 @@ def print_report(scenario: Scenario, comparison: dict[str, Any], results: list[l
             print(f"extrinsic savings (non-stragglers slowed to the straggler): {total - intrinsic:.1f} "
                   f"J/iteration on top ({100 * (total - intrinsic) / slow['baseline_true_energy_j']:.1f}%), "
                   f"{100 * slow['energy_saving']:.1f}% in total")
+    check = comparison.get("model_check")
+    if check:
+        print(f"model check (pipeline 0, fastest plan): time {check['planned_time_s']:.4f} s planned vs "
+              f"{check['measured_compute_s']:.4f} s measured ({100 * check['time_error']:+.1f}%), energy "
+              f"{check['planned_energy_j']:.1f} J planned vs {check['measured_energy_j']:.1f} J measured "
+              f"({100 * check['energy_error']:+.1f}%)")
     coverage = [r["summary"]["clock_coverage"] for r in pers if r["summary"]]
     exact = [c["exact"] for c in coverage if c["exact"] is not None]
     estimated = [c["estimated"] for c in coverage if c["estimated"] is not None]
@@ -337,13 +369,8 @@ def print_report(scenario: Scenario, comparison: dict[str, Any], results: list[l
 def plot(scenario: Scenario, comparison: dict[str, Any], results: list[list[dict[str, Any]]]) -> list[Path]:
     """frontier.png (time-energy frontier with the plans used) and timeline.png (time and
     energy of every iteration, baseline vs perseus)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from perseus_ext.planning.frontier import Frontier
-    from perseus_ext.plotting import plot_frontier
+    from perseus_ext.plotting import plot_frontier, plot_run_timeline
 
     out = Path(scenario.out_dir)
     paths = []
@@ -355,20 +382,16 @@ def plot(scenario: Scenario, comparison: dict[str, Any], results: list[list[dict
         plot_frontier(frontier, out / "frontier.png", marks=marks, title="Pipeline 0 time-energy frontier")
         paths.append(out / "frontier.png")
     series = comparison["series"]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
-    for name, style in (("baseline", "k-"), ("perseus", "g-")):
-        top.plot(series[name]["time_s"], style, label=name, linewidth=1)
-        bottom.plot(series[name]["true_energy_j"], style, label=name, linewidth=1)
-    for axis in (top, bottom):
-        if scenario.straggler_pipeline is not None:
-            axis.axvspan(scenario.straggler_start, scenario.straggler_end, color="orange", alpha=0.2)
-    top.set_ylabel("time/iteration (s)")
-    bottom.set_ylabel("job energy/iteration (J)")
-    bottom.set_xlabel("iteration (orange: straggler)")
-    top.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "timeline.png", dpi=120)
-    plt.close(fig)
+    phases = [iteration.get("phase", "observing") for iteration in by_variant(results, "perseus")[0]["iterations"]]
+    straggler = ((scenario.straggler_start, scenario.straggler_end)
+                 if scenario.straggler_pipeline is not None else None)
+    plot_run_timeline(
+        {f"{name} (exact energy)": {"time_s": figures["time_s"], "energy_j": figures["true_energy_j"]}
+         for name, figures in series.items()},
+        phases, out / "timeline.png", straggler=straggler,
+        title=f"perseus-ext demo ({scenario.stages} stages x {scenario.pipelines} pipelines): job time and "
+              f"energy per iteration",
+    )
     paths.append(out / "timeline.png")
     return paths
 
@@ -397,7 +420,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--stages must be >= 2, --pipelines and --microbatches >= 1")
     if args.iterations < 40:
         raise ConfigError("--iterations must be >= 40 to leave room for profiling and a straggler")
-    forward = [0.010 + 0.004 * s / (args.stages - 1) for s in range(args.stages)]
+    # Half the published GPT-3 175B per-stage forward time (~50 ms on an A100), so clock changes
+    # (25 ms to land) are short against a computation, as on real large-model stages.
+    forward = [0.025 + 0.010 * s / (args.stages - 1) for s in range(args.stages)]
     scenario = Scenario(
         out_dir=args.out, stages=args.stages, pipelines=args.pipelines,
         microbatches=args.microbatches, iterations=args.iterations,

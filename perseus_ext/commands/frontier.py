@@ -44,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="model chunks per stage (interleaved schedule; default: %(default)s)")
     parser.add_argument("--resolution", type=bounded_float(MIN_RESOLUTION_S, MAX_RESOLUTION_S),
                         default=1e-3, help="max time step between plans in seconds (default: %(default)s)")
+    parser.add_argument("--switch-latency", type=bounded_float(0.0, 10.0), default=0.0,
+                        help="effective clock-change latency in seconds: plans pay for it and avoid changes "
+                             "not worth it (default: %(default)s)")
     parser.add_argument("--out", type=Path, help="write the frontier JSON here")
     parser.add_argument("--plot", type=Path, help="write a frontier plot here (.png, .svg or .pdf)")
     parser.set_defaults(func=run)
@@ -74,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     frontier = solve_frontier(
         schedule, profile, power,
         SolverOptions(resolution=args.resolution, progress=sys.stderr.isatty()),
+        switch_latency_s=args.switch_latency,
     )
     elapsed = time.perf_counter() - started
     if args.out:

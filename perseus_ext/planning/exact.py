@@ -10,6 +10,7 @@ checks the MILP formulation itself).
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 from scipy import sparse
@@ -19,8 +20,31 @@ from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
 
 
+@dataclass(frozen=True)
+class ExactResult:
+    """Best plan the MILP found, its replayed energy, and HiGHS' lower bound on the optimum."""
+
+    energy: float
+    choice: np.ndarray
+    lower_bound: float
+
+    @property
+    def gap(self) -> float:
+        """Relative distance of the plan from the bound (0 when proven optimal)."""
+        return self.energy / self.lower_bound - 1.0
+
+
 def exact_min_energy(model: CostModel, deadline: float) -> tuple[float, np.ndarray] | None:
     """(energy, choice) of the cheapest plan with iteration time <= deadline; None if infeasible."""
+    result = exact_solve(model, deadline)
+    return None if result is None else (result.energy, result.choice)
+
+
+def exact_solve(
+    model: CostModel, deadline: float, rel_gap: float = 1e-9, time_limit_s: float | None = None
+) -> ExactResult | None:
+    """The MILP at one deadline; `rel_gap` / `time_limit_s` stop HiGHS early on pipelines too
+    large to prove optimal (the result then carries the bound). None if infeasible."""
     n = model.num_nodes
     option_index = [(i, k) for i in range(n) for k in range(model.num_options[i])]
     nx = len(option_index)
@@ -75,18 +99,19 @@ def exact_min_energy(model: CostModel, deadline: float) -> tuple[float, np.ndarr
         constraints=LinearConstraint(a.tocsr(), lower, upper),
         integrality=integrality,
         bounds=bounds,
-        options={"mip_rel_gap": 1e-9},
+        options={"mip_rel_gap": rel_gap, **({"time_limit": time_limit_s} if time_limit_s else {})},
     )
     if result.status == 2:  # infeasible
         return None
-    if not result.success:
+    if result.x is None:
         raise SolverError(f"exact MILP failed at deadline {deadline}: {result.message}")
     choice = np.zeros(n, dtype=np.int64)
     for col, (i, k) in enumerate(option_index):
         if result.x[col] > 0.5:
             choice[i] = k
-    _, energy = model.replay(choice)
-    return float(energy), choice
+    _, energy = model.replay(choice, switch_latency_s=0.0)
+    bound = getattr(result, "mip_dual_bound", None)
+    return ExactResult(float(energy), choice, float(energy if bound is None else bound))
 
 
 def brute_force_min_energy(model: CostModel, deadline: float) -> float | None:

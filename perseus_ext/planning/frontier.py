@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -109,8 +110,104 @@ class Frontier:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict()))
+        """Write `to_dict()`'s JSON; with orjson the clock tables go out as numpy, no lists."""
+        try:
+            import orjson
+        except ImportError:
+            Path(path).write_text(json.dumps(self.to_dict()))
+            return
+        data = {
+            "schedule": self.schedule,
+            "blocking_power": self.blocking_power,
+            "baseline": _plan_json(self.baseline),
+            "plans": [_plan_json(p) for p in self.plans],
+        }
+        Path(path).write_bytes(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY))
 
     @classmethod
     def load(cls, path: str | Path) -> "Frontier":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            import orjson
+        except ImportError:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        return cls.from_dict(orjson.loads(Path(path).read_bytes()))
+
+    def to_compact(
+        self, stages: Iterable[int] | None = None, plans: Sequence[int] | None = None
+    ) -> dict:
+        """The frontier for shipping to ranks: every selected plan's time and energy, and for
+        each of `stages` (default all) only its clocks, as changes from plan to plan.
+
+        Neighbouring plans differ in few computations, so a stage's table is its first plan's
+        clocks plus, per later plan, the positions that change and their new clocks (int16 MHz;
+        `counts[p]` is how many changes plan p brings).
+        A rank needs only its own stage, and only the plans (`plans`, frontier indices; default
+        all) its policy may select. `compact_stage_clocks` / `from_compact` read it back.
+        """
+        chosen = np.arange(len(self.plans)) if plans is None else np.asarray(plans, dtype=np.int64)
+        if not chosen.size:
+            raise SolverError("a compact frontier needs at least one plan")
+        stage_ids = range(len(self.baseline.frequencies)) if stages is None else stages
+        table = np.stack([self.plans[j].frequencies for j in chosen])  # (plans, stages, per stage)
+        per_stage = {}
+        for stage in stage_ids:
+            clocks = table[:, stage, :]
+            changed = clocks[1:] != clocks[:-1]
+            plan_of, position = np.nonzero(changed)
+            per_stage[int(stage)] = {
+                "first": clocks[0].astype(np.int16),
+                "baseline": self.baseline.frequencies[stage].astype(np.int16),
+                "counts": np.bincount(plan_of + 1, minlength=len(chosen)).astype(np.int32),
+                "positions": position.astype(np.int32),
+                "clocks": clocks[1:][changed].astype(np.int16),
+            }
+        return {
+            "schedule": self.schedule,
+            "blocking_power": self.blocking_power,
+            "plan_indices": chosen.astype(np.int32),
+            "times": np.array([self.plans[j].time for j in chosen]),
+            "energies": np.array([self.plans[j].energy for j in chosen]),
+            "baseline": (self.baseline.time, self.baseline.energy),
+            "stages": per_stage,
+        }
+
+    @classmethod
+    def from_compact(cls, data: dict) -> "Frontier":
+        """The frontier `to_compact` shipped, when it holds every stage."""
+        stages = data["stages"]
+        if sorted(stages) != list(range(len(stages))):
+            raise SolverError(
+                f"compact frontier holds stages {sorted(stages)}, not all; read one stage's "
+                "clocks with compact_stage_clocks"
+            )
+        table = np.stack([compact_stage_clocks(data, s) for s in range(len(stages))], axis=1)
+        table = table.astype(np.int32)
+        table.flags.writeable = False
+        baseline = np.stack([stages[s]["baseline"] for s in range(len(stages))]).astype(np.int32)
+        return cls(
+            schedule=dict(data["schedule"]),
+            blocking_power=float(data["blocking_power"]),
+            plans=tuple(
+                Plan(float(t), float(e), table[j])
+                for j, (t, e) in enumerate(zip(data["times"], data["energies"]))
+            ),
+            baseline=Plan(float(data["baseline"][0]), float(data["baseline"][1]), baseline),
+        )
+
+
+def compact_stage_clocks(data: dict, stage: int) -> np.ndarray:
+    """(plans, computations of the stage) clocks of one stage from `Frontier.to_compact`."""
+    part = data["stages"][stage]
+    num_plans, width = len(data["times"]), len(part["first"])
+    # Write each change at its plan, then carry every position's last write forward.
+    latest = np.full((num_plans, width), -1, dtype=np.int64)
+    latest[0] = part["first"]
+    plan_of = np.repeat(np.arange(num_plans), part["counts"])
+    latest[plan_of, part["positions"]] = part["clocks"]
+    source = np.where(latest >= 0, np.arange(num_plans)[:, None], 0)
+    np.maximum.accumulate(source, axis=0, out=source)
+    return latest[source, np.arange(width)]
+
+
+def _plan_json(plan: Plan) -> dict:
+    return {"time": plan.time, "energy": plan.energy, "frequencies": plan.frequencies}

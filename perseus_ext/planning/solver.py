@@ -34,15 +34,13 @@ all no cheaper than the plan before it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 import highspy
 import numpy as np
-from scipy import sparse
 
 from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier
+from perseus_ext.planning.options import SolverOptions, check_problem_size
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.planning.switching import merge_switches, repair_latency
@@ -54,20 +52,7 @@ _GAP_ROUNDS = 6  # stretch rounds; each fills the gaps the previous one opened
 _FILL_BIN = 0.5  # gap-fill bin width as a fraction of the resolution
 _MERGE_FASTEST, _MERGE_SAMPLE = 64, 64  # Pareto plans the latency merge pass works on
 _REPAIR_STRIDE = 2  # the latency repair works on every other grid deadline
-_CHUNK = 2560  # plans processed at once by the batched DAG passes (bounds peak memory)
-
-
-@dataclass(frozen=True)
-class SolverOptions:
-    """Knobs of the solver; the defaults meet the quality/speed targets in the README."""
-
-    resolution: float = 1e-3  # seconds between grid deadlines (and between gap-search deadlines)
-    grid_oversampling: int = 1  # grid deadlines per `resolution` (finer grid, denser frontier)
-    min_grid_points: int = 500  # short frontiers get a finer grid than `resolution`
-    anchors: int = 256  # LP anchors from T_min to all-slowest (the walk stops past min energy)
-    anchor_budget: int = 4_000  # small pipelines get up to anchor_budget / computations anchors
-    progress: bool = False  # show a tqdm bar over the LP anchors
-    polish_budget: int = 20_000_000  # max deadlines x (computations x clocks)^2 for the local-search polish
+_CELLS = 4_000_000  # (computation, plan) cells per batched DAG pass (bounds peak memory)
 
 
 class _ConvexRelaxation:
@@ -117,7 +102,7 @@ class _ConvexRelaxation:
             vals += [1.0, -1.0] + [1.0] * len(fills_of[node])
             rhs.append(-self.t_min[node])
         r = len(rhs)
-        a = sparse.csc_matrix((vals, (rows, cols)), shape=(r, n + m + 1))
+        start, index, value = _csc(np.array(rows), np.array(cols), np.array(vals, dtype=float), n + m + 1)
 
         lp = highspy.HighsLp()
         lp.num_col_ = n + m + 1
@@ -128,9 +113,9 @@ class _ConvexRelaxation:
         lp.row_lower_ = np.full(r, -highspy.kHighsInf)
         lp.row_upper_ = np.array(rhs)
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-        lp.a_matrix_.start_ = a.indptr
-        lp.a_matrix_.index_ = a.indices
-        lp.a_matrix_.value_ = a.data
+        lp.a_matrix_.start_ = start
+        lp.a_matrix_.index_ = index
+        lp.a_matrix_.value_ = value
         self.highs = highspy.Highs()
         self.highs.setOptionValue("output_flag", False)
         self.highs.setOptionValue("solver", "simplex")
@@ -154,6 +139,14 @@ class _ConvexRelaxation:
         x = np.asarray(h.getSolution().col_value)
         fills = np.clip(x[self.n : self.n + self.m], 0.0, self.seg_len)
         return self.t_min + np.bincount(self.seg_node, weights=fills, minlength=self.n)
+
+
+def _csc(rows: np.ndarray, cols: np.ndarray, values: np.ndarray, num_cols: int):
+    """(column starts, row indices, values) of a sparse matrix given as distinct triplets
+    (what HiGHS takes; building it with numpy spares the CLI scipy's import time)."""
+    order = np.lexsort((rows, cols))
+    starts = np.r_[0, np.cumsum(np.bincount(cols, minlength=num_cols))]
+    return starts, rows[order], values[order]
 
 
 def _lower_hull(t: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -215,14 +208,15 @@ def reclaim_slack(
     Durations only grow and every plan still meets its deadline. `cap` (same shape as
     `choice`), if given, bounds how slow each computation may become.
     """
-    if choice.shape[1] > _CHUNK:  # bound memory: a few (N, _CHUNK) matrices at a time
+    step = _chunk_columns(model.num_nodes)
+    if choice.shape[1] > step:  # bound memory: a few (N, step) matrices at a time
         return np.concatenate(
             [
                 reclaim_slack(
-                    model, choice[:, k : k + _CHUNK], deadlines[k : k + _CHUNK],
-                    None if cap is None else cap[:, k : k + _CHUNK], backward_first,
+                    model, choice[:, k : k + step], deadlines[k : k + step],
+                    None if cap is None else cap[:, k : k + step], backward_first,
                 )
-                for k in range(0, choice.shape[1], _CHUNK)
+                for k in range(0, choice.shape[1], step)
             ],
             axis=1,
         )
@@ -375,8 +369,9 @@ def solve_frontier(
     than they save are merged away. 0 plans for instant clock changes.
     """
     options = options or SolverOptions()
-    if options.resolution <= 0 or options.anchors < 2 or options.grid_oversampling < 1:
-        raise SolverError("solver options: resolution > 0, anchors >= 2, grid_oversampling >= 1")
+    options.validate()  # also catches options changed with object.__setattr__ or pickled
+    num_nodes = sum(len(order) for order in schedule.orders)
+    check_problem_size(options, num_nodes, options.min_grid_points, _anchor_count(options, num_nodes))
     model = CostModel(schedule, profile, blocking_power, switch_latency_s)
     return FrontierSolver(model, options).solve()
 
@@ -394,24 +389,34 @@ class FrontierSolver:
         t_min = float(model.dag.makespan(model.times[:, 0]))
         slowest = model.num_options - 1
         t_slowest = float(model.dag.makespan(model.times[np.arange(model.num_nodes), slowest]))
+        grid_bound = int((t_slowest - t_min) / self._grid_step(t_min, t_slowest)) + 2
+        check_problem_size(
+            self.options, model.num_nodes, grid_bound,
+            _anchor_count(self.options, model.num_nodes), t_slowest - t_min,
+        )
         anchors, anchor_durations = self._relaxed_anchors(t_min, t_slowest)
         grid = self._deadline_grid(t_min, float(anchors[-1]))
-        relaxed = _interpolate(anchors, anchor_durations, grid)
         pool = _CandidatePool(model, fastest[:, None])
-
-        rounded = round_to_options(model, relaxed)
-        feasible = reclaim_slack(model, rounded["down"], grid)
-        pool.add(feasible)
-        if model.switch_latency_s > 0:
-            # Latency makes most of these plans late; win their deadlines back (every other
-            # deadline: neighbours differ by little and the pass costs a few replays).
-            stride = slice(None, None, _REPAIR_STRIDE)
-            pool.add(repair_latency(model, feasible[:, stride], grid[stride]))
-        overshooting = np.concatenate([rounded["up"], rounded["nearest"]], axis=1)
-        pool.add(overshooting)
+        # Deadlines in blocks: the float and int64 intermediates of one block stay small, only
+        # the int16 candidates accumulate (peak memory ~ the pool, not 10x the pool).
+        block = 2 * max(32, _CELLS // (2 * model.num_nodes))
+        for k in range(0, len(grid), block):
+            deadlines = grid[k : k + block]
+            rounded = round_to_options(model, _interpolate(anchors, anchor_durations, deadlines))
+            feasible = reclaim_slack(model, rounded["down"], deadlines)
+            pool.add(feasible)
+            if model.switch_latency_s > 0:
+                # Latency makes most of these plans late; win their deadlines back (every
+                # other deadline: neighbours differ by little and the pass costs a few replays).
+                stride = slice(None, None, _REPAIR_STRIDE)
+                pool.add(repair_latency(model, feasible[:, stride], deadlines[stride]))
+            pool.add(rounded["up"])
+            pool.add(rounded["nearest"])
         # Rounding loses more at some deadlines than at others. Give every deadline a second
         # chance: the best plan found for any earlier deadline, stretched into the new slack.
-        pool.add(reclaim_slack(model, pool.best_for(grid), grid))
+        best = _best_so_far(pool.times, pool.energies, grid)
+        for k in range(0, len(grid), block):
+            pool.add(reclaim_slack(model, pool.choices[:, best[k : k + block]], grid[k : k + block]))
 
         resolution = self.options.resolution
         # Where the frontier is flat, Pareto plans can be more than `resolution` apart; stretch
@@ -450,11 +455,15 @@ class FrontierSolver:
         )
         return frontier
 
-    def _deadline_grid(self, t_min: float, t_max: float) -> np.ndarray:
-        """Deadlines from T_min to t_max: `resolution` apart, finer for short frontiers."""
+    def _grid_step(self, t_min: float, t_max: float) -> float:
+        """Grid spacing: `resolution` (over `grid_oversampling`), finer for short frontiers."""
         options = self.options
         step = min(options.resolution / options.grid_oversampling, (t_max - t_min) / options.min_grid_points)
-        step = max(step, 1e-9)
+        return max(step, 1e-9)
+
+    def _deadline_grid(self, t_min: float, t_max: float) -> np.ndarray:
+        """Deadlines from T_min to t_max, `_grid_step` apart."""
+        step = self._grid_step(t_min, t_max)
         grid = np.arange(t_min, t_max + step, step)
         grid[-1] = max(grid[-1], t_max)
         return grid
@@ -467,7 +476,7 @@ class FrontierSolver:
         slower clocks save), so deadlines there are not worth planning.
         """
         n = self.model.num_nodes
-        count = max(self.options.anchors, self.options.anchor_budget // n, 2)
+        count = _anchor_count(self.options, n)
         if t_slowest - t_min < _EPS:  # slower clocks save no time: a single deadline
             count = 1
         spacing = (t_slowest - t_min) / max(count - 1, 1)
@@ -501,13 +510,27 @@ class _CandidatePool:
 
     def __init__(self, model: CostModel, choices: np.ndarray):
         self.model = model
-        self.choices = choices.astype(self.DTYPE)
-        self.times, self.energies = model.replay(choices)
+        self._buffer = np.empty((model.num_nodes, 1024), dtype=self.DTYPE)
+        self.size = 0
+        self.times, self.energies = np.empty(0), np.empty(0)
+        self.add(choices)
+
+    @property
+    def choices(self) -> np.ndarray:
+        """(N, plans) option indices of every candidate (a view; `add` may reallocate)."""
+        return self._buffer[:, : self.size]
 
     def add(self, choices: np.ndarray) -> None:
-        parts = [self.model.replay(choices[:, k : k + _CHUNK]) for k in range(0, choices.shape[1], _CHUNK)]
+        step = _chunk_columns(self.model.num_nodes)
+        parts = [self.model.replay(choices[:, k : k + step]) for k in range(0, choices.shape[1], step)]
         times, energies = np.concatenate([t for t, _ in parts]), np.concatenate([e for _, e in parts])
-        self.choices = np.concatenate([self.choices, choices.astype(self.DTYPE)], axis=1)
+        end = self.size + choices.shape[1]
+        if end > self._buffer.shape[1]:  # grow by half: amortised O(1) per plan
+            grown = np.empty((self._buffer.shape[0], max(end, self._buffer.shape[1] * 3 // 2)), self.DTYPE)
+            grown[:, : self.size] = self.choices
+            self._buffer = grown
+        self._buffer[:, self.size : end] = choices
+        self.size = end
         self.times = np.r_[self.times, times]
         self.energies = np.r_[self.energies, energies]
 
@@ -518,6 +541,16 @@ class _CandidatePool:
     def frontier(self, resolution: float) -> np.ndarray:
         """Indices of the Pareto plans plus the gap-filling ones, by time."""
         return np.array(_fill_gaps(self.times, self.energies, _pareto(self.times, self.energies), resolution))
+
+
+def _chunk_columns(num_nodes: int) -> int:
+    """Plans per batched DAG pass: `_CELLS` cells, at least 64 plans."""
+    return max(64, _CELLS // max(num_nodes, 1))
+
+
+def _anchor_count(options: SolverOptions, num_nodes: int) -> int:
+    """LP anchors: `anchors`, more for small pipelines (up to `anchor_budget` / computations)."""
+    return max(options.anchors, options.anchor_budget // max(num_nodes, 1), 2)
 
 
 def _interpolate(anchors: np.ndarray, durations: np.ndarray, deadlines: np.ndarray) -> np.ndarray:

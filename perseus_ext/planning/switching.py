@@ -77,8 +77,8 @@ def merge_switches(
     positions that pay a switch penalty, and tries both merges: the computation takes its
     predecessor's clock, or the predecessor takes its clock. All moves estimated to save energy
     within their slack are applied together; if the exact latency-aware replay rejects the
-    batch (late or not cheaper), the best quarter, then the single best move is tried. A plan's result is never
-    later than its deadline nor more expensive than its input.
+    batch (late or not cheaper), the best quarter, then the single best move is tried. A
+    plan's result is never later than its deadline nor more expensive than its input.
     """
     choice = np.array(choice, dtype=np.int64)
     if model.switch_latency_s <= 0 or not choice.size:

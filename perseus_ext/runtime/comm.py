@@ -135,6 +135,16 @@ class ControlPlane:
         by_rank = {m.rank: m for m in members}
         return [(by_rank[rank], value) for rank, value in out]
 
+    def scatter_pipeline(self, by_rank: dict[int, Any] | None) -> Any:
+        """This rank's entry of the pipeline leader's `by_rank` (global rank -> object)."""
+        if self._dist is None:
+            return by_rank[self.rank]
+        ranks = sorted(m.rank for m in self.pipeline_members)  # the group's rank order
+        inputs = [by_rank[rank] for rank in ranks] if by_rank is not None else None
+        out: list[Any] = [None]
+        self._dist.scatter_object_list(out, inputs, src=self.pipeline_leader(), group=self._pipeline_group)
+        return out[0]
+
     def broadcast_pipeline(self, obj: Any) -> Any:
         """The pipeline leader's `obj` on every rank of the pipeline."""
         if self._dist is None:
@@ -142,3 +152,16 @@ class ControlPlane:
         box = [obj]
         self._dist.broadcast_object_list(box, src=self.pipeline_leader(), group=self._pipeline_group)
         return box[0]
+
+
+def check_pipeline_rank(pp_group: Any, stage: int) -> None:
+    """The pipeline group's ranks must be ordered by stage (what the plan's stage index means)."""
+    if pp_group is None:
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank(pp_group) != stage:
+        from perseus_ext.errors import PerseusError
+
+        raise PerseusError(f"stage {stage} is rank {dist.get_rank(pp_group)} of its pipeline group; "
+                           f"perseus-ext expects pipeline-group ranks ordered by stage")

@@ -189,20 +189,22 @@ class PerseusConfig(Section):
     warmup_iterations: Annotated[Iterations, Field(
         description="Iterations at default clocks before profiling.")] = 2
     profiling_iterations_per_clock: Annotated[AtLeastOne, Field(
-        description="Iterations each candidate clock is profiled for (more = less noise).")] = 1
+        description="Iterations each searched clock is profiled for. `1` suffices: the search stops only on "
+                    "confident estimates and smooths power over the clocks; more = less noise, longer profiling.")] = 1
     candidate_clocks: Annotated[
         Annotated[listing(Clock, what="clocks in MHz", example=[1410, 1200, 990], distinct=True),
                   AfterValidator(lambda clocks: tuple(sorted(clocks, reverse=True)))] | None,
         Field(description="Clocks to profile; each must be supported by the GPU (checked at initialize). "
                           "`null`: all supported clocks.")] = None
     clock_stride: Annotated[AtLeastOne, Field(
-        description="Profile every k-th candidate clock, from the fastest (e.g. `6` on an A100 = 90 MHz "
-                    "steps).")] = 1
+        description="Keep every k-th candidate clock, from the fastest. The search steps through the candidates "
+                    "by about 1/16 of the max clock (90 MHz on an A100) anyway, so the default needs no tuning.")] = 1
     early_stop: Annotated[flag(example=False), Field(
-        description="Stop profiling a stage once lower clocks only cost more energy.")] = True
+        description="Stop a stage's clock search once lower clocks confidently cost more energy, also when a "
+                    "wait is paid (energy − blocking power × time), so the planner keeps every useful clock.")] = True
     early_stop_patience: Annotated[AtLeastOne, Field(
-        description="How many profiled clocks below the most efficient one must cost more before "
-                    "stopping.")] = 2
+        description="How many searched clocks below the most efficient one must each cost more by over two "
+                    "standard errors before stopping.")] = 2
     blocking_power_w: Annotated[number(example=83.6, unit="watts", above=0) | None, Field(
         description="GPU power while blocked on communication. `null`: estimated while profiling, or read "
                     "from an existing `profile_path`'s `<path>.json`.")] = None
@@ -245,22 +247,25 @@ class PerseusConfig(Section):
         int | Literal["min"] | None,
         Rule('null, "min" or a clock in MHz (an integer >= 1)', "min",
              lambda v: v is None or v == "min" or v >= 1),
-        Field(description="Clock requested before blocking receives and the gradient all-reduce (deployed plans "
-                          "only); `\"min\"` = the GPU's lowest clock.")] = None
+        Field(description="Clock in force on the device between computations, while a stage waits for its next "
+                          "input (deployed plans only; each computation's own clock is issued at its start, so "
+                          "computations pay the switching latency); `\"min\"` = the GPU's lowest clock.")] = None
     log_interval: Annotated[integer(0, example=10), Field(
         description="Log a line (time, energy, plan) every N iterations on rank 0 (other ranks at DEBUG); `0` = "
                     "off.")] = 1
     log_path: Annotated[rank_template(example="logs/perseus-{rank}.jsonl") | None, Field(
-        description="JSONL file with one record per iteration; `{rank}` (the only placeholder) is replaced by "
-                    "the global rank. Its directory must be creatable.")] = None
+        description="JSONL file with one record per iteration as the device ran it (timestamp, rank, stage, "
+                    "phase, plan, time, energy, clock coverage), appended across restarts; `{rank}` (the only "
+                    "placeholder) is replaced by the global rank. Its directory must be creatable.")] = None
     summary_path: Annotated[rank_template(example="logs/summary-{rank}.json") | None, Field(
         description="JSON summary per rank written at the end; `{rank}` as above.")] = None
     simulated_workload: Annotated[
         Annotated[SimulatedWorkload, Rule("an object", SimulatedWorkload.example)] | None,
         Field(description="Simulated GPUs only: `{\"forward_seconds\": s or [s per stage], \"backward_seconds\": "
                           "...}`, the duration of one microbatch's forward/backward at the max clock. Each "
-                          "computation is paced (the process sleeps) to that duration at the current clock, so "
-                          "time and energy follow the GPU model while the math is untouched.")] = None
+                          "computation launches that much work on the simulated device, which runs it "
+                          "asynchronously at its effective clock (time and energy follow the GPU model, the math "
+                          "is untouched).")] = None
     policy: Annotated[
         Annotated[PolicyConfig, Rule("an object", PolicyConfig.example)] | None,
         Field(description="Which frontier plan to run: `null` = Perseus' straggler policy; Zeus/Chase cost "

@@ -17,12 +17,15 @@ import logging
 import math
 import statistics
 
+import numpy as np
+
 from perseus_ext.errors import PerseusError
 from perseus_ext.planning.frontier import Frontier, Plan
+from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
 from perseus_ext.runtime.comm import ControlPlane
 from perseus_ext.runtime.config import PerseusConfig
-from perseus_ext.runtime.records import IterationRecord, PlanChoice, PlanSwitch
+from perseus_ext.runtime.records import IterationRecord, MeasuredProfile, PlanChoice, PlanSwitch
 from perseus_ext.runtime.straggler import SlowdownTracker
 
 logger = logging.getLogger(__name__)
@@ -34,8 +37,14 @@ class PlanDeployment:
     """Plan selection for one rank once its pipeline's frontier is known."""
 
     def __init__(self, frontier: Frontier, policy: OperatingPointPolicy, config: PerseusConfig,
-                 comm: ControlPlane) -> None:
+                 comm: ControlPlane, schedule: PipelineSchedule, measured: MeasuredProfile | None,
+                 stage_table: np.ndarray | None = None) -> None:
+        """stage_table: (plans, computations) clocks of this rank's stage when `frontier` carries
+        no clocks (ranks other than the pipeline leader receive only their own stage's)."""
         self.frontier = frontier
+        self.stage_table = stage_table
+        self.schedule = schedule
+        self.measured = measured
         self.policy = policy
         self.config = config
         self.comm = comm
@@ -49,7 +58,7 @@ class PlanDeployment:
         self._deadline: float | None = None
         self._policy_check_at: int | None = None
         self._recent_times: list[float] = []
-        self._clock_cache: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._clock_cache: dict[tuple[int, int], tuple] = {}
         self._model_warned = False
 
     @property
@@ -61,8 +70,25 @@ class PlanDeployment:
         key = (self.index, stage)
         clocks = self._clock_cache.get(key)
         if clocks is None:
-            clocks = self._clock_cache[key] = tuple(int(c) for c in self.plan.frequencies[stage])
+            row = self.stage_table[self.index] if self.stage_table is not None else self.plan.frequencies[stage]
+            clocks = self._clock_cache[key] = tuple(int(c) for c in row)
         return clocks
+
+    def stage_durations(self, stage: int) -> tuple[float, ...] | None:
+        """The deployed plan's planned duration of each computation of `stage` (from the profile
+        the frontier was solved with; None without one), for issuing clock changes ahead."""
+        if self.measured is None:
+            return None
+        key = (self.index, -1 - stage)
+        durations = self._clock_cache.get(key)
+        if durations is None:
+            profile = self.measured.profile
+            durations = tuple(
+                float(profile[stage, c.kind.value].times[profile[stage, c.kind.value].index_of(clock)])
+                for c, clock in zip(self.schedule.orders[stage], self.stage_clocks(stage))
+            )
+            self._clock_cache[key] = durations
+        return durations
 
     @property
     def factor(self) -> float:

@@ -8,28 +8,45 @@ and the first showing the new one, and updates come at a steady period, so a lin
 them pins every update down to well below one read interval -- and consecutive updates delimit
 windows of exactly known energy. Each window holds known amounts of computing time at each clock
 (computations cut by a boundary count fractionally) and of blocking time, and the device layer's
-least-squares `EnergyEstimator` recovers the power at each clock and the blocking power from many
-such windows; a smooth fit of power over the clock pools the clocks against noise. Profiling of
-a stage stops early once the `early_stop_patience` clocks below its most efficient clock cost
-more energy (lower clocks only get worse from there), which keeps profiling to a handful of
-iterations.
+least-squares `EnergyEstimator` recovers the power at each clock, with its standard error, and the
+blocking power from many such windows.
+
+The search walks the whole clock range downwards in coarse steps (about 1/16 of the maximum clock,
+e.g. 90 MHz on an A100; the frontier's fastest plan gains nothing from finer steps) and stops only
+once it is *confident*: the last `early_stop_patience` clocks each cost more energy than the most
+efficient one by more than twice their combined standard error, so counter noise can neither
+stop it near the maximum clock nor name the maximum clock most efficient. It also keeps going
+through the clocks that are useful once a wait is paid -- below the minimum-energy clock, a
+computation that waits anyway costs energy minus blocking power x time, which is lowest at a
+lower clock -- so the planner's wait-aware frontier finds them in the profile.
+
+Framework overhead (the host's own work between two computations: sends, receives, loss) is
+separated from pipeline waits: the time the device spends waiting for an input (after the host
+reached the next computation) is never counted, and only gaps before computations whose input is
+local (the data loader, the last stage's own forward) are used when the schedule has any.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
+from scipy.interpolate import UnivariateSpline
 
 from perseus_ext.measurement.windows import EnergyEstimator, MeasurementError, WindowRecord
 from perseus_ext.planning.schedule import Kind
 
 logger = logging.getLogger(__name__)
 
-SMOOTH_MIN_CLOCKS = 4  # from this many profiled clocks on, power is fitted as a function of clock
+SMOOTH_MIN_CLOCKS = 4  # from this many profiled clocks on, power is smoothed over the clock
 OVERHEAD_PERCENTILE = 20  # of the gaps between computations: framework work without waiting
+COARSE_STEPS_PER_MAX_CLOCK = 16  # coarse search step = max clock / 16 (90 MHz on an A100)
+CONFIDENCE_Z = 2.0  # "costs more" = more than this many combined standard errors more
+MIN_RESIDUAL_DOF = 3  # windows beyond the unknowns before a standard error is trusted
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,7 @@ class StageMeasurements:
     blocking_power_w: float  # this GPU's power while blocked
     overhead_s: float = 0.0  # framework time per computation, included in the rows' times
     clocks_mhz: tuple[int, ...] = field(default=())  # the clocks the rows cover
+    overhead_measured: bool = True  # False: no gap free of pipeline waits; rows hold no overhead
 
 
 def locate_updates(changes: list[tuple[float, float]]) -> list[float]:
@@ -117,8 +135,26 @@ def build_windows(
     return records
 
 
+def coarse_stride(clocks: Sequence[int]) -> int:
+    """Candidate-list entries per coarse search step (about max clock / 16)."""
+    if len(clocks) < 2:
+        return 1
+    spacing = (max(clocks) - min(clocks)) / (len(clocks) - 1)
+    return max(1, round(max(clocks) / COARSE_STEPS_PER_MAX_CLOCK / spacing))
+
+
+@dataclass(frozen=True)
+class ClockEstimate:
+    """Per-clock figures of one forward + one backward: the basis of the stop decision."""
+
+    clock: int
+    energy_j: float
+    energy_stderr_j: float
+    wait_cost_j: float  # energy - blocking power x time: the cost when the stage waits anyway
+
+
 class StageProfiler:
-    """Candidate-clock schedule, raw measurements and early stop for one stage."""
+    """Candidate-clock search, raw measurements and confident early stop for one stage."""
 
     def __init__(
         self,
@@ -129,24 +165,37 @@ class StageProfiler:
         early_stop: bool,
         patience: int,
         blocking_power_w: float | None = None,
+        keep_wait_useful: bool = True,
+        local_inputs: Sequence[bool] | None = None,
     ) -> None:
+        """clocks: the candidates, fastest first; they are searched in coarse steps.
+        keep_wait_useful: do not stop before the clocks that are useful once a wait is paid.
+        local_inputs: per position of the stage's iteration order, whether that computation's
+        input is local (no pipeline wait can precede it); None: unknown."""
         if not clocks:
             raise ValueError("profiling needs at least one candidate clock")
         self.stage = stage
         self.clocks = list(clocks)
+        self.search_clocks = self.clocks[:: coarse_stride(self.clocks)]
         self.iterations_per_clock = iterations_per_clock
         self.early_stop = early_stop
         self.patience = patience
         self.blocking_power_w = blocking_power_w
+        self.keep_wait_useful = keep_wait_useful
+        self.local_inputs = list(local_inputs) if local_inputs is not None else None
         self.iterations = 0  # profiling iterations this stage has run at a candidate clock
+        self.energy_stop_iterations: int | None = None  # when an energy-only stop would have come
         self.done = False
         self.stop_reason = ""
         self.durations: dict[tuple[str, int], list[float]] = {}
         self.reads: list[tuple[float, int | None]] = []
         self.computations: list[tuple[int, float, float]] = []  # (clock, start, end)
         self.block_energy: dict[int, float] = {}  # clock -> estimated J of one forward+backward
-        self.gaps: list[float] = []  # time between consecutive computations of an iteration
+        self.gaps: list[float] = []  # host work between consecutive computations, waits excluded
+        self.local_gaps: list[float] = []  # those before a computation whose input is local
+        self.waits_s: list[float] = []  # device waits for an input, never counted as overhead
         self._last_end: float | None = None
+        self._position = 0  # of the next computation in the iteration
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -154,7 +203,7 @@ class StageProfiler:
         """The clock this stage profiles in its next iteration, None once done."""
         if self.done:
             return None
-        return self.clocks[self.iterations // self.iterations_per_clock]
+        return self.search_clocks[self.iterations // self.iterations_per_clock]
 
     @property
     def profiled_clocks(self) -> list[int]:
@@ -166,49 +215,77 @@ class StageProfiler:
         if not self.done:
             self.reads.append((timestamp, energy_mj))
 
-    def on_computation(self, kind: str, clock: int, start: float, end: float) -> None:
-        """A finished computation, timed on the device's clock."""
+    def on_computation(self, kind: str, clock: int, start: float, end: float, *,
+                       ready: float | None = None) -> None:
+        """A finished computation, timed on the device's clock. `ready`: when the host reached
+        it, before waiting for its input; the wait from there to `start` is not overhead."""
         if self.done:
             return
         self.durations.setdefault((kind, clock), []).append(end - start)
         self.computations.append((clock, start, end))
+        reached = start if ready is None else min(max(ready, self._last_end or ready), start)
         if self._last_end is not None:
-            self.gaps.append(start - self._last_end)
+            self.gaps.append(reached - self._last_end)
+            self.waits_s.append(start - reached)
+            if self.local_inputs is not None and self._position < len(self.local_inputs) \
+                    and self.local_inputs[self._position]:
+                self.local_gaps.append(reached - self._last_end)
         self._last_end = end
+        self._position += 1
 
     def end_iteration(self) -> None:
-        """Advance the clock schedule; decide the early stop after each clock's block."""
+        """Advance the clock search; decide the early stop after each clock's block."""
         if self.done:
             return
         self._last_end = None  # the gap across iterations holds the optimizer step
+        self._position = 0
         self.iterations += 1
         if self.iterations % self.iterations_per_clock:
             return
-        clock = self.clocks[self.iterations // self.iterations_per_clock - 1]
+        clock = self.search_clocks[self.iterations // self.iterations_per_clock - 1]
         self._judge(clock)
-        if not self.done and self.iterations // self.iterations_per_clock >= len(self.clocks):
-            self._finish(f"all {len(self.clocks)} candidate clocks profiled")
+        if not self.done and self.iterations // self.iterations_per_clock >= len(self.search_clocks):
+            self._finish(f"all {len(self.search_clocks)} search clocks profiled "
+                         f"({self.search_clocks[0]}-{self.search_clocks[-1]} MHz)")
 
     def _judge(self, clock: int) -> None:
-        """Stop once the best clock so far (re-estimated from all windows) lies `patience`
-        profiled clocks above the current one."""
+        """Stop once each of the last `patience` profiled clocks lies below the most efficient
+        one and confidently costs more -- with `keep_wait_useful`, also more than the most
+        efficient clock once a wait is paid (so none of them is useful to the planner)."""
         try:
-            energies = self._power_model_energies()
+            estimates = self.clock_estimates()
+            self.block_energy = self._power_model_energies()
         except MeasurementError as err:
             logger.debug("stage %d: no energy estimate yet after %d MHz (%s)", self.stage, clock, err)
             return
-        self.block_energy = energies
-        profiled = [c for c in self.profiled_clocks if c in energies]
-        if not self.early_stop or not profiled:
+        if not self.early_stop or len(estimates) <= self.patience:
             return
-        best = min(profiled, key=energies.get)
-        beyond = len(profiled) - 1 - profiled.index(best)
-        if beyond >= self.patience:
-            self._finish(f"early stop at {clock} MHz: the {beyond} clock(s) below {best} MHz "
-                         f"cost more energy")
+        best = min(range(len(estimates)), key=lambda i: estimates[i].energy_j)
+        tail = estimates[-self.patience:]
+        if best >= len(estimates) - self.patience:
+            return
+        anchor = estimates[best]
+
+        def confidently_above(value: float, reference: float, stderr: float) -> bool:
+            margin = CONFIDENCE_Z * math.hypot(stderr, anchor.energy_stderr_j)
+            return math.isfinite(margin) and value - reference > margin
+
+        if not all(confidently_above(e.energy_j, anchor.energy_j, e.energy_stderr_j) for e in tail):
+            return
+        if self.energy_stop_iterations is None:
+            self.energy_stop_iterations = self.iterations
+        if self.keep_wait_useful and not all(
+                confidently_above(e.wait_cost_j, anchor.wait_cost_j, e.energy_stderr_j) for e in tail):
+            return
+        self._finish(f"early stop at {clock} MHz: the {self.patience} clock(s) below {anchor.clock} MHz "
+                     f"confidently cost more energy" + (", also once a wait is paid" if self.keep_wait_useful else ""))
 
     def _finish(self, reason: str) -> None:
         self.done = True
+        if self.keep_wait_useful and self.energy_stop_iterations is not None \
+                and self.energy_stop_iterations < self.iterations:
+            reason += (f" ({self.iterations - self.energy_stop_iterations} iteration(s) kept clocks useful once a "
+                       f"wait is paid)")
         self.stop_reason = reason
         logger.info("perseus-ext: stage %d profiling done after %d iteration(s): %s",
                     self.stage, self.iterations, reason)
@@ -222,29 +299,20 @@ class StageProfiler:
     def _median_time(self, kind: str, clock: int) -> float:
         return statistics.median(self.durations[kind, clock])
 
-    def _power_model_energies(self) -> dict[int, float]:
-        """J of one forward + one backward per clock, assuming both draw the same power at a
-        clock (well conditioned: one unknown per clock); used for the early stop."""
-        powers, _ = self._power_model()
-        return {
-            clock: power * (self._median_time("forward", clock) + self._median_time("backward", clock))
-            for clock, power in powers.items()
-            if ("forward", clock) in self.durations and ("backward", clock) in self.durations
-        }
+    def _block_time(self, clock: int) -> float | None:
+        """Seconds of one forward + one backward at `clock`, None if either is missing."""
+        if ("forward", clock) not in self.durations or ("backward", clock) not in self.durations:
+            return None
+        return self._median_time("forward", clock) + self._median_time("backward", clock)
 
     @property
     def windows(self) -> list[WindowRecord]:
         return build_windows(self.reads, self.computations)
 
-    def _power_model(self) -> tuple[dict[int, float], float]:
-        """Watts per clock and blocking watts.
-
-        Each window's "count" of clock f is the seconds it spent computing at f, so the
-        estimator's energy per count is the power at f. With `SMOOTH_MIN_CLOCKS` or more clocks
-        the per-clock powers are replaced by a weighted quadratic fit over the clock: power is a
-        smooth function of the clock, and the fit pools every clock's windows against noise
-        (one iteration per clock leaves each clock only a couple of windows).
-        """
+    def _raw_power(self) -> tuple[dict[int, tuple[float, float]], float, int]:
+        """(watts, standard error) per clock, blocking watts, and the residual degrees of
+        freedom. Each window's "count" of clock f is the seconds it spent computing at f, so
+        the estimator's energy per count is the power at f."""
         seconds_per_clock = [
             WindowRecord(dict(record.busy_s), record.duration_s, record.energy_j, dict(record.busy_s))
             for record in self.windows
@@ -252,24 +320,64 @@ class StageProfiler:
         estimator = EnergyEstimator(self.blocking_power_w)
         estimator.extend(seconds_per_clock)
         estimate = estimator.estimate()
-        powers = {int(clock): est.energy_j for clock, est in estimate.labels.items()}
-        if len(powers) >= SMOOTH_MIN_CLOCKS:
-            clocks = np.array(sorted(powers), dtype=float)
-            errors = np.array([estimate.labels[int(c)].stderr_j for c in clocks])
-            weights = 1.0 / np.maximum(errors, 1e-3 * np.mean([powers[int(c)] for c in clocks]))
-            scale = clocks.max()
-            coefficients = np.polyfit(clocks / scale, [powers[int(c)] for c in clocks], 2, w=weights)
-            powers = {int(c): float(np.polyval(coefficients, c / scale)) for c in clocks}
-        return powers, estimate.idle_power_w
+        powers = {int(clock): (est.energy_j, est.stderr_j) for clock, est in estimate.labels.items()}
+        unknowns = len(powers) + (self.blocking_power_w is None)
+        return powers, estimate.idle_power_w, estimate.windows - unknowns
+
+    def clock_estimates(self) -> list[ClockEstimate]:
+        """Raw (unsmoothed) figures per profiled clock, fastest first; standard errors are
+        infinite until the windows leave `MIN_RESIDUAL_DOF` degrees of freedom."""
+        powers, blocking_w, dof = self._raw_power()
+        result = []
+        for clock in self.profiled_clocks:
+            seconds = self._block_time(clock)
+            if clock not in powers or seconds is None:
+                continue
+            power, stderr = powers[clock]
+            stderr = stderr if dof >= MIN_RESIDUAL_DOF and math.isfinite(stderr) else math.inf
+            result.append(ClockEstimate(clock, power * seconds, stderr * seconds,
+                                        (power - max(blocking_w, 0.0)) * seconds))
+        return result
+
+    def _power_model_energies(self) -> dict[int, float]:
+        """J of one forward + one backward per clock from the smoothed power model."""
+        powers, _ = self._power_model()
+        return {clock: power * seconds for clock, power in powers.items()
+                if (seconds := self._block_time(clock)) is not None}
+
+    def _power_model(self) -> tuple[dict[int, float], float]:
+        """Watts per clock (smoothed) and blocking watts.
+
+        With `SMOOTH_MIN_CLOCKS` or more clocks the per-clock powers are replaced by a smoothing
+        spline over the clock, weighted by their standard errors: power is a smooth function of
+        the clock, and the spline pools neighbouring clocks against noise (one iteration per
+        clock leaves each clock only a couple of windows) while following the curve's knee,
+        which one global polynomial over the whole searched range cannot.
+        """
+        raw, blocking_w, _ = self._raw_power()
+        powers = {clock: power for clock, (power, _) in raw.items()}
+        if len(powers) < SMOOTH_MIN_CLOCKS:
+            return powers, blocking_w
+        clocks = np.array(sorted(powers), dtype=float)
+        values = np.array([powers[int(c)] for c in clocks])
+        errors = np.array([raw[int(c)][1] for c in clocks])
+        floor = 1e-3 * float(np.mean(np.abs(values)))
+        usable = np.isfinite(errors) & (errors > 0)
+        if not usable.all():
+            errors = np.full_like(values, max(floor, float(np.std(values)) * 0.05))
+        spline = UnivariateSpline(clocks, values, w=1.0 / np.maximum(errors, floor),
+                                  k=min(3, len(clocks) - 1), s=len(clocks))
+        return {int(c): float(v) for c, v in zip(clocks, spline(clocks))}, blocking_w
 
     def measurements(self, only: list[int] | None = None) -> StageMeasurements:
         """The stage's profile rows (restricted to clocks `only`, if given).
 
-        A computation's energy is the fitted power at its clock times its median duration.
+        A computation's energy is the smoothed power at its clock times its median duration.
         Forward and backward share the power of their clock: within an iteration they always
         come in equal numbers, so windows separate them only with many more profiling
         iterations, and GPUs draw nearly the same power for both (the published A100 profiles
-        differ by ~1%).
+        differ by ~1%). Every profiled clock is kept, also those below the minimum-energy clock:
+        the planner decides which are useful.
         """
         clocks = [c for c in self.profiled_clocks if ("backward", c) in self.durations
                   and (only is None or c in only)]
@@ -282,23 +390,27 @@ class StageProfiler:
             for kind in ("forward", "backward")
         }
         blocking = max(blocking, 0.0)
-        overhead = self.overhead_s
+        overhead = self.overhead_s or 0.0
         rows = tuple(
             ProfileRow(self.stage, kind, clock, self._median_time(kind, clock) + overhead,
                        max(energy, 1e-9) + overhead * blocking)
             for (kind, clock), energy in sorted(energies.items())
         )
-        return StageMeasurements(self.stage, rows, blocking, overhead, tuple(sorted({r.frequency for r in rows})))
+        return StageMeasurements(self.stage, rows, blocking, overhead,
+                                 tuple(sorted({r.frequency for r in rows})), self.overhead_s is not None)
 
     @property
-    def overhead_s(self) -> float:
-        """The framework's own time between two computations when nothing is waited for.
+    def overhead_s(self) -> float | None:
+        """The framework's own time between two computations when nothing is waited for;
+        None when every gap may hold a pipeline wait (the pipeline leader fills it in).
 
-        Gaps between consecutive computations are framework work (sending, receiving, loading)
-        plus waits for other stages; the low end of their distribution is the work alone. The
-        planner's model has no such term, so it is added to every computation's time (and its
-        blocking energy to its energy): plans then never spend slack the framework needs.
+        Gaps are host work (sending, receiving, loading) plus, on a host-side transport such as
+        gloo, waits for other stages; device-side waits are already excluded. The low end of the
+        gaps before computations with a local input is the work alone. The planner's model has
+        no such term, so it is added to every computation's time (and its blocking energy to
+        its energy): plans then never spend slack the framework needs.
         """
-        if not self.gaps:
-            return 0.0
-        return max(float(np.percentile(self.gaps, OVERHEAD_PERCENTILE)), 0.0)
+        gaps = self.local_gaps if self.local_inputs is not None else self.gaps
+        if not gaps:
+            return None if self.gaps else 0.0
+        return max(float(np.percentile(gaps, OVERHEAD_PERCENTILE)), 0.0)

@@ -8,6 +8,7 @@ reads bracket exactly that computation. Deployed iterations never do either.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from typing import Any
@@ -16,6 +17,7 @@ from perseus_ext.errors import PerseusError
 from perseus_ext.measurement.gpu.timeline import DeviceTimeline
 from perseus_ext.measurement.windows import EnergyMeter
 from perseus_ext.planning.profile import Profile
+from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.runtime.comm import Member
 from perseus_ext.runtime.config import PerseusConfig
 from perseus_ext.runtime.profiler import StageMeasurements, StageProfiler
@@ -39,14 +41,21 @@ class ProfilingRun:
         self.iterations = 0
         self.overhead_s = 0.0
         self._start_s = 0.0
+        self._ready_s = 0.0
 
     @classmethod
     def create(cls, config: PerseusConfig, stage: int, setup: RankSetup, controller: Any,
-               timeline: DeviceTimeline) -> "ProfilingRun":
+               timeline: DeviceTimeline, schedule: PipelineSchedule | None = None) -> "ProfilingRun":
+        """schedule: tells which computations take a local input (no pipeline wait before
+        them), so waits are never counted as framework overhead."""
+        local_inputs = None
+        if schedule is not None:
+            local_inputs = [(producer := schedule.producer_of(c)) is None or producer.stage == stage
+                            for c in schedule.orders[stage]]
         profiler = StageProfiler(
             stage, setup.candidate_clocks, iterations_per_clock=config.profiling_iterations_per_clock,
             early_stop=config.early_stop, patience=config.early_stop_patience,
-            blocking_power_w=config.blocking_power_w,
+            blocking_power_w=config.blocking_power_w, local_inputs=local_inputs,
         )
         return cls(profiler, setup, controller, timeline)
 
@@ -62,6 +71,7 @@ class ProfilingRun:
         self.profiler.on_counter(*self.meter.read())
 
     def before_computation(self) -> None:
+        self._ready_s = self.setup.gpu.timestamp()  # the host's work is done; waits start here
         self.timeline.synchronize()  # the computation's input has arrived: timing starts now
         self._start_s, energy = self.meter.read()
         self.profiler.on_counter(self._start_s, energy)
@@ -70,7 +80,7 @@ class ProfilingRun:
         self.timeline.synchronize()
         end, energy = self.meter.read()
         if clock is not None:
-            self.profiler.on_computation(kind, clock, self._start_s, end)
+            self.profiler.on_computation(kind, clock, self._start_s, end, ready=self._ready_s)
         self.profiler.on_counter(end, energy)
 
     def end_iteration(self, fallback_reason: str | None) -> None:
@@ -95,6 +105,12 @@ class ProfilingRun:
         self.overhead_s = measured.overhead_s
         return measured
 
+    @property
+    def waits_s(self) -> float:
+        """Median device wait for an input per computation while profiling (not overhead)."""
+        waits = self.profiler.waits_s
+        return statistics.median(waits) if waits else 0.0
+
     @staticmethod
     def assemble(gathered: list[tuple[Member, StageMeasurements | None]], *, pipeline: int,
                  blocking_override_w: float | None, gpu_name: str | None) -> MeasuredProfile | None:
@@ -113,6 +129,7 @@ class ProfilingRun:
                          pipeline, sorted(peers_per_stage))
             return None
         gpus_per_stage = peers_per_stage.pop()
+        by_stage = _fill_in_overhead(by_stage, pipeline)
         rows = []
         stage_blocking_w = []
         for stage, peers in sorted(by_stage.items()):
@@ -130,3 +147,25 @@ class ProfilingRun:
             logger.error("perseus-ext: pipeline %d profile is unusable: %s", pipeline, err)
             return None
         return MeasuredProfile(profile, per_stage_w, gpus_per_stage, gpu_name)
+
+
+def _fill_in_overhead(by_stage: dict[int, list[StageMeasurements]], pipeline: int) -> dict[int, list[StageMeasurements]]:
+    """Stages whose every gap may hold a pipeline wait (e.g. middle stages, or stage 0 with one
+    microbatch) get the smallest framework overhead measured on the pipeline's other stages."""
+    known = [m.overhead_s for peers in by_stage.values() for m in peers if m.overhead_measured]
+    if not known or all(m.overhead_measured for peers in by_stage.values() for m in peers):
+        return by_stage
+    overhead = min(known)
+    logger.info("perseus-ext: pipeline %d: stages %s have no gap free of pipeline waits; they get the "
+                "smallest framework overhead measured elsewhere, %.2f ms per computation", pipeline,
+                sorted(s for s, peers in by_stage.items() if not all(m.overhead_measured for m in peers)),
+                1000 * overhead)
+
+    def filled(m: StageMeasurements) -> StageMeasurements:
+        if m.overhead_measured:
+            return m
+        rows = tuple(dataclasses.replace(r, time=r.time + overhead, energy=r.energy + overhead * m.blocking_power_w)
+                     for r in m.rows)
+        return dataclasses.replace(m, rows=rows, overhead_s=overhead, overhead_measured=True)
+
+    return {stage: [filled(m) for m in peers] for stage, peers in by_stage.items()}

@@ -62,6 +62,7 @@ class SolveOutcome:
     error: str | None
     solve_s: float
     in_background: bool
+    measured: MeasuredProfile | None = None  # what the frontier was solved from (planned durations)
 
 
 @dataclass(frozen=True)

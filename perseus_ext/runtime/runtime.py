@@ -19,6 +19,7 @@ collectives, so it cannot hang the others.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import secrets
@@ -27,10 +28,9 @@ from typing import Any
 from perseus_ext.actuation.controller import FrequencyController
 from perseus_ext.actuation.sequencer import ClockSequencer
 from perseus_ext.errors import PerseusError
-from perseus_ext.planning.frontier import Frontier
 from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
-from perseus_ext.runtime.comm import ControlPlane
+from perseus_ext.runtime.comm import ControlPlane, check_pipeline_rank
 from perseus_ext.runtime.config import PerseusConfig
 from perseus_ext.runtime.deployment import PlanDeployment, parse_announcement
 from perseus_ext.runtime.emissions import EmissionsAccount
@@ -41,6 +41,7 @@ from perseus_ext.runtime.profiling import ProfilingRun
 from perseus_ext.runtime.rank_setup import RankSetup, describe_gpu
 from perseus_ext.runtime.recorder import RunRecorder
 from perseus_ext.runtime.records import IterationSetting, MeasuredProfile, SolveOutcome, SolveProblem
+from perseus_ext.runtime.shipping import StageFrontier, ship, shipped_bytes
 from perseus_ext.runtime.solver_process import BackgroundSolve, solve
 from perseus_ext.runtime.summary import build_summary, log_summary
 from perseus_ext.measurement.gpu import GPU
@@ -68,7 +69,7 @@ class PerseusRuntime:
     ) -> None:
         if not 0 <= stage < schedule.num_stages:
             raise PerseusError(f"stage {stage} is outside the schedule's 0..{schedule.num_stages - 1}")
-        _check_pipeline_rank(pp_group, stage)
+        check_pipeline_rank(pp_group, stage)
         if config.simulated_workload is not None:
             config.simulated_workload.check_stages(schedule.num_stages)
         self.config = config
@@ -89,7 +90,8 @@ class PerseusRuntime:
         self.pacer = self.setup.pacer(config, self.timeline, schedule, stage=stage,
                                       pipeline=self.comm.pipeline, num_pipelines=self.comm.num_pipelines)
         self.sequencer = ClockSequencer(self.controller, self.timeline,
-                                        communication_clock=self.setup.communication_clock)
+                                        communication_clock=self.setup.communication_clock,
+                                        lead_s=self.setup.latency.effective_s)
         self.store = ProfileStore(config.profile_path, gpus_per_stage=self.comm.gpus_per_stage,
                                   gpu_name=self.gpu.name if self.gpu is not None else None,
                                   blocking_power_per_gpu_w=config.blocking_power_w or config.saved_blocking_power_w)
@@ -104,13 +106,13 @@ class PerseusRuntime:
         self.profiling: ProfilingRun | None = None
         self.deployment: PlanDeployment | None = None
         self.power_limit: PowerLimitMode | None = None
-        self.solve_outcome: SolveOutcome | None = None
+        self.solve_outcome: SolveOutcome | StageFrontier | None = None  # the leader's, or this rank's share
         self._phase_iterations = 0
         self._announced: tuple[str, float] | None = None
         self._solver: BackgroundSolve | None = None
         self._leader_outcome: SolveOutcome | None = None
         self._measured: MeasuredProfile | None = None  # the pipeline leader's, kept for re-plans
-        self._frontiers: dict[PipelineSchedule, Frontier] = {}  # solved frontiers, per schedule
+        self._solved: dict[PipelineSchedule, SolveOutcome] = {}  # the leader's frontiers, per schedule
         self._setting = IterationSetting(-1, self.phase)
         self._compute_ended = False
         self._closed = False
@@ -129,7 +131,8 @@ class PerseusRuntime:
             self._setting = self._current_setting()
             if self._profiling_now:
                 self.profiling.start_iteration()
-            start = self.sequencer.start_iteration(self.iteration, self._iteration_clocks())
+            durations = self.deployment.stage_durations(self.stage) if self._setting.plan is not None else None
+            start = self.sequencer.start_iteration(self.iteration, self._iteration_clocks(), durations)
             self.recorder.begin(self._setting, start)
         except Exception as err:  # never break the training step
             self.fall_back("iteration_start failed", err)
@@ -218,16 +221,16 @@ class PerseusRuntime:
         Every rank calls it at the same iteration boundary (between `iteration_end()` and
         `iteration_start()`). The measured profile stays: a computation's time and energy do
         not depend on how many microbatches the iteration holds. A pipeline that had a
-        frontier (or was solving one) re-solves for the new schedule -- or re-uses the frontier
-        it solved for that schedule before -- and redeploys through the solving phase, so all
-        ranks deploy together; warm-up, profiling and power-limit mode simply go on."""
+        frontier (or was solving one) re-solves for the new schedule -- its leader re-uses the
+        frontier it solved for that schedule before, if any -- and redeploys through the solving
+        phase, so all ranks deploy together; warm-up, profiling and power-limit mode go on."""
         if self._closed or schedule == self.schedule:
             return
         if schedule.num_stages != self.schedule.num_stages:
             raise PerseusError(f"reschedule: the new schedule has {schedule.num_stages} stages, this "
                                f"pipeline {self.schedule.num_stages}; a new pipeline needs a new runtime")
-        if self.deployment is not None:
-            self._frontiers[self.schedule] = self.deployment.frontier
+        if self.deployment is not None and self._leader_outcome is not None:
+            self._solved[self.schedule] = self._leader_outcome
         if self._solver is not None:
             self._solver.cancel()
             self._solver = None
@@ -240,13 +243,12 @@ class PerseusRuntime:
                     schedule.describe(), self.iteration)
         if self.phase not in (Phase.SOLVING, Phase.DEPLOYED):
             return
-        cached = self._frontiers.get(schedule)
+        cached = self._solved.get(schedule)
         if cached is None:
             self._start_solve(self._measured)
             return
         self._set_phase(Phase.SOLVING)
-        if self.comm.is_pipeline_leader:
-            self._leader_outcome = SolveOutcome(cached, None, 0.0, False)
+        self._leader_outcome = dataclasses.replace(cached, solve_s=0.0, in_background=False)
 
     # ------------------------------------------------------------------ state
     @property
@@ -328,7 +330,7 @@ class PerseusRuntime:
             self._start_solve(self.saved_profile if self.comm.is_pipeline_leader else None)
         elif can_set_clocks and none_fell_back:
             self.profiling = ProfilingRun.create(self.config, self.stage, self.setup, self.controller,
-                                                 self.timeline)
+                                                 self.timeline, self.schedule)
             self._set_phase(Phase.PROFILING)
         else:
             why = ("a rank fell back to default clocks during warm-up (its error says why)" if not none_fell_back
@@ -370,38 +372,51 @@ class PerseusRuntime:
         if measured is None:
             self._leader_outcome = SolveOutcome(None, "no usable profile", 0.0, False)
             return
-        problem = SolveProblem(self.schedule, measured, self.config.solver, self.setup.latency.effective_s)
-        if self.config.solve_in_background:
-            self._solver = BackgroundSolve(problem)
-        else:
-            self._leader_outcome = solve(problem)
+        try:
+            # Changes within an iteration are issued ahead by the switching latency (ClockSequencer),
+            # so what plans pay per change is about half the ramp.
+            problem = SolveProblem(self.schedule, measured, self.config.solver, self.setup.latency.transition_s / 2)
+            if self.config.solve_in_background:
+                self._solver = BackgroundSolve(problem)
+            else:
+                self._leader_outcome = solve(problem)
+        except Exception as err:  # leader-only work: failing it must not skip a collective
+            logger.exception("perseus-ext: pipeline %d: starting the solve failed", self.comm.pipeline)
+            self._leader_outcome = SolveOutcome(None, f"starting the solve failed: {err!r}", 0.0, False)
 
     def _solving_step(self) -> None:
         leader = self.comm.is_pipeline_leader
         if leader and self._leader_outcome is None and self._solver is not None:
-            self._leader_outcome = self._solver.result()
+            try:
+                self._leader_outcome = self._solver.result()
+            except Exception as err:  # leader-only work: failing it must not skip a collective
+                self._leader_outcome = SolveOutcome(None, f"reading the solver's result failed: {err!r}", 0.0, True)
         (all_ready,) = self.comm.all_min([float(self._leader_outcome is not None or not leader)])
         if not all_ready:
             return
-        outcome: SolveOutcome = self.comm.broadcast_pipeline(self._leader_outcome if leader else None)
-        self.solve_outcome = outcome
-        if outcome.frontier is None:
+        shipments = ship(self._leader_outcome, self.comm.pipeline_members) if leader else None
+        shipment: StageFrontier = self.comm.scatter_pipeline(shipments)
+        self.solve_outcome = self._leader_outcome if leader else shipment
+        if shipment.compact is None:
             logger.warning("perseus-ext: pipeline %d has no frontier (%s); staying at default clocks",
-                           self.comm.pipeline, outcome.error)
+                           self.comm.pipeline, shipment.error)
             self._set_phase(Phase.OBSERVING)
             return
-        frontier = outcome.frontier
+        # The leader keeps the whole frontier; the others get their own stage's clocks only.
+        frontier = self._leader_outcome.frontier if leader else shipment.frontier()
         if leader:
-            how = "in a background process while training went on" if outcome.in_background else "inline"
+            how = "in a background process while training went on" if shipment.in_background else "inline"
             logger.info("perseus-ext: pipeline %d frontier: %d plans, solved in %.1f s %s; the fastest "
-                        "plan saves %.1f%% energy at no slowdown (model)", self.comm.pipeline,
-                        len(frontier.plans), outcome.solve_s, how, 100 * frontier.intrinsic_saving())
+                        "plan saves %.1f%% energy at no slowdown (model); %.3f MB shipped per rank",
+                        self.comm.pipeline, len(frontier.plans), shipment.solve_s, how,
+                        100 * frontier.intrinsic_saving(), max(map(shipped_bytes, shipments.values())) / 1e6)
             if self.comm.pipeline == 0 and self.config.frontier_path:
                 try:
                     frontier.save(self.config.frontier_path)
                 except OSError as err:
                     logger.error("perseus-ext: cannot save the frontier to %s: %s", self.config.frontier_path, err)
-        self.deployment = PlanDeployment(frontier, self.policy, self.config, self.comm)
+        self.deployment = PlanDeployment(frontier, self.policy, self.config, self.comm, self.schedule,
+                                         shipment.measured, None if leader else shipment.stage_clocks())
         self.deployment.deploy(self.iteration)
         self._set_phase(Phase.DEPLOYED)
 
@@ -466,12 +481,3 @@ class PerseusRuntime:
         except Exception:
             logger.exception("perseus-ext: writing the summary failed")
 
-
-def _check_pipeline_rank(pp_group: Any, stage: int) -> None:
-    if pp_group is None:
-        return
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_rank(pp_group) != stage:
-        raise PerseusError(f"stage {stage} is rank {dist.get_rank(pp_group)} of its pipeline group; "
-                           f"perseus-ext expects pipeline-group ranks ordered by stage")

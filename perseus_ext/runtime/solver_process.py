@@ -41,7 +41,7 @@ def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveOutcome
             problem.schedule, measured.for_schedule(problem.schedule).pareto(), measured.blocking_power_per_stage_w,
             problem.options, switch_latency_s=problem.switch_latency_s,
         )
-        return SolveOutcome(frontier, None, time.perf_counter() - started, in_background)
+        return SolveOutcome(frontier, None, time.perf_counter() - started, in_background, measured)
     except Exception as err:  # reported to every rank of the pipeline instead
         return SolveOutcome(None, f"{type(err).__name__}: {err}", time.perf_counter() - started, in_background)
 

@@ -80,6 +80,7 @@ def build_summary(runtime: "PerseusRuntime") -> dict[str, Any]:
             "fastest": {"time_s": frontier.fastest.time, "energy_j": frontier.fastest.energy},
             "min_energy": {"time_s": frontier.min_energy.time, "energy_j": frontier.min_energy.energy},
             "intrinsic_saving": frontier.intrinsic_saving(),
+            "blocking_power_w": frontier.blocking_power,
         }
     base, dep = result["default_clocks"], result["deployed"]
     if base and dep and base["energy_j"] and dep["energy_j"]:

@@ -66,6 +66,11 @@ class GPU(abc.ABC):
     def reset_locked_sm_clocks(self) -> None:
         """Let the GPU pick its clock again (the driver default, normally boosting to max)."""
 
+    def locked_sm_clock(self) -> int | None:
+        """The SM clock the GPU is locked to now, None when unlocked, whoever set it. Lets the
+        watchdog undo only a lock its job made; a backend that cannot read it back raises."""
+        raise GPUNotSupportedError(f"{self.name}: the locked SM clock cannot be read back")
+
     @abc.abstractmethod
     def energy_mj(self) -> int:
         """Cumulative energy counter in millijoules since an arbitrary origin."""

@@ -1,0 +1,204 @@
+"""Fault injection on the restore paths: failing resets, the watchdog hand-over, clock ownership
+between jobs, and SIGTERM while the main thread is blocked in a collective."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from perseus_ext.actuation import controller as controller_module
+from perseus_ext.actuation.controller import FrequencyController
+from perseus_ext.actuation.watchdog import Claims, restore, restore_once
+from perseus_ext.measurement.gpu import SimulatedGPU
+from perseus_ext.measurement.gpu.simulated import read_state_file
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = dict(os.environ, PYTHONPATH=str(REPO))
+
+
+def _state(path: Path) -> dict:
+    return read_state_file(path)
+
+
+@pytest.fixture
+def fast_retries(monkeypatch):
+    monkeypatch.setattr(controller_module, "RESTORE_BACKOFF_S", 0.0)
+    monkeypatch.setattr(controller_module, "RESTORE_RETRY_S", 0.0)
+    monkeypatch.setattr(controller_module, "WATCHDOG_RETRY_FOR_S", 10.0)
+    monkeypatch.setattr(controller_module, "WATCHDOG_RETRY_INTERVAL_S", 0.1)
+
+
+# --------------------------------------------------------------------------- failing restores
+def test_a_transient_reset_failure_is_retried(fast_retries, caplog):
+    gpu = SimulatedGPU("a100_sxm", pace=False)
+    controller = FrequencyController(gpu, watchdog=False)
+    controller.set_clock(210)  # communication_clock "min": the worst clock to be stuck at
+    controller.flush(5)
+    gpu.inject_fault("reset_locked_sm_clocks", times=controller_module.RESTORE_ATTEMPTS - 1)
+    with caplog.at_level(logging.WARNING):
+        controller.close()
+    assert gpu.locked_clock is None and controller.restore_error is None
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_failed_restore_is_reported_as_such_and_retried_while_training_goes_on(fast_retries, caplog):
+    gpu = SimulatedGPU("a100_sxm", pace=False)
+    controller = FrequencyController(gpu, watchdog=False)
+    controller.set_clock(1410)
+    controller.flush(5)
+    gpu.inject_fault("set_locked_sm_clocks", times=1)
+    gpu.inject_fault("reset_locked_sm_clocks", times=controller_module.RESTORE_ATTEMPTS)
+    with caplog.at_level(logging.WARNING):
+        controller.set_clock(1005)  # fails; so do all quick attempts to unlock
+        controller.flush(5)
+    assert controller.disabled_reason and controller.restore_error
+    assert gpu.locked_clock == 1410
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "still locked at 1410 MHz" in errors[0] and "nvidia-smi" in errors[0]
+    assert "training continues at default clocks" not in caplog.text
+    controller.set_clock(1200)  # dropped, but the worker retries the restore on its next wake-up
+    controller.flush(5)
+    assert gpu.locked_clock is None and controller.restore_error is None
+    assert "restored after earlier failures" in caplog.text
+    controller.close()
+
+
+def test_an_unfinished_restore_is_handed_to_the_watchdog(fast_retries, tmp_path, caplog):
+    state = tmp_path / "gpu.json"
+    gpu = SimulatedGPU("a100_sxm", pace=False, state_file=state)
+    controller = FrequencyController(gpu)
+    controller.set_clock(1005)
+    controller.set_power_limit(300)
+    controller.flush(5)
+    watchdog = controller._watchdog
+    gpu.inject_fault("reset_locked_sm_clocks", times=None)  # only in this process
+    with caplog.at_level(logging.ERROR):
+        controller.close()
+    assert controller.restore_error and "could not reset locked clocks" in controller.restore_error
+    assert f"watchdog (pid {watchdog.pid}) keeps retrying" in caplog.text
+    assert watchdog.wait(10) == 0  # the watchdog's own GPU handle works: it restores, then ends
+    assert _state(state)["locked_sm_clock"] is None and _state(state)["power_limit_w"] == 500
+
+
+# --------------------------------------------------------------------------- ownership
+def _spec(state: Path, **extra) -> dict:
+    return {"backend": "sim", "preset": "a100_sxm", "state_file": str(state), "power_limit_w": 450.0, **extra}
+
+
+def _lock_as_another_job(state: Path, mhz: int, watts: float | None = None) -> None:
+    other = SimulatedGPU("a100_sxm", pace=False, state_file=state)
+    other.set_locked_sm_clocks(mhz)
+    if watts is not None:
+        other.set_power_limit_w(watts)
+
+
+@pytest.mark.parametrize("now_locked, ours, restored", [
+    (1005, {1005}, True),  # still what this job set: undo it
+    (1200, {1005}, False),  # another job locked the GPU since: leave it
+    (1200, {1005, 1200}, True),  # a lock this job was setting when it died
+])
+def test_the_watchdog_undoes_only_what_the_gpu_still_holds_of_its_job(tmp_path, now_locked, ours, restored):
+    state = tmp_path / "gpu.json"
+    _lock_as_another_job(state, now_locked, watts=300 if restored else 350)
+    finished, notes = restore_once(_spec(state), Claims(set(ours), {300.0}))
+    assert finished
+    after = _state(state)
+    if restored:
+        assert after["locked_sm_clock"] is None and after["power_limit_w"] == 450
+    else:
+        assert after["locked_sm_clock"] == now_locked and after["power_limit_w"] == 350
+        assert any("another job" in note for note in notes)
+
+
+def test_a_gpu_nobody_claims_is_never_touched(tmp_path):
+    state = tmp_path / "gpu.json"
+    _lock_as_another_job(state, 1200)
+    assert restore_once(_spec(state), Claims()) == (True, [])
+    assert _state(state)["locked_sm_clock"] == 1200
+
+
+def test_the_watchdog_retries_and_checks_ownership_before_every_attempt(tmp_path):
+    """The GPU is unreachable at first (an unreadable state file stands for a failing driver);
+    by the time it answers, another job has locked it: the watchdog must leave that lock."""
+    state = tmp_path / "gpu.json"
+    state.write_text("{broken")
+    watchdog = subprocess.Popen(
+        [sys.executable, "-m", "perseus_ext.actuation.watchdog",
+         json.dumps(_spec(state, retry_for_s=20, retry_interval_s=0.1)), str(os.getpid())],
+        stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+    )
+    watchdog.stdin.write(b"lock 1005\nheld 1005\nrestore\n")
+    watchdog.stdin.close()
+    time.sleep(0.5)
+    assert watchdog.poll() is None  # still retrying
+    state.unlink()
+    _lock_as_another_job(state, 1200)
+    assert watchdog.wait(10) == 0
+    assert _state(state)["locked_sm_clock"] == 1200
+    assert b"another job set it" in watchdog.stderr.read()
+
+
+def test_the_watchdog_gives_up_after_its_retry_window_and_says_so(tmp_path):
+    state = tmp_path / "gpu.json"
+    state.write_text("{broken")
+    finished, notes = restore(_spec(state, retry_for_s=0.3, retry_interval_s=0.1), Claims({1005}))
+    assert not finished and len(notes) >= 2 and "could not open the GPU" in notes[0]
+
+
+# --------------------------------------------------------------------------- SIGTERM while blocked
+BLOCKED_TRAINER = textwrap.dedent(
+    """
+    import os, sys, datetime
+    import torch, torch.distributed as dist
+    from perseus_ext.measurement.gpu import SimulatedGPU
+    from perseus_ext.actuation.controller import FrequencyController
+
+    rank, port, state = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))
+    gpu = SimulatedGPU("a100_sxm", state_file=state.format(rank=rank), pace=False)
+    controller = FrequencyController(gpu)
+    controller.set_clock(1005)
+    controller.flush(5)
+    print("ready", flush=True)
+    if rank == 1:
+        sys.stdin.readline()  # the peer that never joins: the test ends it
+    else:
+        dist.all_reduce(torch.zeros(1))  # blocked in gloo's C++ wait, for up to 300 s
+    """
+)
+
+
+def test_sigterm_while_blocked_in_a_collective_restores_clocks_and_ends_the_process(tmp_path):
+    from perseus_ext.commands.demo import _free_port
+
+    port = str(_free_port())
+    state = str(tmp_path / "gpu{rank}.json")
+    ranks = [subprocess.Popen([sys.executable, "-c", BLOCKED_TRAINER, str(rank), port, state],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=dict(ENV, OMP_NUM_THREADS="1"), text=True) for rank in (0, 1)]
+    try:
+        for process in ranks:
+            assert process.stdout.readline().strip() == "ready", process.stderr.read()
+        blocked = ranks[0]
+        time.sleep(1.0)  # well inside the all_reduce
+        assert _state(Path(state.format(rank=0)))["locked_sm_clock"] == 1005
+        sent = time.monotonic()
+        blocked.send_signal(signal.SIGTERM)
+        assert blocked.wait(15) == -signal.SIGTERM  # ends as SIGTERM's default action would
+        assert time.monotonic() - sent < 10
+        assert _state(Path(state.format(rank=0)))["locked_sm_clock"] is None  # restored, not by the watchdog
+        assert "restoring GPU clocks from the signal watcher" in blocked.stderr.read()
+    finally:
+        for process in ranks:
+            process.kill()
+            process.wait()

@@ -1,0 +1,65 @@
+"""Frontier files and the compact per-stage form ranks receive."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+from planning_profiles import P_BLOCK_A100, profile_path, sub_profile
+
+from perseus_ext.errors import SolverError
+from perseus_ext.planning.frontier import Frontier, compact_stage_clocks
+from perseus_ext.planning.profile import load_profile
+from perseus_ext.planning.schedule import one_f_one_b
+from perseus_ext.planning.solver import solve_frontier
+
+
+@pytest.fixture(scope="module")
+def frontier() -> Frontier:
+    raw = load_profile(profile_path("gpt3-175b-a100_sxm"), pareto=False)
+    profile = sub_profile(raw, 4, tuple(range(1410, 850, -45)))
+    return solve_frontier(one_f_one_b(4, 8), profile, P_BLOCK_A100)
+
+
+def same(a: Frontier, b: Frontier) -> bool:
+    return (
+        a.schedule == b.schedule
+        and a.blocking_power == b.blocking_power
+        and len(a.plans) == len(b.plans)
+        and all(
+            p.time == q.time and p.energy == q.energy and np.array_equal(p.frequencies, q.frequencies)
+            for p, q in zip((a.baseline, *a.plans), (b.baseline, *b.plans))
+        )
+    )
+
+
+def test_saved_json_has_the_documented_layout_and_round_trips(frontier: Frontier, tmp_path) -> None:
+    path = tmp_path / "f.json"
+    frontier.save(path)
+    data = json.loads(path.read_text())  # plain JSON, whatever wrote it
+    assert set(data) == {"schedule", "blocking_power", "baseline", "plans"}
+    first = data["plans"][0]
+    assert set(first) == {"time", "energy", "frequencies"}
+    assert first["frequencies"] == frontier.plans[0].frequencies.tolist()
+    assert same(Frontier.load(path), frontier)
+    assert same(Frontier.from_dict(data), frontier)
+
+
+def test_compact_form_round_trips(frontier: Frontier) -> None:
+    compact = frontier.to_compact()
+    assert same(Frontier.from_compact(compact), frontier)
+    assert len(pickle.dumps(compact)) < len(pickle.dumps(frontier.to_dict())) / 3
+
+
+def test_one_stage_and_some_plans(frontier: Frontier) -> None:
+    chosen = [0, 3, len(frontier.plans) - 1]
+    compact = frontier.to_compact(stages=[2], plans=chosen)
+    clocks = compact_stage_clocks(compact, 2)
+    assert np.array_equal(clocks, np.stack([frontier.plans[j].frequencies[2] for j in chosen]))
+    assert list(compact["plan_indices"]) == chosen
+    with pytest.raises(SolverError, match="not all"):
+        Frontier.from_compact(compact)
+    whole = len(pickle.dumps(frontier.to_compact()))
+    assert len(pickle.dumps(frontier.to_compact(stages=[2]))) < whole
