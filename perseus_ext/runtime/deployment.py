@@ -33,6 +33,8 @@ from perseus_ext.runtime.straggler import SlowdownTracker
 
 logger = logging.getLogger(__name__)
 
+MODEL_DISAGREEMENT = 0.10  # warn when the fastest pipeline's compute time is this far off the model
+
 
 class PlanDeployment:
     """Plan selection for one rank once its pipeline's frontier is known."""
@@ -61,6 +63,7 @@ class PlanDeployment:
         self._policy_check_at: int | None = None
         self._recent_times: list[float] = []
         self._clock_cache: dict[tuple[int, int], tuple] = {}
+        self._model_warned = False
 
     @property
     def plan(self) -> Plan:
@@ -124,6 +127,7 @@ class PlanDeployment:
             own, value if kind == "factor" else 0.0, value if kind == "time" else 0.0)
         if mine is None:  # no device record yet on this pipeline: keep the plan
             return
+        self._check_model(normal)
         straggler = max(slowest, factor_announced * normal, time_announced)
         # This pipeline may take (straggler - mine) longer without slowing the job down.
         ratio = 1.0 + (straggler - mine) / self.frontier.fastest.time
@@ -135,6 +139,19 @@ class PlanDeployment:
         self._deadline = None if factor <= 1.0 else self.frontier.fastest.time * (factor - margin)
         self._agree(iteration, self._deadline, factor=factor,
                     reason=f"slowest pipeline {straggler:.4f} s, this one {mine:.4f} s")
+
+    def _check_model(self, measured_s: float) -> None:
+        """Straggler targets are model times: warn once when the model misjudges the fastest
+        pipeline (a profile that does not describe this job), as plans would be off by as much."""
+        modelled = self.frontier.fastest.time
+        if self._model_warned or abs(measured_s / modelled - 1) <= MODEL_DISAGREEMENT:
+            return
+        self._model_warned = True
+        if self.comm.is_pipeline_leader and self.comm.pipeline == 0:
+            logger.warning("perseus-ext: the frontier models the fastest plan's iteration at %.4f s of "
+                           "compute, the fastest pipeline measures %.4f s (%+.0f%%); straggler plans "
+                           "will be off by as much -- is the profile (%s.profile_path) from this job?",
+                           modelled, measured_s, 100 * (measured_s / modelled - 1), "perseus")
 
     def _agree(self, iteration: int, deadline: float | None, *, factor: float, reason: str) -> None:
         """Deploy the pipeline leader's choice on every rank of the pipeline.

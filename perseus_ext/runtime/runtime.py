@@ -19,6 +19,7 @@ collectives, so it cannot hang the others.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import secrets
@@ -110,6 +111,8 @@ class PerseusRuntime:
         self._announced: tuple[str, float] | None = None
         self._solver: BackgroundSolve | None = None
         self._leader_outcome: SolveOutcome | None = None
+        self._measured: MeasuredProfile | None = None  # the pipeline leader's, kept for re-plans
+        self._solved: dict[PipelineSchedule, SolveOutcome] = {}  # the leader's frontiers, per schedule
         self._setting = IterationSetting(-1, self.phase)
         self._compute_ended = False
         self._closed = False
@@ -211,6 +214,41 @@ class PerseusRuntime:
         timedelta an absolute iteration time, None withdraws the announcement. Takes effect at
         the next straggler check."""
         self._announced = parse_announcement(factor_or_time)
+
+    def reschedule(self, schedule: PipelineSchedule) -> None:
+        """Run `schedule` from the next iteration on (e.g. another number of microbatches).
+
+        Every rank calls it at the same iteration boundary (between `iteration_end()` and
+        `iteration_start()`). The measured profile stays: a computation's time and energy do
+        not depend on how many microbatches the iteration holds. A pipeline that had a
+        frontier (or was solving one) re-solves for the new schedule -- its leader re-uses the
+        frontier it solved for that schedule before, if any -- and redeploys through the solving
+        phase, so all ranks deploy together; warm-up, profiling and power-limit mode go on."""
+        if self._closed or schedule == self.schedule:
+            return
+        if schedule.num_stages != self.schedule.num_stages:
+            raise PerseusError(f"reschedule: the new schedule has {schedule.num_stages} stages, this "
+                               f"pipeline {self.schedule.num_stages}; a new pipeline needs a new runtime")
+        if self.deployment is not None and self._leader_outcome is not None:
+            self._solved[self.schedule] = self._leader_outcome
+        if self._solver is not None:
+            self._solver.cancel()
+            self._solver = None
+        self._leader_outcome = None
+        self.schedule = schedule
+        self.order = schedule.orders[self.stage]
+        self.pacer = self.setup.pacer(self.config, self.timeline, schedule, stage=self.stage,
+                                      pipeline=self.comm.pipeline, num_pipelines=self.comm.num_pipelines)
+        logger.info("perseus-ext: stage %d runs %s from iteration %d on", self.stage,
+                    schedule.describe(), self.iteration)
+        if self.phase not in (Phase.SOLVING, Phase.DEPLOYED):
+            return
+        cached = self._solved.get(schedule)
+        if cached is None:
+            self._start_solve(self._measured)
+            return
+        self._set_phase(Phase.SOLVING)
+        self._leader_outcome = dataclasses.replace(cached, solve_s=0.0, in_background=False)
 
     # ------------------------------------------------------------------ state
     @property
@@ -327,6 +365,7 @@ class PerseusRuntime:
         self._start_solve(measured)
 
     def _start_solve(self, measured: MeasuredProfile | None) -> None:
+        self._measured = measured
         self._set_phase(Phase.SOLVING)
         if not self.comm.is_pipeline_leader:
             return

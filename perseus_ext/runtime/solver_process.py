@@ -42,7 +42,7 @@ def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveOutcome
 
         measured = problem.measured
         frontier = solve_frontier(
-            problem.schedule, measured.profile.pareto(), measured.blocking_power_per_stage_w,
+            problem.schedule, measured.for_schedule(problem.schedule).pareto(), measured.blocking_power_per_stage_w,
             problem.options, switch_latency_s=problem.switch_latency_s,
         )
     except Exception as err:  # reported to every rank of the pipeline instead
