@@ -173,7 +173,7 @@ def test_example_script_under_torchrun_saves_a_profile(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     completed = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-         str(REPO / "examples/deepspeed/train.py"), "--deepspeed_config", str(config_path), "--iterations", "35"],
+         str(REPO / "examples/deepspeed/train.py"), "--deepspeed_config", str(config_path), "--iterations", "50"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
