@@ -52,7 +52,6 @@ class RunRecorder:
         self._changes: list[tuple[float, int | None]] = []
         self._clock_before: int | None = None  # the clock in force before self._changes[0]
         self._on_record = on_record
-        self._closing = False
         self._log_file = self._open_log(log_path)
 
     def _open_log(self, template: str | None):
@@ -94,11 +93,9 @@ class RunRecorder:
         finished = []
         for iteration in sorted(self._pending):
             pending = self._pending[iteration]
-            successor = self._pending.get(iteration + 1)
-            following = successor.seen.get(START) if successor is not None else None
-            if len(pending.seen) < 3 or pending.wall_time == 0.0 or (following is None and not self._closing):
+            if len(pending.seen) < 3 or pending.wall_time == 0.0:
                 break  # records come out in iteration order
-            finished.append(self._finish(self._pending.pop(iteration), following))
+            finished.append(self._finish(self._pending.pop(iteration)))
         return finished
 
     def wait_for(self, iteration: int, timeout_s: float) -> IterationRecord | None:
@@ -113,12 +110,13 @@ class RunRecorder:
             time.sleep(WAIT_POLL_S)
 
     # ------------------------------------------------------------------ records
-    def _finish(self, pending: _Pending, following: tuple[float, int | None] | None) -> IterationRecord:
-        """An iteration lasts from its start to the next one's, so what the device does between
-        the host's iterations (optimizer step, data loading) is counted once, never dropped;
-        the last iteration ends at its own end marker."""
+    def _finish(self, pending: _Pending) -> IterationRecord:
+        """An iteration spans the adapter's hooks: from `iteration_start` to `iteration_end` as
+        the device reaches them (DeepSpeed's whole schedule including the optimizer step;
+        Megatron's forward-backward, whose optimizer step follows outside it). What the process
+        does between iterations -- data loading, evaluation, another engine -- is not charged."""
         (start_s, start_mj), (compute_s, _), (end_s, end_mj) = (
-            pending.seen[START], pending.seen[COMPUTE_END], following or pending.seen[END])
+            pending.seen[START], pending.seen[COMPUTE_END], pending.seen[END])
         energy = None if start_mj is None or end_mj is None else (end_mj - start_mj) / 1000.0
         record = IterationRecord(
             setting=pending.setting, rank=self.rank, pipeline=self.pipeline, stage=self.stage,
@@ -169,7 +167,6 @@ class RunRecorder:
     def close(self, timeout_s: float) -> None:
         """Record what the device still runs (the controller is flushed first), close the log."""
         self.controller.flush(timeout_s)
-        self._closing = True
         self.collect()
         if self._log_file is not None:
             self._log_file.close()
