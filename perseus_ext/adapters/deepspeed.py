@@ -152,7 +152,11 @@ def attach(engine: Any, config: Any = None) -> Any:
         runtime.iteration_start()
         original_exec_schedule(tagged)
         runtime.iteration_end()
+        metrics.write()
 
+    from perseus_ext.monitoring import IterationMetrics, deepspeed_sink
+
+    metrics = IterationMetrics(runtime, [deepspeed_sink(getattr(engine, "monitor", None))])
     engine._exec_schedule = MethodType(exec_schedule, engine)
     engine.perseus = runtime
     _ensure_log_output()

@@ -110,10 +110,14 @@ class MegatronPerseus:
         *,
         gpu: Any = None,
         policy: Any = None,
+        tensorboard_writer: Any = None,
+        wandb_writer: Any = None,
     ) -> None:
         self._args = args
         self._gpu = gpu
         self._policy = policy
+        self._writers = (tensorboard_writer, wandb_writer)
+        self.metrics: Any = None
         self._config: Any = None
         self.runtime: Any = None
         self.schedule: PipelineSchedule | None = None
@@ -164,6 +168,7 @@ class MegatronPerseus:
                 raise
             self._iteration = None
             self.runtime.iteration_end()
+            self.metrics.write()
             return result
 
         return run_iteration
@@ -303,6 +308,9 @@ class MegatronPerseus:
             policy=self._policy,
             local_rank=self._local_device(),
         )
+        from perseus_ext.monitoring import IterationMetrics, megatron_sinks
+
+        self.metrics = IterationMetrics(self.runtime, megatron_sinks(*self._writers))
         log.info("perseus: stage %d of %s", self.stage, self.schedule.describe())
         return True
 
@@ -333,6 +341,8 @@ def install(
     *,
     gpu: Any = None,
     policy: Any = None,
+    tensorboard_writer: Any = None,
+    wandb_writer: Any = None,
 ) -> MegatronPerseus | None:
     """One call from a pretraining script: hook megatron-core's pipeline schedules.
 
@@ -340,6 +350,8 @@ def install(
     global args" (`megatron.training.get_args()`), read at the first training iteration, so the
     call can come before `pretrain()` parses the command line. Returns None when `args` are
     given and `--perseus` is off. One install per process at a time; `close()` undoes it.
+    Per-iteration perseus metrics go to `tensorboard_writer` / `wandb_writer`, or by default to
+    Megatron-LM's own writers (`perseus_ext.monitoring`).
     """
     global _INSTALLED
     if args is not None and not getattr(args, "perseus", False):
@@ -347,7 +359,8 @@ def install(
     if _INSTALLED is not None and not _INSTALLED._closed:
         raise ConfigError("perseus is already installed on megatron-core in this process; "
                           "close() the previous install first")
-    perseus = MegatronPerseus(args, gpu=gpu, policy=policy)
+    perseus = MegatronPerseus(args, gpu=gpu, policy=policy, tensorboard_writer=tensorboard_writer,
+                              wandb_writer=wandb_writer)
     if args is not None:
         perseus._config = config_from_args(args)  # bad flags fail before training starts
     perseus._patch()
