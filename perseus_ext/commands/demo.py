@@ -82,7 +82,7 @@ class Scenario:
             },
             "frontier_path": str(Path(self.out_dir) / f"frontier-{variant}.json"),
             "log_path": str(Path(self.out_dir) / f"log-{variant}-{{rank}}.jsonl"),
-            "baseline_fraction": 0.125,
+            "baseline_fraction": 0.25,  # a short demo: enough probes for a usable interval
         }
         section.update(self.perseus)
         if variant == "observe":
