@@ -69,13 +69,18 @@ def train(runtime: PerseusRuntime, iterations: int, seed: int = 0, sleep_s: floa
             time.sleep(sleep_s)
 
 
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for a local rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_gloo_job(script: str, out_dir: Path, world_size: int, timeout_s: float) -> list[dict]:
     """Run `script <out_dir>` as `world_size` local gloo ranks (RANK/WORLD_SIZE/MASTER_* set);
     each rank writes `rank<r>.json` into `out_dir`, returned in rank order. A rank that fails or
     outlives `timeout_s` fails the test with its output."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     package_root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from runtime_helpers import free_port
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is an optional dependency"
@@ -38,7 +39,7 @@ FAST_PROFILING = {"clock_stride": 12}
 
 
 def _demo():
-    from perseus_ext.commands import demo
+    from perseus_ext import demo
 
     return demo
 
@@ -172,7 +173,7 @@ def test_example_script_under_torchrun_saves_a_profile(tmp_path):
     config_path.write_text(json.dumps(config))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     completed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          str(REPO / "examples/deepspeed/train.py"), "--deepspeed_config", str(config_path), "--iterations", "50"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
     )
@@ -182,10 +183,6 @@ def test_example_script_under_torchrun_saves_a_profile(tmp_path):
         summary = json.loads((tmp_path / f"summary-{rank}.json").read_text())
         assert summary["final_phase"] == "deployed"
     assert "perseus-ext: iteration" in completed.stdout + completed.stderr
-
-
-def _free_port() -> int:
-    return _demo()._free_port()
 
 
 # --------------------------------------------------------------------------- adapter pieces

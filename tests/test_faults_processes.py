@@ -49,7 +49,7 @@ LEADER_FAULT = textwrap.dedent(
 
 
 def test_a_leaders_local_error_never_stalls_the_other_ranks(tmp_path):
-    from perseus_ext.commands.demo import _free_port
+    from runtime_helpers import free_port as _free_port
 
     port = str(_free_port())
     ranks = [subprocess.Popen([sys.executable, "-c", LEADER_FAULT, str(rank), port, str(CONTROL_TIMEOUT_S)],

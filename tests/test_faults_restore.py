@@ -179,7 +179,7 @@ BLOCKED_TRAINER = textwrap.dedent(
 
 
 def test_sigterm_while_blocked_in_a_collective_restores_clocks_and_ends_the_process(tmp_path):
-    from perseus_ext.commands.demo import _free_port
+    from runtime_helpers import free_port as _free_port
 
     port = str(_free_port())
     state = str(tmp_path / "gpu{rank}.json")

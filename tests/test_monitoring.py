@@ -61,8 +61,8 @@ def test_a_failing_writer_is_dropped_without_breaking_training():
 
 
 def test_deepspeed_csv_monitor_gets_the_metrics_and_report_reproduces_the_demo(tmp_path):
-    from perseus_ext.commands import demo
-    from perseus_ext.commands.report import analyse, read_logs
+    from perseus_ext import demo
+    from perseus_ext.reporting import analyse, read_logs
 
     scenario = demo.Scenario(
         out_dir=str(tmp_path), stages=2, pipelines=1, microbatches=2, iterations=40,

@@ -235,7 +235,7 @@ def test_power_limit_mode_agrees_across_ranks_and_restores(two_ranks):
 # --------------------------------------------------------------------------- DeepSpeed
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is an optional dependency")
 def test_deepspeed_power_limit_mode_end_to_end(tmp_path):
-    from perseus_ext.commands import demo
+    from perseus_ext import demo
 
     scenario = demo.Scenario(
         out_dir=str(tmp_path), stages=2, pipelines=1, iterations=22, straggler_pipeline=None,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from perseus_ext.cli import main
-from perseus_ext.commands.report import analyse, read_logs
+from perseus_ext.reporting import analyse, read_logs
 
 
 def write_log(path, rank, iterations, *, restart_before=0):

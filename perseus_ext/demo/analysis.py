@@ -1,0 +1,117 @@
+"""Baseline vs perseus per window of iterations, the measured saving, the model check."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from perseus_ext.demo.scenario import Scenario
+
+
+def by_variant(results: list[list[dict[str, Any]]], variant: str) -> list[dict[str, Any]]:
+    """Every rank's result of one variant, by rank."""
+    return [next(r for r in rank_results if r["variant"] == variant) for rank_results in results]
+
+
+def job_series(ranks: list[dict[str, Any]], key: str) -> list[float]:
+    """Per-iteration job figure: the slowest rank's time, or the sum of every rank's energy."""
+    rows = zip(*(r["iterations"] for r in ranks))
+    if key == "time_s":
+        return [max(item["time_s"] for item in row) for row in rows]
+    return [sum(item[key] for item in row) for row in rows]
+
+
+def windows(scenario: Scenario, perseus_ranks: list[dict[str, Any]]) -> dict[str, range]:
+    """Iteration ranges to compare: deployed without straggler, with straggler, recovered."""
+    phases = [it["phase"] for it in perseus_ranks[0]["iterations"]]
+    deployed = phases.index("deployed") if "deployed" in phases else len(phases)
+    if scenario.straggler_pipeline is None:
+        return {"no straggler": range(deployed, scenario.iterations)}
+    start = max(scenario.straggler_start, deployed)
+    return {
+        "no straggler": range(deployed, start),
+        "straggler": range(start, scenario.straggler_end),
+        "recovered": range(scenario.straggler_end, scenario.iterations),
+    }
+
+
+def compare(scenario: Scenario, results: list[list[dict[str, Any]]], baseline: str = "observe") -> dict[str, Any]:
+    """Baseline vs perseus per window of iterations.
+
+    Time: median job time per iteration (a shared 2-core machine adds scheduling spikes that
+    are not the method's doing). Energy: mean job energy per iteration, both the simulator's
+    exact integral (`true_energy_j`, the table's figure) and what the runtime measured with the
+    coarse NVML-like counter (`energy_j`; per-iteration readings are quantised to counter
+    updates, so only means over many iterations are meaningful).
+    """
+    base, pers = by_variant(results, baseline), by_variant(results, "perseus")
+    series = {
+        name: {key: job_series(ranks, key) for key in ("time_s", "energy_j", "true_energy_j")}
+        for name, ranks in (("baseline", base), ("perseus", pers))
+    }
+    # Baseline probes run default clocks on purpose: the side-by-side figures leave them out,
+    # so they compare the plans with their twin (what the probes measure).
+    probes = {i for r in pers for i, it in enumerate(r["iterations"]) if it.get("probe")}
+    table = {}
+    for label, span in windows(scenario, pers).items():
+        kept = [i for i in span if i not in probes]
+        if not kept:
+            continue
+        row: dict[str, Any] = {}
+        for name in ("baseline", "perseus"):
+            row[f"{name}_time_s"] = statistics.median(series[name]["time_s"][i] for i in kept)
+            for key in ("energy_j", "true_energy_j"):
+                row[f"{name}_{key}"] = statistics.fmean(series[name][key][i] for i in kept)
+        row["time_change"] = row["perseus_time_s"] / row["baseline_time_s"] - 1.0
+        row["energy_saving"] = 1.0 - row["perseus_true_energy_j"] / row["baseline_true_energy_j"]
+        row["measured_energy_saving"] = 1.0 - row["perseus_energy_j"] / row["baseline_energy_j"]
+        row["iterations"] = [span.start, span.stop]
+        table[label] = row
+    deployed = [i for span in windows(scenario, pers).values() for i in span if i not in probes]
+    side_by_side = None if not deployed else 1.0 - (
+        statistics.fmean(series["perseus"]["true_energy_j"][i] for i in deployed)
+        / statistics.fmean(series["baseline"]["true_energy_j"][i] for i in deployed))
+    return {"windows": table, "series": series, "model_check": model_check(scenario, pers),
+            "side_by_side_saving": side_by_side, "report": measured_report(scenario, pers)}
+
+
+def measured_report(scenario: Scenario, perseus_ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """What `perseus-ext report` makes of the perseus run's own logs: the saving measured
+    against its baseline probes, as a job without a twin would see it."""
+    from perseus_ext.reporting import analyse, read_logs
+
+    frontier = perseus_ranks[0]["summary"].get("frontier") if perseus_ranks[0]["summary"] else None
+    logs = sorted(Path(scenario.out_dir).glob("log-perseus-*.jsonl"))
+    return analyse(read_logs(logs), frontier["intrinsic_saving"] if frontier else None)
+
+
+def model_check(scenario: Scenario, perseus_ranks: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Pipeline 0's deployed fastest plan, predicted against what the simulated devices did in
+    the no-straggler window: the plan's time against stage 0's measured compute span (device
+    markers), its energy against the pipeline's exact energy per iteration less the blocking
+    energy of the time outside the plan (gradient sync, optimizer step)."""
+    pipeline = sorted((r for r in perseus_ranks if r["pipeline"] == 0), key=lambda r: r["stage"])
+    frontier = pipeline[0]["summary"].get("frontier")
+    span = windows(scenario, perseus_ranks).get("no straggler")
+    if frontier is None or not span:
+        return None
+    fastest = frontier["fastest"]
+    at_plan = [i for i in span if pipeline[0]["iterations"][i].get("plan") == 0]
+    if not at_plan:
+        return None
+    compute = statistics.median(pipeline[0]["iterations"][i]["compute_s"] for i in at_plan)
+    iteration = statistics.fmean(pipeline[0]["iterations"][i]["time_s"] for i in at_plan)
+    energy = statistics.fmean(sum(r["iterations"][i]["true_energy_j"] for r in pipeline) for i in at_plan)
+    outside = frontier["blocking_power_w"] * len(pipeline) * max(0.0, iteration - fastest["time_s"])
+    return {
+        "planned_time_s": fastest["time_s"], "measured_compute_s": compute,
+        "time_error": compute / fastest["time_s"] - 1.0,
+        "planned_energy_j": fastest["energy_j"], "measured_energy_j": energy - outside,
+        "energy_error": (energy - outside) / fastest["energy_j"] - 1.0,
+    }
+
+
+def straggler_response(scenario: Scenario, perseus_ranks: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    """Plan switches of each pipeline (from its stage-0 rank), for the timeline and tests."""
+    return {r["pipeline"]: r["summary"]["plan_switches"] for r in perseus_ranks if r["stage"] == 0}

@@ -1,0 +1,111 @@
+"""One torchrun rank of a comparison job: every variant's DeepSpeed engine trains side by side,
+one iteration each in turn, and the rank writes what each variant measured.
+
+Run by `perseus_ext.demo.launch` as `python -m perseus_ext.demo.worker --worker SCENARIO.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from perseus_ext.demo.scenario import WIDTH, Scenario
+
+
+class _VariantRun:
+    """One variant's engine on this rank. All variants of a job train side by side, one
+    iteration each in turn, so a noisy machine slows every variant alike and comparisons stay
+    fair; they share nothing but the process."""
+
+    def __init__(self, scenario: Scenario, variant: str) -> None:
+        import deepspeed
+        import torch
+        from deepspeed.pipe import PipelineModule
+
+        self.scenario, self.variant = scenario, variant
+        torch.manual_seed(1234)
+        layers = [torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh())
+                  for _ in range(2 * scenario.stages)]
+        model = PipelineModule(layers=layers, num_stages=scenario.stages, loss_fn=torch.nn.MSELoss())
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "gradient_accumulation_steps": scenario.microbatches,
+            "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+            "steps_per_print": 10**9,
+            "perseus": scenario.perseus_section(variant),
+            **scenario.deepspeed,
+        }
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        self.runtime = getattr(self.engine, "perseus", None)
+        self.gpu = self.runtime.gpu if self.runtime is not None else None
+        self.pipeline = self.engine.grid.get_data_parallel_rank()
+        if variant == "faulty" and self.engine.global_rank == scenario.fault_rank:
+            self.gpu.inject_fault("set_locked_sm_clocks", times=None)
+        generator = torch.Generator().manual_seed(self.pipeline)
+        batches = [(torch.randn(4, WIDTH, generator=generator), torch.randn(4, WIDTH, generator=generator))
+                   for _ in range(4 * scenario.microbatches)]
+        self.data = iter(deepspeed.utils.RepeatingLoader(batches))
+        self.losses: list[str] = []
+        self.iterations: list[dict[str, Any]] = []
+
+    def step(self, iteration: int) -> None:
+        scenario, gpu, runtime = self.scenario, self.gpu, self.runtime
+        if gpu is not None and self.pipeline == scenario.straggler_pipeline:
+            straggling = scenario.straggler_start <= iteration < scenario.straggler_end
+            gpu.slowdown = scenario.slowdown if straggling else 1.0
+        true_before = gpu.true_energy_j if gpu is not None else 0.0
+        started = time.perf_counter()
+        loss = self.engine.train_batch(self.data)
+        record: dict[str, Any] = {"time_s": time.perf_counter() - started}
+        self.losses.append(float(loss).hex())
+        if runtime is not None:
+            record["true_energy_j"] = gpu.true_energy_j - true_before
+        self.iterations.append(record)
+
+    def finish(self) -> dict[str, Any]:
+        runtime = self.runtime
+        self.engine.destroy()  # closes the runtime: clocks restored, last device records taken
+        summary = runtime.summary() if runtime is not None else None
+        if runtime is not None:  # what the runtime recorded from the device, per iteration
+            for logged in runtime.history:
+                self.iterations[logged.iteration].update(
+                    energy_j=logged.energy_j, phase=logged.phase.value, plan=logged.setting.plan,
+                    factor=logged.setting.factor, compute_s=logged.compute_s, coverage=logged.coverage,
+                    probe=logged.setting.probe)
+        return {
+            "variant": self.variant, "rank": self.engine.global_rank, "pipeline": self.pipeline,
+            "stage": self.engine.stage_id, "losses": self.losses, "iterations": self.iterations,
+            "summary": summary, "clocks_restored": self.gpu is None or self.gpu.locked_clock is None,
+            "power_limit_w": self.gpu.power_limit_w() if self.gpu is not None else None,
+            "controller_errors": runtime.controller.error_count if runtime is not None else 0,
+        }
+
+
+def worker_main(scenario_path: str) -> None:
+    """Entry point of one torchrun rank: train every variant side by side, write the results."""
+    import deepspeed
+    import torch
+
+    from perseus_ext.adapters.deepspeed import install
+
+    install()
+    scenario = Scenario(**json.loads(Path(scenario_path).read_text()))
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    runs = [_VariantRun(scenario, variant) for variant in scenario.variants]
+    for iteration in range(scenario.iterations):
+        for run in runs:
+            run.step(iteration)
+    results = [run.finish() for run in runs]
+    rank = int(os.environ["RANK"])
+    (Path(scenario.out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="torchrun worker of a perseus-ext comparison job")
+    parser.add_argument("--worker", required=True, metavar="SCENARIO_JSON")
+    worker_main(parser.parse_args().worker)
