@@ -39,6 +39,7 @@ from perseus_ext.runtime.profile_store import ProfileStore
 from perseus_ext.runtime.profiling import ProfilingRun
 from perseus_ext.runtime.rank_setup import RankSetup, describe_gpu
 from perseus_ext.runtime.recorder import RunRecorder
+from perseus_ext.runtime.recurring import JobCoordinator
 from perseus_ext.runtime.records import IterationSetting, MeasuredProfile, SolveOutcome, SolveProblem
 from perseus_ext.runtime.solver_process import BackgroundSolve, solve
 from perseus_ext.runtime.summary import build_summary, log_summary
@@ -98,6 +99,8 @@ class PerseusRuntime:
         self.recorder = RunRecorder(self.controller, rank=self.comm.rank, pipeline=self.comm.pipeline,
                                     stage=stage, latency=self.setup.latency, log_path=config.log_path,
                                     log_interval=config.log_interval, on_record=self.emissions.on_record)
+        # The job-wide exchange (batch-size run, early stop, shared signal); None when unused.
+        self.job = JobCoordinator.create(config, self.comm, self.gpu, self.policy)
         self.phase = Phase.WARMUP if config.mode == "optimize" else Phase.OBSERVING
         self.iteration = 0
         self.fallback_reason: str | None = None
@@ -202,6 +205,24 @@ class PerseusRuntime:
             self.fall_back("lifecycle step failed", err)
             self._set_phase(Phase.OBSERVING)
         self.iteration += 1
+        if self.job is not None and self.job.on_iteration_end():
+            # The run passed its cost limit: every rank stops at this boundary, clocks restored
+            # and the run reported as stopped, then the documented exception reaches the script.
+            self.close()
+            raise self.job.early_stop()
+
+    # ------------------------------------------------------------------ recurring-job API
+    def report_metric(self, value: float) -> bool:
+        """Hand over one evaluation result of `policy.batch_size.target_metric`; True once the
+        target is reached (the run is then reported as reached)."""
+        if self.job is None:
+            raise PerseusError("report_metric needs perseus.policy.batch_size with a target_metric")
+        return self.job.report_metric(value)
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once the run was stopped early by its cost limit (PerseusEarlyStop was raised)."""
+        return self.job is not None and self.job.stop_requested
 
     # ------------------------------------------------------------------ cluster-manager API
     def announce_slowdown(self, factor_or_time: float | datetime.timedelta | None) -> None:
@@ -437,6 +458,8 @@ class PerseusRuntime:
             log_summary(self._summary, self.config.summary_path)
         except Exception:
             logger.exception("perseus-ext: writing the summary failed")
+        if self.job is not None:
+            self.job.close()  # reports the batch-size run (rank 0); never raises
 
 
 def _check_pipeline_rank(pp_group: Any, stage: int) -> None:
