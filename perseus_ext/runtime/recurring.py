@@ -56,7 +56,8 @@ class _PreparedRun:
     crashed: bool = False
 
 
-_prepared: _PreparedRun | None = None
+_prepared: _PreparedRun | None = None  # chosen, not yet claimed by a runtime
+_current: _PreparedRun | None = None  # this process's latest run (the exception hook's)
 _broadcast_group: Any = None
 _excepthook_installed = False
 _lock = threading.Lock()
@@ -104,7 +105,7 @@ def _gpu_max_power_w(config: PerseusConfig, local_rank: int) -> float | None:
 def choose_batch_size(config: PerseusConfig, *, num_gpus: int, local_rank: int = 0) -> RunAssignment | None:
     """This run's batch size, the same on every rank (call on every rank, before the engine is
     built). Rank 0 asks the store; a failure there fails every rank (no silent default)."""
-    global _prepared
+    global _prepared, _current
     policy = config.policy
     if not config.enabled or policy is None or policy.batch_size is None:
         return None
@@ -128,7 +129,7 @@ def choose_batch_size(config: PerseusConfig, *, num_gpus: int, local_rank: int =
         if _prepared is not None and _prepared.job is not None and _prepared.job.report is None:
             _prepared.job.abandon()  # a run prepared but never attached (its engine failed)
             _prepared.job.close()
-        _prepared = _PreparedRun(assignment, job)
+        _prepared = _current = _PreparedRun(assignment, job)
     _install_excepthook()
     return assignment
 
@@ -143,7 +144,7 @@ def _install_excepthook() -> None:
     previous = sys.excepthook
 
     def expire_then_report(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
-        prepared = _prepared
+        prepared = _current
         if prepared is not None and not isinstance(error, PerseusEarlyStop):
             prepared.crashed = True
             if prepared.job is not None and prepared.job.report is None:
