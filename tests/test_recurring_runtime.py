@@ -156,3 +156,38 @@ def test_power_budget_policy_from_the_config_divides_a_job_budget_over_the_gpus(
     ):
         with pytest.raises(ConfigError, match=message):
             PolicyConfig.parse(section)
+
+
+BUDGET_W = {"now": 1000.0}
+
+
+def budget_now(now: float) -> float:
+    """The facility's budget (a callback source, changed by the test while the job runs)."""
+    return BUDGET_W["now"]
+
+
+def test_runtime_follows_a_changing_power_budget_within_one_period():
+    BUDGET_W["now"] = 1000.0
+    config = make_config(gpu="sim:a100_sxm", policy={
+        "type": "power_budget", "period_s": 0.05,
+        "budget": {"callback": "test_recurring_runtime:budget_now", "scope": "gpu"}})
+    runtime = PerseusRuntime(config, schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=sim_gpu())
+    try:
+        for _ in range(60):
+            train(runtime, 1)
+            if runtime.deployment is not None:
+                break
+        assert runtime.deployment is not None, "no plan deployed"
+        fastest = runtime.plan
+        assert runtime.policy.last.fits and fastest is runtime.frontier.plans[0]
+        low = runtime.frontier.min_energy
+        BUDGET_W["now"] = low.energy / low.time * 1.001  # only the minimum-energy end fits
+        changed_at = runtime.iteration
+        train(runtime, 8, sleep_s=0.02)
+        switch = runtime.deployment.switches[-1]
+        assert runtime.plan is not fastest and runtime.policy.last.fits
+        assert runtime.policy.last.average_power_w <= BUDGET_W["now"] * (1 + 1e-9)
+        # the budget is re-read every period_s (0.05 s: about 2 iterations here)
+        assert switch.iteration - changed_at <= 4 and "power_budget re-evaluated" in switch.reason
+    finally:
+        runtime.close()
