@@ -191,3 +191,45 @@ def test_runtime_follows_a_changing_power_budget_within_one_period():
         assert switch.iteration - changed_at <= 4 and "power_budget re-evaluated" in switch.reason
     finally:
         runtime.close()
+
+
+def test_a_store_rank_0_cannot_use_fails_the_run_instead_of_guessing():
+    from perseus_ext.runtime.recurring import choose_batch_size as choose
+
+    options = {"store": "postgresql://nobody@127.0.0.1:1/bso", "job_id": JOB, "batch_sizes": [4, 8],
+               "default_batch_size": 8}
+    config = make_config(policy={"max_power_w": 400, "batch_size": options})
+    with pytest.raises(ConfigError, match="rank 0 could not get this run's batch size from the store"):
+        choose(config, num_gpus=1)
+
+
+class _FakePlane:
+    """A control plane seen from global rank 1 of a 2-rank job; its all-reduce returns what
+    rank 0 would have contributed (a budget reading of 250 W)."""
+
+    distributed = True
+    rank = 1
+
+    def __init__(self):
+        self.members = [None, None]
+        self.sent: list[list[float]] = []
+
+    def all_sum(self, values):
+        self.sent.append(list(values))
+        return [0.0, 0.0, 0.0, 0.0, 250.0]
+
+
+def test_only_rank_0_polls_a_url_budget_the_others_are_fed_its_value():
+    from perseus_ext.policies.carbon import ExternalSignal, HTTPCarbonSignal
+    from perseus_ext.policies.power_budget import PowerBudgetPolicy
+
+    config = make_config(policy={"type": "power_budget", "budget": {"url": "http://127.0.0.1:1/budget"}})
+    policy = config.policy.build_policy()
+    assert isinstance(policy, PowerBudgetPolicy) and isinstance(policy.budget.signal, HTTPCarbonSignal)
+    plane = _FakePlane()
+    coordinator = JobCoordinator.create(config, plane, None, policy)
+    assert isinstance(policy.budget.signal, ExternalSignal)  # this rank's poller is gone
+    assert policy.budget.signal.intensity(0.0) is None  # nothing broadcast yet
+    assert coordinator.on_iteration_end() is False
+    assert plane.sent == [[0.0, 0.0, 0.0, 0.0, 0.0]]  # rank 1 contributes no reading of its own
+    assert policy.budget.per_gpu_w() == 250.0
