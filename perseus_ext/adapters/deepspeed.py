@@ -256,6 +256,24 @@ def batch_keys_for(config: Mapping[str, Any], batch_size: int, data_parallel: in
     return keys, change
 
 
+def _data_parallel_layout(model: Any, mpu: Any, kwargs: dict) -> tuple[int, int]:
+    """(data-parallel size, GPUs of the job) before the engine exists: a PipelineModule's
+    topology, else the world over the model-parallel size as DeepSpeed computes it (starting
+    torch.distributed the way `deepspeed.initialize` would, if the script has not)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    topology = getattr(model, "_topo", None)
+    if topology is not None:
+        return topology.get_dim("data"), topology.world_size()
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               dist_init_required=kwargs.get("dist_init_required"),
+                               **({"distributed_port": kwargs["distributed_port"]} if "distributed_port" in kwargs else {}))
+    world = deepspeed.comm.get_world_size()
+    model_parallel = mpu.get_model_parallel_world_size() if mpu is not None else 1
+    return max(world // model_parallel, 1), world
+
+
 def with_run_batch_size(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """`deepspeed.initialize`'s arguments with this run's batch size from the store, when the
     config has an enabled `perseus.policy.batch_size` (unchanged otherwise). Every rank calls
@@ -274,20 +292,15 @@ def with_run_batch_size(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, kwargs
     import os
 
-    from perseus_ext.errors import ConfigError
     from perseus_ext.runtime import PerseusConfig
     from perseus_ext.runtime.recurring import choose_batch_size
 
     perseus = PerseusConfig.from_dict(section)
     model = kwargs.get("model", args[1] if len(args) > 1 else None)
-    topology = getattr(model, "_topo", None)
-    if topology is None:
-        raise ConfigError(f"{CONFIG_KEY}.policy.batch_size: build the model as a deepspeed.pipe.PipelineModule "
-                          f"(its topology gives the data-parallel size); got {type(model).__name__}")
-    data_parallel = topology.get_dim("data")
+    data_parallel, num_gpus = _data_parallel_layout(model, kwargs.get("mpu"), kwargs)
     for candidate in perseus.policy.batch_size["batch_sizes"]:
         batch_keys_for(config, candidate, data_parallel)
-    assignment = choose_batch_size(perseus, num_gpus=topology.world_size(),
+    assignment = choose_batch_size(perseus, num_gpus=num_gpus,
                                    local_rank=max(int(os.environ.get("LOCAL_RANK", "0")), 0))
     keys, change = batch_keys_for(config, assignment.batch_size, data_parallel)
     config.update(keys)
