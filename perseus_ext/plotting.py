@@ -258,3 +258,47 @@ def plot_savings(
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     _save(figure, path)
+
+
+PHASE_COLORS = {"warmup": "#bbbbbb", "profiling": "#f2c14e", "solving": "#7fb7e6", "deployed": "#9fd89f",
+                "power_limit": "#9fd89f", "observing": "#eeeeee"}
+
+
+def plot_run_timeline(
+    series: Mapping[str, Mapping[str, Sequence[float]]],
+    phases: Sequence[str],
+    path: str | Path,
+    *,
+    straggler: tuple[int, int] | None = None,
+    title: str = "perseus-ext run: time and energy per iteration",
+) -> Path:
+    """Per-iteration time and energy of one or more runs (`series[name] = {"time_s": [...],
+    "energy_j": [...]}`), over bands showing the lifecycle phase of each iteration (`phases`:
+    warm-up, profiling, solving, deployed, ...) and an optional straggler window, so the cost of
+    profiling and solving is visible and never mistaken for the saving."""
+    path = _check_path(path)
+    figure = _new_figure(9.0, 5.5)
+    top, bottom = figure.subplots(2, 1, sharex=True)
+    for axis in (top, bottom):
+        start = 0
+        for index in range(1, len(phases) + 1):
+            if index == len(phases) or phases[index] != phases[start]:
+                axis.axvspan(start - 0.5, index - 0.5, color=PHASE_COLORS.get(phases[start], "#ffffff"),
+                             alpha=0.45, linewidth=0, label=phases[start] if axis is top else None)
+                start = index
+        if straggler is not None:
+            axis.axvspan(straggler[0] - 0.5, straggler[1] - 0.5, fill=False, hatch="//", edgecolor="#d9822b",
+                         linewidth=0, label="straggler" if axis is top else None)
+    styles = ("k-", "g-", "b-", "m-")
+    for style, (name, figures) in zip(styles, series.items()):
+        top.plot(figures["time_s"], style, label=name, linewidth=1)
+        bottom.plot(figures["energy_j"], style, label=name, linewidth=1)
+    top.set_ylabel("time / iteration (s)")
+    bottom.set_ylabel("energy / iteration (J)")
+    bottom.set_xlabel("iteration")
+    handles, labels = top.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    top.legend(unique.values(), unique.keys(), fontsize=7, ncol=4, loc="upper left")
+    top.set_title(title, fontsize=10)
+    _save(figure, path)
+    return path

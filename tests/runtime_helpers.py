@@ -8,7 +8,13 @@ runs still take a few seconds."""
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -61,3 +67,42 @@ def train(runtime: PerseusRuntime, iterations: int, seed: int = 0, sleep_s: floa
         runtime.iteration_end()
         if sleep_s:
             time.sleep(sleep_s)
+
+
+def run_gloo_job(script: str, out_dir: Path, world_size: int, timeout_s: float) -> list[dict]:
+    """Run `script <out_dir>` as `world_size` local gloo ranks (RANK/WORLD_SIZE/MASTER_* set);
+    each rank writes `rank<r>.json` into `out_dir`, returned in rank order. A rank that fails or
+    outlives `timeout_s` fails the test with its output."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    package_root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    processes = [subprocess.Popen([sys.executable, script, str(out_dir)], env=dict(env, RANK=str(rank)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank in range(world_size)]
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=timeout_s)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-3000:]
+    return [json.loads((Path(out_dir) / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def model_profile(path: Path, gpu, forward_s: float, backward_s: float) -> str:
+    """A one-stage profile of the simulated GPU's own model (exact times and energies at every
+    6th clock), saved at `path`, so a runtime can skip profiling."""
+    from perseus_ext.planning.profile import Profile
+
+    rows = [{"stage": 0, "instruction": kind, "frequency": clock,
+             "time": gpu.expected(seconds, clock)[0], "energy": gpu.expected(seconds, clock)[1]}
+            for kind, seconds in (("forward", forward_s), ("backward", backward_s))
+            for clock in gpu.supported_sm_clocks()[::6]]
+    Profile.from_rows(rows).save(path)
+    return str(path)

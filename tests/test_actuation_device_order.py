@@ -20,12 +20,11 @@ import time
 import pytest
 
 from perseus_ext.measurement.gpu.cuda_timeline import CudaTimeline
-from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.runtime import PerseusRuntime, Phase
 from perseus_ext.runtime.rank_setup import RankSetup
 
-from runtime_helpers import BACKWARD_S, FORWARD_S, make_config, sim_gpu, train
+from runtime_helpers import BACKWARD_S, FORWARD_S, make_config, model_profile, sim_gpu, train
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
@@ -64,17 +63,6 @@ class FakeEvent:
         return (other.done_at - self.done_at) * 1000.0
 
 
-def _saved_profile(tmp_path, gpu) -> str:
-    """A profile of the simulated GPU's own model, so the runtime skips profiling."""
-    rows = [{"stage": 0, "instruction": kind, "frequency": clock,
-             "time": gpu.expected(seconds, clock)[0], "energy": gpu.expected(seconds, clock)[1]}
-            for kind, seconds in (("forward", FORWARD_S), ("backward", BACKWARD_S))
-            for clock in gpu.supported_sm_clocks()[::6]]
-    path = tmp_path / "profile.csv"
-    Profile.from_rows(rows).save(path)
-    return str(path)
-
-
 def test_deployed_iterations_never_synchronise_the_training_thread(tmp_path, monkeypatch):
     import torch
 
@@ -83,7 +71,8 @@ def test_deployed_iterations_never_synchronise_the_training_thread(tmp_path, mon
     monkeypatch.setattr(torch.cuda, "Event", fake.Event)
     monkeypatch.setattr(RankSetup, "timeline", lambda self, job_id, rank: CudaTimeline(fake))
     gpu = sim_gpu()
-    config = make_config(profile_path=_saved_profile(tmp_path, gpu), blocking_power_w=83.64,
+    config = make_config(profile_path=model_profile(tmp_path / "profile.csv", gpu, FORWARD_S, BACKWARD_S),
+                         blocking_power_w=83.64,
                          simulated_workload=None, straggler_check_interval=2)
     runtime = PerseusRuntime(config, schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=gpu)
     train(runtime, 4)
@@ -138,13 +127,8 @@ def test_deployed_plan_runs_as_predicted_within_2_percent(tmp_path):
     predicted time and energy match what the asynchronous device measures."""
     forward_s, backward_s = 0.020, 0.040
     gpu = sim_gpu(period="0.002", noise="0")
-    rows = [{"stage": 0, "instruction": kind, "frequency": clock,
-             "time": gpu.expected(seconds, clock)[0], "energy": gpu.expected(seconds, clock)[1]}
-            for kind, seconds in (("forward", forward_s), ("backward", backward_s))
-            for clock in gpu.supported_sm_clocks()[::6]]
-    profile = tmp_path / "profile.csv"
-    Profile.from_rows(rows).save(profile)
-    config = make_config(profile_path=str(profile), blocking_power_w=gpu.preset.idle_power_w,
+    profile = model_profile(tmp_path / "profile.csv", gpu, forward_s, backward_s)
+    config = make_config(profile_path=profile, blocking_power_w=gpu.preset.idle_power_w,
                          policy={"type": "zeus", "eta": 1.0, "max_power_w": 500},
                          simulated_workload={"forward_seconds": forward_s, "backward_seconds": backward_s})
     runtime = PerseusRuntime(config, schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=gpu)

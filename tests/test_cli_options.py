@@ -173,9 +173,9 @@ def test_progress_bar_only_on_a_terminal(monkeypatch, tmp_path) -> None:
     seen = []
     real = solver.solve_frontier
 
-    def spy(schedule, profile, power, options):
+    def spy(schedule, profile, power, options, **kwargs):
         seen.append(options.progress)
-        return real(schedule, profile, power, options)
+        return real(schedule, profile, power, options, **kwargs)
 
     monkeypatch.setattr(solver, "solve_frontier", spy)
     argv = ["frontier", "--profile", "gpt3-175b-a40", "--microbatches", "8", "-q"]

@@ -82,8 +82,10 @@ def test_typed_sub_sections_are_accepted_as_built():
     config = PerseusConfig.from_dict({"policy": policy, "solver": SolverOptions(min_grid_points=40)})
     assert config.policy is policy and config.policy.mode is PolicyMode.POWER_LIMIT
     assert config.solver.min_grid_points == 40
-    # a SolverOptions built in Python meets the same door bounds
-    assert "perseus.solver.min_grid_points" in error_of({"solver": SolverOptions(min_grid_points=-5)})
+    # a SolverOptions cannot even be built outside the bounds the door applies to a dict
+    with pytest.raises(SolverError, match="min_grid_points"):
+        SolverOptions(min_grid_points=-5)
+    assert "perseus.solver.min_grid_points" in error_of({"solver": {"min_grid_points": -5}})
 
 
 def test_simulated_workload_checks_its_stage_count():
@@ -162,11 +164,12 @@ BAD = [
     ({"frontier_path": "."}, "perseus.frontier_path \".\" is a directory"),
     ({"solve_in_background": 0}, "perseus.solve_in_background must be true or false"),
     ({"solver": [300]}, "perseus.solver must be an object"),
-    ({"solver": {"min_grid_points": -5}}, "perseus.solver.min_grid_points must be an integer in [1, 100000], got -5"),
-    ({"solver": {"resolution": 0}}, "perseus.solver.resolution must be a number of seconds in [0.0001, 10]"),
-    ({"solver": {"grid_oversampling": 1000}}, "perseus.solver.grid_oversampling must be an integer in [1, 64]"),
-    ({"solver": {"anchors": 1}}, "perseus.solver.anchors must be an integer in [2, 100000]"),
-    ({"solver": {"anchor_budget": 0}}, "perseus.solver.anchor_budget must be an integer in [1, 10000000]"),
+    ({"solver": {"min_grid_points": -5}}, "perseus.solver.min_grid_points must be an integer in [2, 20000], got -5"),
+    ({"solver": {"resolution": 0}}, "perseus.solver.resolution must be a number in [1e-06, 10]"),
+    ({"solver": {"grid_oversampling": 1000}}, "perseus.solver.grid_oversampling must be an integer in [1, 16]"),
+    ({"solver": {"anchors": 1}}, "perseus.solver.anchors must be an integer in [2, 4096]"),
+    ({"solver": {"anchor_budget": -1}}, "perseus.solver.anchor_budget must be an integer in [0, 1000000]"),
+    ({"solver": {"max_memory_gib": 1e6}}, "perseus.solver.max_memory_gib must be a number in [0.1, 1024]"),
     ({"solver": {"polish_budget": -1}}, "perseus.solver.polish_budget must be an integer in [0, 1000000000000]"),
     ({"solver": {"progress": "yes"}}, "perseus.solver.progress must be true or false"),
     ({"solver": {"min_grid_point": 5}}, "unknown key(s) perseus.solver.min_grid_point; known keys: anchor_budget"),

@@ -26,11 +26,15 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 240
 CHECK_INTERVAL = 4
 # Wall-clock tolerance for "no slowdown": the model guarantees equal time (asserted exactly);
-# this only absorbs scheduling noise of a shared 2-core CI machine running 2-4 ranks.
-TIME_TOLERANCE = 0.03
+# this only absorbs scheduling noise of a shared 2-core CI machine running 2-4 ranks, each with
+# its simulated device, controller and observer threads (side-by-side runs measured -1 % to +4.6 %;
+# the demo's longer computations measure within +-2 %).
+TIME_TOLERANCE = 0.05
 # The tests' computations (10-28 ms) are 2.5x shorter than the demo's, so the simulated GPUs'
 # clock-change latency is scaled down alike (20 + 10 ms -> 8 + 4 ms): same physics, faster tests.
 SCALED_GPU = "sim:a100_sxm?switch_ms=8&transition_ms=4"
+# Every 12th clock (180 MHz steps) keeps profiling to 7 iterations, so the short runs deploy early.
+FAST_PROFILING = {"clock_stride": 12}
 
 
 def _demo():
@@ -45,7 +49,7 @@ def two_stage_job(tmp_path_factory):
     scenario = demo.Scenario(
         out_dir=str(tmp_path_factory.mktemp("two-stage")), stages=2, pipelines=1, iterations=40,
         straggler_pipeline=None, variants=["disabled", "observe", "perseus", "faulty"], fault_rank=1,
-        perseus={"straggler_check_interval": CHECK_INTERVAL, "gpu": SCALED_GPU},
+        perseus={"straggler_check_interval": CHECK_INTERVAL, "gpu": SCALED_GPU, **FAST_PROFILING},
     )
     return scenario, demo.launch(scenario, timeout_s=LAUNCH_TIMEOUT_S)
 
@@ -56,7 +60,7 @@ def straggler_job(tmp_path_factory):
     scenario = demo.Scenario(
         out_dir=str(tmp_path_factory.mktemp("straggler")), stages=2, pipelines=2, iterations=60,
         straggler_pipeline=1, straggler_start=26, straggler_end=46, slowdown=1.2,
-        variants=["observe", "perseus"], perseus={"straggler_check_interval": CHECK_INTERVAL, "gpu": SCALED_GPU},
+        variants=["observe", "perseus"], perseus={"straggler_check_interval": CHECK_INTERVAL, "gpu": SCALED_GPU, **FAST_PROFILING},
     )
     return scenario, demo.launch(scenario, timeout_s=LAUNCH_TIMEOUT_S)
 
@@ -128,7 +132,9 @@ def test_straggler_slows_the_other_pipeline_and_plans_return(straggler_job):
     # Detected at the second check that sees it (straggler_confirmations = 2).
     assert scenario.straggler_start <= slowed[0]["iteration"] <= scenario.straggler_start + 3 * CHECK_INTERVAL
     assert 1.1 <= slowed[0]["factor"] <= 1.3
-    assert returned and returned[0]["iteration"] <= scenario.straggler_end + 2 * CHECK_INTERVAL
+    # Recovery at the first check whose window lies after the straggler (device records come in
+    # an iteration late, so that may be the third check).
+    assert returned and returned[0]["iteration"] <= scenario.straggler_end + 3 * CHECK_INTERVAL
     assert returned[0]["plan"] == 0
     # Both stages of a pipeline always run the same plan.
     for pipeline in (0, 1):
@@ -167,7 +173,7 @@ def test_example_script_under_torchrun_saves_a_profile(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     completed = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-         str(REPO / "examples/deepspeed/train.py"), "--deepspeed_config", str(config_path), "--iterations", "35"],
+         str(REPO / "examples/deepspeed/train.py"), "--deepspeed_config", str(config_path), "--iterations", "50"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
     )
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]

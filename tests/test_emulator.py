@@ -11,10 +11,14 @@ import numpy as np
 import pytest
 
 from perseus_ext.emulator import (
+    ENVPIPE,
     GLOBAL_CLOCK,
     INTRINSIC,
     MAX_CLOCK,
     PERSEUS,
+    PERSEUS_DETECTED,
+    PERSEUS_T_STAR,
+    STRATEGIES,
     Deployment,
     Emulator,
     JobLayout,
@@ -26,6 +30,7 @@ from perseus_ext.errors import ConfigError
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier, Plan
 from perseus_ext.planning.profile import load_profile
+from perseus_ext.planning.wait_aware import plan_ending_at
 from perseus_ext.policies.base import OperatingPointPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,10 +158,33 @@ def test_straggler_iteration_energy_is_explicitly_accounted(emulator):
     plans_energy = dep.straggler.energy + (dp - 1) * dep.others.energy
     assert it.computation + it.bubble == pytest.approx(plans_energy)
     assert it.total == pytest.approx(plans_energy + expected_wait + expected_stall)
-    # The non-stragglers run the lowest-energy plan that still meets T'.
-    assert dep.others == emulator.frontier.plan_for_deadline(t_strag)
+    # Every pipeline held to T' (the straggler's extra time is idle) runs the cheapest plan for
+    # an iteration that ends at T'; with a detected straggler, the straggler keeps its fastest.
+    assert dep.others is plan_ending_at(emulator.frontier, t_strag)
     assert dep.others.time <= t_strag
-    assert dep.straggler == emulator.frontier.fastest
+    assert dep.straggler is dep.others
+    detected = result.outcomes[PERSEUS_DETECTED].deployments[0]
+    assert detected.others is dep.others and detected.straggler == emulator.frontier.fastest
+    t_star = result.outcomes[PERSEUS_T_STAR].deployments[0].others
+    assert t_star == emulator.frontier.plan_for_deadline(t_strag)
+    assert result.outcomes[PERSEUS_DETECTED].saving >= result.outcomes[PERSEUS_T_STAR].saving
+
+
+def test_wait_aware_plans_beat_one_clock_and_envpipe_at_every_slowdown(emulator):
+    for result in emulator.sweep([1.05, 1.2, 1.5, 2.0]):
+        best_baseline = max(result.outcomes[GLOBAL_CLOCK].saving, result.outcomes[ENVPIPE].saving)
+        assert result.total_saving >= best_baseline - 1e-12
+    late = emulator.run(StragglerScenario.fixed(1.5)).outcomes[PERSEUS].deployments[0].others
+    assert late.time > emulator.frontier.min_energy.time  # past T*, never past T'
+    assert late.time <= 1.5 * emulator.frontier.fastest.time
+
+
+def test_envpipe_keeps_the_bottleneck_stage_at_max_clock(emulator):
+    result = emulator.run(StragglerScenario.fixed(1.3))
+    plan = result.outcomes[ENVPIPE].deployments[0].others
+    clocks = {int(c) for row in plan.frequencies for c in row}
+    assert max(clocks) == 1410 and len(clocks) == 2
+    assert sum(np.all(row == 1410) for row in plan.frequencies) == 1
 
 
 def test_savings_order_and_growth_with_slowdown(emulator):
@@ -207,8 +235,11 @@ def test_single_pipeline_has_nobody_to_slow_down(raw_profile):
     layout = JobLayout(tensor_parallel=1, pipeline_parallel=8, global_batch=8, microbatches=8)
     em = Emulator(raw_profile, layout, A100_BLOCKING_W)
     result = em.run(StragglerScenario.fixed(1.3))
-    assert result.extrinsic_saving == pytest.approx(0.0, abs=1e-12)
-    assert result.outcomes[PERSEUS].iteration.sync_wait == pytest.approx(0.0)
+    detected = result.outcomes[PERSEUS_DETECTED]
+    assert detected.saving == pytest.approx(result.intrinsic_saving, abs=1e-12)
+    assert detected.iteration.sync_wait == pytest.approx(0.0)
+    # Its own extra time is idle, so a pipeline told T' fills it with slower clocks.
+    assert result.outcomes[PERSEUS].iteration.straggler_stall < detected.iteration.straggler_stall
 
 
 class RecordingPolicy(OperatingPointPolicy):
@@ -252,15 +283,15 @@ def test_paper_setup_smallest_microbatch_count_reproduces_published_range(raw_pr
 def test_records_tables_and_files(emulator, tmp_path):
     runs = emulator.sweep([1.0, 1.2])
     rows = report.records(runs)
-    assert len(rows) == 2 * 4
-    assert {r["strategy"] for r in rows} == {MAX_CLOCK, GLOBAL_CLOCK, INTRINSIC, PERSEUS}
+    assert len(rows) == 2 * len(STRATEGIES)
+    assert {r["strategy"] for r in rows} == set(STRATEGIES)
     report.write_records(runs, tmp_path / "out.csv")
     with open(tmp_path / "out.csv", newline="") as fh:
         loaded = list(csv.DictReader(fh))
-    assert len(loaded) == 8
+    assert len(loaded) == 2 * len(STRATEGIES)
     assert float(loaded[0]["energy_j"]) == pytest.approx(rows[0]["energy_j"])
     report.write_records(runs, tmp_path / "out.json")
-    assert json.loads((tmp_path / "out.json").read_text())[3]["strategy"] == PERSEUS
+    assert json.loads((tmp_path / "out.json").read_text())[len(STRATEGIES) - 1]["strategy"] == PERSEUS
     summary = report.summary_table(runs, markdown=True)
     assert summary.startswith("| microbatches")
     assert summary.count("\n") == 3  # header, rule, 2 rows
@@ -290,7 +321,7 @@ def test_cli_table_output_and_plots(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "Zeus-style global clock" in text and "total saving" in text
     rows = json.loads(out.read_text())
-    assert [r["strategy"] for r in rows] == [MAX_CLOCK, GLOBAL_CLOCK, INTRINSIC, PERSEUS]
+    assert [r["strategy"] for r in rows] == list(STRATEGIES)
     assert rows[0]["gpus"] == 8 * 8 * 8
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert pngs == ["frontier_8mb_512gpus.png", "timeline_8mb_512gpus.png"]

@@ -352,7 +352,8 @@ def test_set_failure_falls_back_to_default_clocks(nvml, caplog):
             controller.flush(5)
     assert controller.error_count == 1 and controller.disabled_reason
     assert device.locked is None and device.calls == ["lock 1200 1200", "reset"]
-    assert sum("training continues at default clocks" in r.getMessage() for r in caplog.records) == 1
+    assert sum("stops changing this GPU's clocks and restores its defaults" in r.getMessage()
+               for r in caplog.records) == 1
     controller.close()
 
 
@@ -370,16 +371,18 @@ def test_read_failure_loses_the_window_energy_not_the_step(nvml):
 
 
 def test_watchdog_restore_on_nvml(nvml):
-    from perseus_ext.actuation.watchdog import restore
+    from perseus_ext.actuation.watchdog import Claims, restore
 
     device = nvml.devices[1]
     device.locked, device.power_limit_mw = (1005, 1005), 250_000
-    assert restore({"backend": "nvml", "uuid": device.uuid, "power_limit_w": 350.0}) == []
-    assert device.locked is None and device.power_limit_mw == 350_000
+    claims = Claims(clocks={1005}, power_limits={250.0})  # what the trainer reported it set
+    finished, notes = restore({"backend": "nvml", "uuid": device.uuid, "power_limit_w": 350.0}, claims)
+    assert finished and device.locked is None and device.power_limit_mw == 350_000
     nvml.fail["nvmlDeviceResetGpuLockedClocks"] = NO_PERMISSION
-    problems = restore({"backend": "nvml", "uuid": device.uuid, "power_limit_w": None})
-    assert len(problems) == 1 and "SYS_ADMIN" in problems[0]
-    assert device.power_limit_mw == 400_000  # unknown original limit: back to the default
+    device.locked = (1005, 1005)
+    finished, notes = restore({"backend": "nvml", "uuid": device.uuid, "power_limit_w": None},
+                              Claims(clocks={1005}))
+    assert not finished and any("SYS_ADMIN" in note for note in notes)
 
 
 def test_windows_on_a_real_gpu_time_with_cuda_events_once_cuda_is_up(nvml, monkeypatch):

@@ -90,12 +90,12 @@ def free_port() -> int:
 
 def launch(tmp: Path, nproc: int, layout: list[str], runs: dict[str, dict], timeout: int) -> dict[str, Run]:
     """Train every run of `runs` (name -> {"perseus": None | "observe" | "optimize", "env",
-    "misplan", "iterations"}) in one torchrun job of `nproc` CPU processes."""
+    "misplan", "iterations", "argv"}) in one torchrun job of `nproc` CPU processes."""
     config = tmp / "perseus.json"
     config.write_text(json.dumps(PERSEUS))
     entries = []
     for name, run in runs.items():
-        argv = TINY + layout + [
+        argv = TINY + layout + run.get("argv", []) + [
             "--train-iters", str(run.get("iterations", ITERATIONS)),
             "--metrics-file", str(tmp / f"{name}.json"),
         ]
@@ -257,3 +257,112 @@ def test_interleaved_perseus_saves_energy_at_the_same_speed(interleaved):
         assert summary["megatron"]["schedule"] == {
             "kind": "interleaved", "stages": 2, "microbatches": 4, "virtual_stages": 2,
         }
+
+
+def pipeline_compute_s(run: Run, pipeline: int, keep) -> float:
+    """Median over deployed iterations (those `keep(record)` accepts on every stage) of the
+    pipeline's compute time: its slowest stage's, as the frontier models the iteration."""
+    by_iteration: dict[int, list[dict]] = {}
+    for record in run.log:
+        if record["pipeline"] == pipeline and record["phase"] == "deployed":
+            by_iteration.setdefault(record["iteration"], []).append(record)
+    stages = {s["stage"] for s in run.summaries if s["pipeline"] == pipeline}
+    times = [max(r["compute_s"] for r in records) for records in by_iteration.values()
+             if len(records) == len(stages) and all(keep(r) for r in records)]
+    assert times, f"{run.name}: no deployed iterations of pipeline {pipeline}"
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- interleaved x DP=2
+@pytest.fixture(scope="module")
+def interleaved_dp2(tmp_path_factory) -> dict[str, Run]:
+    tmp = tmp_path_factory.mktemp("megatron_vpp_dp2")
+    layout = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
+              "2", "--global-batch-size", "8"]
+    straggler = {"PERSEUS_SIM_SLOWDOWN": "1.2", "PERSEUS_SIM_SLOWDOWN_RANKS": "1,3"}
+    return launch(tmp, 4, layout, {"straggler": {"perseus": "optimize", "env": straggler}},
+                  timeout=280)
+
+
+def test_interleaved_model_matches_the_measured_iteration(interleaved_dp2):
+    """The online profile times one chunk's computation; the planner must not divide it by the
+    number of chunks again: the deployed fastest plan's modelled iteration is what the healthy
+    pipeline measures (and no model-disagreement warning is logged)."""
+    run = interleaved_dp2["straggler"]
+    modelled = run.summaries[0]["frontier"]["fastest"]["time_s"]
+    measured = pipeline_compute_s(run, 0, lambda record: record["factor"] == 1.0)
+    print(json.dumps({"modelled_s": modelled, "measured_s": measured}))
+    assert measured == pytest.approx(modelled, rel=0.05)
+    assert "the frontier models" not in interleaved_dp2["output"]
+
+
+def test_interleaved_straggler_slows_the_healthy_pipeline_just_enough(interleaved_dp2):
+    run = interleaved_dp2["straggler"]
+    for summary in run.summaries:
+        assert summary["fallback_reason"] is None
+        factors = [s["factor"] for s in summary["plan_switches"]]
+        if summary["pipeline"] == 0:
+            assert 1.1 < factors[-1] < 1.3, summary["plan_switches"]  # 1.2x straggler, not V x 1.2
+        else:
+            assert set(factors) == {1.0}
+    fast = pipeline_compute_s(run, 0, lambda record: record["factor"] > 1.0)
+    slow = pipeline_compute_s(run, 1, lambda record: True)
+    print(json.dumps({"fast_pipeline_compute_s": fast, "straggler_compute_s": slow}))
+    assert fast == pytest.approx(slow, rel=0.06)
+
+
+# ----------------------------------------------------------------------------- batch-size ramp-up
+@pytest.fixture(scope="module")
+def rampup(tmp_path_factory) -> dict[str, Run]:
+    """PP=2, 2 microbatches for 12 iterations (deployed by then), then 4."""
+    tmp = tmp_path_factory.mktemp("megatron_rampup")
+    layout = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+              "--rampup-batch-size", "2", "2", "24"]
+    return launch(tmp, 2, layout, {
+        "off": {"perseus": None, "iterations": 20},
+        "optimize": {"perseus": "optimize", "iterations": 20},
+    }, timeout=240)
+
+
+def test_a_new_number_of_microbatches_is_planned_anew(rampup):
+    run = rampup["optimize"]
+    microbatches = [entry["microbatches"] for entry in run.metrics["iterations"]]
+    assert microbatches == [2] * 12 + [4] * 8
+    assert run.losses == rampup["off"].losses
+    for summary in run.summaries:
+        assert summary["fallback_reason"] is None
+        assert summary["final_phase"] == "deployed"
+        assert summary["megatron"]["schedule"]["microbatches"] == 4
+    phases = {r["iteration"]: r["phase"] for r in run.log if r["stage"] == 0}
+    assert phases[11] == "deployed" and phases[12] == "solving"  # re-solved for 4 microbatches
+    assert all(phases[i] == "deployed" for i in range(13, 20))
+    assert "re-planning" in rampup["output"]
+
+
+# ----------------------------------------------------------------------------- PP=1
+@pytest.fixture(scope="module")
+def no_pipeline(tmp_path_factory) -> dict[str, Run]:
+    tmp = tmp_path_factory.mktemp("megatron_pp1")
+    power_limit = {"type": "zeus", "mode": "power_limit",
+                   "power_limit": {"warmup_iters": 0, "profile_iters": 1, "step_w": 100}}
+    one_stage = ["--perseus-simulated-workload", '{"forward_seconds": 0.02, "backward_seconds": 0.04}']
+    return launch(tmp, 2, ["--pipeline-model-parallel-size", "1", "--global-batch-size", "4"], {
+        "observe": {"perseus": "observe", "iterations": 6, "argv": one_stage},
+        "power_limit": {"perseus": "optimize", "iterations": 12,
+                        "argv": one_stage + ["--perseus-policy", json.dumps(power_limit)]},
+    }, timeout=240)
+
+
+def test_no_pipeline_observe_and_power_limit_modes_run(no_pipeline):
+    """megatron-core's forward_backward_no_pipelining: observe measures every iteration,
+    power-limit mode steps the limit down and settles on one."""
+    observe, limited = no_pipeline["observe"], no_pipeline["power_limit"]
+    for summary in observe.summaries:
+        assert summary["fallback_reason"] is None and summary["final_phase"] == "observing"
+        assert summary["megatron"]["schedule"] == {"kind": "1f1b", "stages": 1, "microbatches": 2,
+                                                   "virtual_stages": 1}
+    assert len([r for r in observe.log if r["phase"] == "observing"]) == 2 * 6
+    for summary in limited.summaries:
+        assert summary["fallback_reason"] is None and summary["final_phase"] == "power_limit"
+        assert summary["policy"]["limit_w"] is not None
+        assert len(summary["policy"]["measurements"]) >= 2

@@ -164,13 +164,16 @@ def test_megatron_lm_patches_are_git_diffs_of_pretrain_gpt():
     assert [p.name for p in patches] == [
         "pretrain_gpt.core_v0.16.patch",
         "pretrain_gpt.core_v0.18.patch",
+        "pretrain_gpt.core_v0.19.patch",
     ]
     for patch in patches:
         text = patch.read_text()
         assert text.startswith("diff --git a/pretrain_gpt.py b/pretrain_gpt.py")
         assert "perseus_megatron.add_perseus_args" in text
-        assert "perseus = perseus_megatron.install()" in text
-        assert "perseus.close()" in text
+        # the parsed arguments go to install(), so bad flags fail before training
+        assert "+    perseus = perseus_megatron.install(args)" in text or (
+            "+    perseus = perseus_megatron.install(parse_args(extra_args_provider))" in text)
+        assert "+    if perseus is not None:\n+        perseus.close()" in text
         result = subprocess.run(
             ["git", "apply", "--stat", str(patch)], capture_output=True, text=True, cwd=ROOT
         )
@@ -189,23 +192,72 @@ def test_importing_the_adapter_does_not_import_megatron_or_torch(module):
 
 def test_install_hooks_megatron_core_schedules_and_close_restores_them():
     pytest.importorskip("megatron.core", reason="megatron-core is the optional 'megatron' extra")
-    from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.pipeline_parallel import schedules
 
-    names = ["forward_step", "backward_step", "forward_backward_pipelining_without_interleaving",
-             "forward_backward_pipelining_with_interleaving"]
+    from perseus_ext.adapters.megatron import PATCH_SURFACES
+
+    names = PATCH_SURFACES[(0, 16)].names  # the installed release
+    assert set(names) == {"forward_step", "backward_step", "forward_backward_no_pipelining",
+                          "forward_backward_pipelining_without_interleaving",
+                          "forward_backward_pipelining_with_interleaving"}
     before = {name: getattr(schedules, name) for name in names}
-    receive = p2p_communication.P2PCommunicator.recv_forward
-    perseus = install(parse("--perseus"))
+    perseus = install(parse("--perseus", "--perseus-mode", "observe"))
     try:
         for name in names:
             hooked = getattr(schedules, name)
             assert hooked is not before[name] and hooked.__wrapped__ is before[name]
-        assert p2p_communication.P2PCommunicator.recv_forward is receive  # receives are not wrapped
         with pytest.raises(ConfigError, match="already installed"):
             install(parse("--perseus"))
     finally:
         summary = perseus.close()
     assert {name: getattr(schedules, name) for name in names} == before
-    assert p2p_communication.P2PCommunicator.recv_forward is receive
     assert summary["megatron"] == {"stage": None, "schedule": None}  # never trained
     assert perseus.close()["megatron"]["stage"] is None  # idempotent
+
+
+def test_patch_surfaces_name_every_release_and_refuse_older_ones():
+    from perseus_ext.adapters.megatron import PATCH_SURFACES, patch_surface
+
+    assert sorted(PATCH_SURFACES) == [(0, 16), (0, 17), (0, 18), (0, 19)]
+    assert "backward_step_multimodule" not in patch_surface("0.16.1").names
+    assert "backward_step_multimodule" in patch_surface("0.19.0rc1").names
+    assert patch_surface("0.20.0") == PATCH_SURFACES[(0, 19)]  # newest known, with a warning
+    with pytest.raises(ConfigError, match="older than"):
+        patch_surface("0.15.3")
+
+
+def test_optimize_mode_without_a_pipeline_fails_at_install():
+    """PP = 1 runs observe and power-limit modes; optimize gets a clear error up front."""
+    pytest.importorskip("megatron.core", reason="megatron-core is the optional 'megatron' extra")
+    args = parse("--perseus")
+    args.pipeline_model_parallel_size = 1
+    with pytest.raises(ConfigError, match="without pipeline parallelism; use --perseus-mode observe"):
+        install(args)
+    args = parse("--perseus", "--perseus-mode", "observe")
+    args.pipeline_model_parallel_size = 1
+    install(args).close()
+    args = parse("--perseus", "--perseus-policy", '{"type": "zeus", "mode": "power_limit"}')
+    args.pipeline_model_parallel_size = 1
+    install(args).close()
+
+
+def test_bad_flags_fail_at_install_not_at_the_first_step():
+    with pytest.raises(ConfigError, match="--perseus-straggler-threshold"):
+        install(parse("--perseus", "--perseus-straggler-threshold", "2"))
+
+
+def test_a_schedule_bound_before_install_is_an_error_not_a_silent_no_op(monkeypatch):
+    """A script that held megatron-core's schedule function from before install() would run it
+    unhooked; its first step raises a ConfigError that says what to do instead."""
+    pytest.importorskip("megatron.core", reason="megatron-core is the optional 'megatron' extra")
+    from megatron.core.pipeline_parallel import schedules
+    from megatron_shims import run_megatron_schedule
+
+    bound_early = schedules.forward_backward_no_pipelining  # get_forward_backward_func() before install
+    perseus = install(parse("--perseus", "--perseus-mode", "observe"))
+    try:
+        monkeypatch.setattr(schedules, "get_forward_backward_func", lambda **_: bound_early)
+        with pytest.raises(ConfigError, match=r"before perseus_megatron.install\(\); call install\(\) first"):
+            run_megatron_schedule(1, 2)
+    finally:
+        perseus.close()

@@ -11,8 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ import pytest
 from perseus_ext.errors import ConfigError
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.runtime import PerseusConfig, PerseusRuntime, Phase
-from runtime_helpers import make_config as base_config, sim_gpu, train
+from runtime_helpers import make_config as base_config, run_gloo_job, sim_gpu, train
 
 DEFAULT_LIMIT_W = 500.0  # the simulated A100's default (and maximum) power limit
 LIMITS_W = [500.0, 400.0, 300.0, 200.0, 100.0]
@@ -155,12 +153,6 @@ def test_chase_follows_a_carbon_trace_and_reports_emissions(tmp_path):
 
 
 # --------------------------------------------------------------------------- two ranks, one pipeline
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank_dependent_intensity(now: float) -> float:
     """Each rank of the pipeline sees a different grid: only agreement makes them run one plan."""
     return 800.0 if os.environ["RANK"] == "0" else 50.0
@@ -199,25 +191,7 @@ def worker(out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("two-ranks")
-    port = _free_port()
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                        os.environ.get("PYTHONPATH")])))
-    processes = [subprocess.Popen([sys.executable, __file__, str(out)], env=dict(env, RANK=str(rank)),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for rank in range(2)]
-    outputs = []
-    try:
-        for process in processes:
-            outputs.append(process.communicate(timeout=WORKER_TIMEOUT_S)[0])
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output[-3000:]
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return run_gloo_job(__file__, tmp_path_factory.mktemp("two-ranks"), 2, WORKER_TIMEOUT_S)
 
 
 def deployed_plan(summary: dict) -> int:

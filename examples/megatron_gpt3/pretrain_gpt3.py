@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = parser.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=int, default=1)
     train.add_argument("--global-batch-size", type=int, default=8)
+    train.add_argument("--rampup-batch-size", type=int, nargs=3, default=None,
+                       metavar=("START", "INCREMENT", "SAMPLES"),
+                       help="Megatron-LM's batch-size ramp-up: the global batch grows from START by "
+                            "INCREMENT until --global-batch-size, spread evenly over SAMPLES samples")
     train.add_argument("--train-iters", type=int, default=10)
     train.add_argument("--lr", type=float, default=1.5e-4)
     train.add_argument("--seed", type=int, default=1234)
@@ -195,6 +199,17 @@ def average_loss(losses_reduced: list[dict[str, torch.Tensor]]) -> float:
     return float(value) / parallel_state.get_data_parallel_world_size()
 
 
+def global_batch_size(args: argparse.Namespace, consumed_samples: int) -> int:
+    """The global batch after `consumed_samples` (Megatron-LM's ramp-up rule)."""
+    if args.rampup_batch_size is None:
+        return args.global_batch_size
+    start, increment, samples = args.rampup_batch_size
+    steps = (args.global_batch_size - start) // increment
+    if steps <= 0:
+        return args.global_batch_size
+    return min(args.global_batch_size, start + increment * (consumed_samples // (samples // steps)))
+
+
 def train(args: argparse.Namespace) -> dict:
     """Build the model and optimizer, run `--train-iters` iterations; returns the per-iteration
     metrics (loss, seconds) and, with --perseus, every rank's Perseus summary."""
@@ -203,9 +218,10 @@ def train(args: argparse.Namespace) -> dict:
     perseus = perseus_megatron.install(args)
     dp_size = parallel_state.get_data_parallel_world_size()
     per_step = args.micro_batch_size * dp_size
-    if args.global_batch_size % per_step:
-        raise SystemExit(f"--global-batch-size must be a multiple of micro batch x DP = {per_step}")
-    num_microbatches = args.global_batch_size // per_step
+    starts = [args.global_batch_size] + list(args.rampup_batch_size or ())[:2]
+    if any(size % per_step for size in starts):
+        raise SystemExit(f"--global-batch-size and --rampup-batch-size START/INCREMENT must be "
+                         f"multiples of micro batch x DP = {per_step}")
 
     model = build_model(args)
     optimizer = get_megatron_optimizer(
@@ -215,8 +231,12 @@ def train(args: argparse.Namespace) -> dict:
     forward_backward = get_forward_backward_func()
     iterations = []
     summary = None
+    consumed_samples = 0
     try:
         for iteration in range(args.train_iters):
+            batch = global_batch_size(args, consumed_samples)
+            num_microbatches = batch // per_step
+            consumed_samples += batch
             start = time.perf_counter()
             for chunk in model:
                 chunk.zero_grad_buffer()
@@ -233,7 +253,8 @@ def train(args: argparse.Namespace) -> dict:
             _, grad_norm, _ = optimizer.step()
             seconds = time.perf_counter() - start
             loss = average_loss(losses)
-            iterations.append({"iteration": iteration, "loss": loss, "seconds": seconds})
+            iterations.append({"iteration": iteration, "loss": loss, "seconds": seconds,
+                               "microbatches": num_microbatches})
             if dist.get_rank() == 0 and (iteration + 1) % args.log_interval == 0:
                 print(f"iteration {iteration + 1:5d}/{args.train_iters} | lm loss {loss:.6f} | "
                       f"grad norm {grad_norm:.3f} | {seconds * 1000:.1f} ms", flush=True)

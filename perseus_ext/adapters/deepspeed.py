@@ -1,17 +1,22 @@
-"""DeepSpeed pipeline-engine adapter: a `"perseus"` section in the DeepSpeed config is all it takes.
+"""DeepSpeed adapter: a `"perseus"` section in the DeepSpeed config is all it takes.
 
-How it hooks the stock `PipelineEngine` that `deepspeed.initialize` builds, without forking
-DeepSpeed:
+How it hooks the stock engines that `deepspeed.initialize` builds, without forking DeepSpeed:
 
-* `install()` wraps `deepspeed.initialize`; when the returned engine is a `PipelineEngine` and the
-  config's `"perseus"` section is enabled, `attach()` validates the section (ConfigError naming the
-  key) and hooks that engine instance.
-* `attach()` gives the instance its own `_INSTRUCTION_MAP` (the engine looks the map up through
+* `install()` wraps `deepspeed.initialize`; when the config's `"perseus"` section is enabled,
+  `attach()` validates the section (ConfigError naming the key) and hooks that engine instance.
+* A `PipelineEngine` gets every mode. `set_train_batch_size()` (a new number of microbatches)
+  re-plans through `PerseusRuntime.reschedule` at the next `train_batch`.
+* Any other engine has no pipeline, so only observe and power-limit modes apply (`optimize` is a
+  ConfigError naming the alternatives): its instance `forward`/`backward`/`step` are wrapped, one
+  iteration being the forward/backward pairs up to the optimizer step at the gradient
+  accumulation boundary.
+* For a pipeline engine, `attach()` gives the instance its own `_INSTRUCTION_MAP` (the engine looks the map up through
   `self`, so the class and other engines are untouched) and wraps its `_exec_schedule`: a
   `TrainSchedule` is swapped for `PerseusTrainSchedule`, which emits the same instructions but
   with forward/backward instructions that carry their microbatch id. Their handlers tell the
   runtime which computation runs next (a device marker recorded and the next clock queued on
-  it, never a CUDA synchronize), then run DeepSpeed's own handler. `ReduceTiedGrads`/`ReduceGrads`
+  it; the device is synchronised around computations only in profiling iterations), then run
+  DeepSpeed's own handler. `ReduceTiedGrads`/`ReduceGrads`
   mark the end of the pipeline's own compute (straggler detection must not count the
   data-parallel wait).
 * `perseus_ext.autoload` (run by the installed `.pth` file) calls `install()` as soon as
@@ -88,30 +93,62 @@ def perseus_section(engine: Any) -> Mapping[str, Any] | None:
 
 
 def attach(engine: Any, config: Any = None) -> Any:
-    """Hook a `PipelineEngine` instance; returns its `PerseusRuntime` (also `engine.perseus`).
+    """Hook a DeepSpeed engine instance; returns its `PerseusRuntime` (also `engine.perseus`).
 
     config: a PerseusConfig, a `"perseus"` dict, or None to read the engine's DeepSpeed config.
+    A `PipelineEngine` gets every mode; any other engine (no pipeline: nothing to plan per
+    stage) gets observe and power-limit modes, hooked at its forward/backward/step calls.
     """
-    from deepspeed.runtime.pipe import schedule as ds_schedule
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     from perseus_ext.errors import ConfigError
-    from perseus_ext.planning.schedule import Kind, build_schedule
-    from perseus_ext.runtime import PerseusConfig, PerseusRuntime
+    from perseus_ext.runtime import PerseusConfig
 
     if not isinstance(config, PerseusConfig):
         config = PerseusConfig.from_dict(config if config is not None else perseus_section(engine))
-    if not isinstance(engine, PipelineEngine):
-        raise ConfigError(
-            f"{CONFIG_KEY}: perseus-ext plans pipeline schedules; build the model as a "
-            f"deepspeed.pipe.PipelineModule (got a {type(engine).__name__})"
-        )
     if getattr(engine, "perseus", None) is not None:
         return engine.perseus
+    if isinstance(engine, PipelineEngine):
+        runtime = _attach_pipeline(engine, config)
+    else:
+        power_limit = config.policy is not None and config.policy.mode == "power_limit"
+        if config.mode == "optimize" and not power_limit:
+            raise ConfigError(
+                f"{CONFIG_KEY}.mode 'optimize' plans GPU clocks across pipeline stages, but this "
+                f"{type(engine).__name__} has no pipeline; build the model as a "
+                f"deepspeed.pipe.PipelineModule, or set {CONFIG_KEY}.mode 'observe' or "
+                f"{CONFIG_KEY}.policy {{\"type\": \"zeus\", \"mode\": \"power_limit\"}}")
+        runtime = _attach_engine(engine, config)
+    engine.perseus = runtime
+    _ensure_log_output()
+    original_destroy = getattr(engine, "destroy", None)
+    if original_destroy is not None:
+        @functools.wraps(original_destroy)
+        def destroy(*args: Any, **kwargs: Any) -> Any:
+            runtime.close()
+            return original_destroy(*args, **kwargs)
+        engine.destroy = destroy
+    atexit.register(runtime.close)
+    return runtime
+
+
+def _one_f_one_b(stages: int, micro_batches: int) -> Any:
+    from perseus_ext.planning.schedule import build_schedule
+
+    return build_schedule("1f1b", stages, micro_batches)
+
+
+def _attach_pipeline(engine: Any, config: Any) -> Any:
+    """Tagged TrainSchedule, per-instance instruction map; `set_train_batch_size` re-plans."""
+    from deepspeed.runtime.pipe import schedule as ds_schedule
+
+    from perseus_ext.planning.schedule import Kind
+    from perseus_ext.runtime import PerseusRuntime
+
     grid = engine.grid
     runtime = PerseusRuntime(
         config,
-        schedule=build_schedule("1f1b", engine.num_stages, engine.micro_batches),
+        schedule=_one_f_one_b(engine.num_stages, engine.micro_batches),
         stage=engine.stage_id,
         dp_group=grid.get_data_parallel_group(),
         pp_group=grid.get_pipe_parallel_group(),
@@ -145,6 +182,9 @@ def attach(engine: Any, config: Any = None) -> Any:
     def exec_schedule(self: Any, pipe_schedule: Any) -> None:
         if type(pipe_schedule) is not ds_schedule.TrainSchedule:
             return original_exec_schedule(pipe_schedule)  # evaluation runs untouched
+        if pipe_schedule.micro_batches != runtime.schedule.num_microbatches:
+            # set_train_batch_size(): every rank changes it between the same two batches
+            runtime.reschedule(_one_f_one_b(pipe_schedule.stages, pipe_schedule.micro_batches))
         tagged = classes["train"](
             micro_batches=pipe_schedule.micro_batches, stages=pipe_schedule.stages,
             stage_id=pipe_schedule.stage_id,
@@ -154,16 +194,66 @@ def attach(engine: Any, config: Any = None) -> Any:
         runtime.iteration_end()
 
     engine._exec_schedule = MethodType(exec_schedule, engine)
-    engine.perseus = runtime
-    _ensure_log_output()
-    original_destroy = getattr(engine, "destroy", None)
-    if original_destroy is not None:
-        @functools.wraps(original_destroy)
-        def destroy(*args: Any, **kwargs: Any) -> Any:
-            runtime.close()
-            return original_destroy(*args, **kwargs)
-        engine.destroy = destroy
-    atexit.register(runtime.close)
+    return runtime
+
+
+def _attach_engine(engine: Any, config: Any) -> Any:
+    """A non-pipeline engine: one iteration = `gradient_accumulation_steps()` forward/backward
+    pairs up to the optimizer step at the accumulation boundary. Forwards outside training
+    (eval mode or no_grad) pass through untouched."""
+    import torch
+
+    from perseus_ext.planning.schedule import Kind
+    from perseus_ext.runtime import PerseusRuntime
+
+    runtime = PerseusRuntime(
+        config,
+        schedule=_one_f_one_b(1, engine.gradient_accumulation_steps()),
+        stage=0,
+        dp_group=getattr(engine, "data_parallel_group", None),
+        local_rank=max(int(getattr(engine, "local_rank", 0) or 0), 0),
+    )
+    state = {"forwards": 0, "backwards": 0, "in_iteration": False}
+    original_forward, original_backward, original_step = engine.forward, engine.backward, engine.step
+
+    @functools.wraps(original_forward)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not engine.training or not torch.is_grad_enabled():
+            return original_forward(*args, **kwargs)
+        if not state["in_iteration"]:
+            micro_batches = engine.gradient_accumulation_steps()
+            if micro_batches != runtime.schedule.num_microbatches:  # set_train_batch_size()
+                runtime.reschedule(_one_f_one_b(1, micro_batches))
+            state.update(forwards=0, backwards=0, in_iteration=True)
+            runtime.iteration_start()
+        microbatch = state["forwards"]
+        state["forwards"] += 1
+        runtime.before_computation(Kind.FORWARD, microbatch)
+        result = original_forward(*args, **kwargs)
+        runtime.after_computation(Kind.FORWARD, microbatch)
+        return result
+
+    @functools.wraps(original_backward)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        if not state["in_iteration"]:
+            return original_backward(*args, **kwargs)
+        microbatch = state["backwards"]
+        state["backwards"] += 1
+        runtime.before_computation(Kind.BACKWARD, microbatch)
+        result = original_backward(*args, **kwargs)
+        runtime.after_computation(Kind.BACKWARD, microbatch)
+        return result
+
+    @functools.wraps(original_step)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        boundary = state["in_iteration"] and engine.is_gradient_accumulation_boundary()
+        result = original_step(*args, **kwargs)
+        if boundary:
+            state["in_iteration"] = False
+            runtime.iteration_end()
+        return result
+
+    engine.forward, engine.backward, engine.step = forward, backward, step
     return runtime
 
 

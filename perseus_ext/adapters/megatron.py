@@ -4,29 +4,40 @@ The adapter is thin: all planning, profiling, clock control and straggler handli
 `perseus_ext.runtime.PerseusRuntime` (shared with the DeepSpeed adapter). This module only
 
 * adds the `--perseus*` argument group (usable as Megatron-LM's `extra_args_provider`);
-* wraps megatron-core's `forward_backward_pipelining_without_interleaving` /
-  `..._with_interleaving` (one training iteration) and the module-level `forward_step` /
-  `backward_step` those schedules call, so every computation reports (kind, microbatch, chunk)
-  to the runtime right before and after it runs;
+* wraps, in `megatron.core.pipeline_parallel.schedules`, exactly the functions that
+  `PATCH_SURFACES` lists for the installed megatron-core release (0.16 to 0.19): the schedule
+  functions (one call = one training iteration: `forward_backward_no_pipelining`, the 1F1B and
+  the interleaved schedule) and the step functions they call (`forward_step`, `backward_step`,
+  from 0.17 on also `backward_step_multimodule`), so every computation reports
+  (kind, microbatch, chunk) to the runtime right before and after it runs;
 * marks the end of the stage's computations (what follows is the data-parallel gradient sync,
   which straggler detection must not count). Communication needs no hook: the runtime orders
   clock changes by device markers at computation boundaries, which is where receives wait.
 
 Why wrap module functions instead of subclassing: megatron-core's schedules are plain functions
 that look `forward_step`/`backward_step` up in their module at call time, and their signatures
-change between releases. The wrappers bind arguments by *name* with `inspect.signature`, so they
-only rely on a few long-lived parameter names (`model`, `output_tensor`, `num_microbatches`),
-and they identify computations from the schedule's own objects: the chunk is the position of the
-`model` argument in the iteration's model list, the microbatch is the running forward count of
-that chunk, and a backward is matched to its forward through the identity of the output tensor
-the schedule hands back. Nothing is synchronised on the device.
+change between releases. The wrappers bind arguments by *name* with `inspect.signature`. A
+forward is identified from the schedule's own objects (the chunk is the position of the `model`
+argument in the iteration's model list, the microbatch megatron's `current_microbatch` or the
+chunk's running forward count). A backward carries no model, and tensor ids are reused by
+Python after a free, so it is identified by the schedule's own order instead: it is the
+computation the stage's `PipelineSchedule` order puts next, which must be a backward of a
+microbatch whose forward already ran on that chunk. The output tensor megatron hands the
+backward only cross-checks that (through weak references to this iteration's forward outputs,
+live objects whose identity cannot be reused): if it is another forward's output, the order is
+wrong and the rank falls back.
 
 The plan lists each stage's computations in the order `perseus_ext.planning.schedule` predicts
 (the interleaved order is built with megatron's own `microbatch_group_size_per_vp_stage`). The
 runtime checks every reported computation against that order; on the first mismatch (a
 megatron-core version that reorders work, an unsupported schedule option such as the combined
 1F1B MoE path, ...) it logs one error naming both computations and runs that rank at default
-clocks from then on, still joining the runtime's collectives. Training is never interrupted.
+clocks from then on, still joining the runtime's collectives. Training is never interrupted. A
+changed number of microbatches (Megatron's batch-size ramp-up) re-plans through
+`PerseusRuntime.reschedule`. Two things are errors rather than silent no-ops: a step function
+running outside any wrapped schedule (the script bound `get_forward_backward_func()` or a schedule
+function before `install()`), and `optimize` mode without pipeline parallelism (observe and
+power-limit modes work with PP = 1).
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import importlib
 import inspect
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +62,7 @@ from perseus_ext.adapters.megatron_args import (
 )
 from perseus_ext.errors import ConfigError
 from perseus_ext.planning.schedule import (
+    Computation,
     Kind,
     PipelineSchedule,
     build_schedule,
@@ -57,23 +70,64 @@ from perseus_ext.planning.schedule import (
 )
 
 log = logging.getLogger("perseus_ext.megatron")
-__all__ = ["MegatronPerseus", "add_perseus_args", "chain_extra_args", "config_from_args", "install"]
+__all__ = ["MegatronPerseus", "PATCH_SURFACES", "add_perseus_args", "chain_extra_args",
+           "config_from_args", "install"]
 
 _SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
+_NO_PIPELINING = "forward_backward_no_pipelining"
 _WITHOUT_INTERLEAVING = "forward_backward_pipelining_without_interleaving"
 _WITH_INTERLEAVING = "forward_backward_pipelining_with_interleaving"
 
 
-# --------------------------------------------------------------------------------------------
-# Schedule observation
-# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PatchSurface:
+    """What `install()` replaces in megatron-core's schedules module for one release line."""
+
+    schedules: tuple[str, ...]  # one call = one training iteration (or one evaluation)
+    forward_steps: tuple[str, ...]
+    backward_steps: tuple[str, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.schedules + self.forward_steps + self.backward_steps
 
 
-def _first_tensor(value: Any) -> Any:
-    """Megatron passes single tensors or one-element lists depending on the version/path."""
-    while isinstance(value, (list, tuple)) and value:
-        value = value[0]
-    return value
+_SCHEDULES = (_NO_PIPELINING, _WITHOUT_INTERLEAVING, _WITH_INTERLEAVING)
+_SURFACE_0_16 = PatchSurface(_SCHEDULES, ("forward_step",), ("backward_step",))
+# 0.17 added backward_step_multimodule (multi-module models; it does not call backward_step).
+_SURFACE_0_17 = PatchSurface(_SCHEDULES, ("forward_step",), ("backward_step", "backward_step_multimodule"))
+PATCH_SURFACES: dict[tuple[int, int], PatchSurface] = {
+    (0, 16): _SURFACE_0_16, (0, 17): _SURFACE_0_17, (0, 18): _SURFACE_0_17, (0, 19): _SURFACE_0_17,
+}
+
+
+def patch_surface(version: str) -> PatchSurface:
+    """The surface of a megatron-core version string; ConfigError for releases before 0.16.
+    A newer release gets the newest known surface (checked name by name when patching)."""
+    try:
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        raise ConfigError(f"perseus: cannot read the megatron-core version {version!r}") from None
+    known = sorted(PATCH_SURFACES)
+    if major_minor in PATCH_SURFACES:
+        return PATCH_SURFACES[major_minor]
+    if major_minor < known[0]:
+        raise ConfigError(f"perseus: megatron-core {version} is older than the releases perseus-ext "
+                          f"hooks (0.16 to 0.19); upgrade megatron-core")
+    log.warning("perseus: megatron-core %s is newer than the releases perseus-ext was checked "
+                "against (0.16 to 0.19); hooking the 0.19 functions", version)
+    return PATCH_SURFACES[known[-1]]
+
+
+def _installed_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:  # a source checkout on the path
+        from megatron.core import package_info
+
+        return package_info.__version__
 
 
 def _microbatch_group_size(model: Any) -> int | None:
@@ -84,21 +138,66 @@ def _microbatch_group_size(model: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
+def _pipeline_size(args: Any) -> int | None:
+    value = getattr(args, "pipeline_model_parallel_size", None)
+    return value if isinstance(value, int) else None
+
+
+def _check_mode(config: Any, num_stages: int, where: str) -> None:
+    """`optimize` plans per-computation clocks across pipeline stages; without a pipeline only
+    observe and power-limit modes apply (both need nothing but iteration boundaries)."""
+    power_limit = config.policy is not None and config.policy.mode == "power_limit"
+    if num_stages == 1 and config.mode == "optimize" and not power_limit:
+        raise ConfigError(
+            f"perseus.mode 'optimize' plans GPU clocks across pipeline stages, but {where} runs "
+            f"without pipeline parallelism; use --perseus-mode observe, a power-limit policy "
+            f"(--perseus-policy '{{\"type\": \"zeus\", \"mode\": \"power_limit\"}}') or "
+            f"--pipeline-model-parallel-size > 1")
+
+
+def _first_tensor(value: Any) -> Any:
+    """Megatron passes single tensors or one-element lists depending on the version/path."""
+    while isinstance(value, (list, tuple)) and value:
+        value = value[0]
+    return value
+
+
 @dataclasses.dataclass
 class _Iteration:
     """Book-keeping for one training iteration on this stage."""
 
     models: list[Any]
-    num_computations: int
+    order: tuple[Computation, ...]
     forwards_per_chunk: list[int]
-    observed: int = 0
-    pending_backward: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    position: int = 0  # computations reported so far
+    # (microbatch, chunk) -> weak reference to that forward's output, until its backward
+    outputs: dict[tuple[int, int], weakref.ref] = dataclasses.field(default_factory=dict)
 
     def chunk_of(self, model: Any, vp_stage: Any) -> int | None:
         for index, candidate in enumerate(self.models):
             if candidate is model:
                 return index
         return vp_stage if isinstance(vp_stage, int) else None
+
+    @property
+    def expected(self) -> Computation | None:
+        return self.order[self.position] if self.position < len(self.order) else None
+
+    def remember_output(self, identity: tuple[int, int], result: Any) -> None:
+        output = _first_tensor(result[0] if isinstance(result, tuple) else result)
+        try:
+            self.outputs[identity] = weakref.ref(output)
+        except TypeError:  # not weak-referenceable: nothing to cross-check the backward with
+            pass
+
+    def producer_of(self, output_tensor: Any) -> tuple[int, int] | None:
+        """The forward that made `output_tensor` (a live object, so never a reused id), or None
+        when it is none of this iteration's forwards."""
+        output = _first_tensor(output_tensor)
+        for identity, reference in self.outputs.items():
+            if reference() is output:
+                return identity
+        return None
 
 
 class MegatronPerseus:
@@ -123,24 +222,33 @@ class MegatronPerseus:
         self.runtime: Any = None
         self.schedule: PipelineSchedule | None = None
         self.stage: int | None = None
+        self.surface: PatchSurface | None = None
         self._iteration: _Iteration | None = None
+        self._schedule_depth = 0  # wrapped schedule calls in progress (evaluation included)
         self._unidentified: str | None = None
         self._originals: dict[str, Callable] = {}
+        self._schedules: dict[tuple, PipelineSchedule] = {}
         self._closed = False
 
     # ---- installation ------------------------------------------------------------------
 
     def _patch(self) -> None:
         module = importlib.import_module(_SCHEDULES_MODULE)
-        wrappers = {
-            "forward_step": self._wrap_step(module.forward_step, Kind.FORWARD),
-            "backward_step": self._wrap_step(module.backward_step, Kind.BACKWARD),
-            _WITHOUT_INTERLEAVING: self._wrap_schedule(getattr(module, _WITHOUT_INTERLEAVING)),
-            _WITH_INTERLEAVING: self._wrap_schedule(getattr(module, _WITH_INTERLEAVING)),
-        }
+        version = _installed_version()
+        surface = patch_surface(version)
+        missing = [name for name in surface.names if not callable(getattr(module, name, None))]
+        if missing:
+            raise ConfigError(f"perseus: megatron-core {version} has no {', '.join(missing)} in "
+                              f"{_SCHEDULES_MODULE}; perseus-ext hooks megatron-core 0.16 to 0.19")
+        wrappers = {name: self._wrap_schedule(getattr(module, name)) for name in surface.schedules}
+        wrappers.update({name: self._wrap_step(getattr(module, name), Kind.FORWARD)
+                         for name in surface.forward_steps})
+        wrappers.update({name: self._wrap_step(getattr(module, name), Kind.BACKWARD)
+                         for name in surface.backward_steps})
         for name, wrapper in wrappers.items():
             self._originals[name] = getattr(module, name)
             setattr(module, name, wrapper)
+        self.surface = surface
 
     def _unpatch(self) -> None:
         module = importlib.import_module(_SCHEDULES_MODULE)
@@ -158,15 +266,20 @@ class MegatronPerseus:
             if self._iteration is not None or self._closed:  # nested call / uninstalled
                 return original(*args, **kwargs)
             bound = signature.bind_partial(*args, **kwargs).arguments
-            if bound.get("forward_only") or not self._start_iteration(bound, original):
-                return original(*args, **kwargs)
+            self._schedule_depth += 1
             try:
-                result = original(*args, **kwargs)
-            except BaseException:
-                # Training is failing anyway; skipping iteration_end (which may run collectives
-                # with ranks that are not coming) lets the error surface instead of a hang.
-                self._iteration = None
-                raise
+                if bound.get("forward_only") or not self._start_iteration(bound, original):
+                    return original(*args, **kwargs)
+                try:
+                    result = original(*args, **kwargs)
+                except BaseException:
+                    # Training is failing anyway; skipping iteration_end (which may run
+                    # collectives with ranks that are not coming) lets the error surface
+                    # instead of a hang.
+                    self._iteration = None
+                    raise
+            finally:
+                self._schedule_depth -= 1
             self._iteration = None
             self.runtime.iteration_end()
             return result
@@ -180,24 +293,35 @@ class MegatronPerseus:
         def run_step(*args: Any, **kwargs: Any) -> Any:
             iteration = self._iteration
             if iteration is None:
+                if self._schedule_depth == 0 and not self._closed:
+                    self._step_outside_schedule(original.__name__)
                 return original(*args, **kwargs)
-            bound = signature.bind_partial(*args, **kwargs).arguments
-            identity = self._identify(iteration, kind, bound)
+            identity = self._identify(iteration, kind, signature.bind_partial(*args, **kwargs).arguments)
             if identity is None:  # the runtime fell back: default clocks for this rank
                 return original(*args, **kwargs)
             microbatch, chunk = identity
             self.runtime.before_computation(kind, microbatch, chunk=chunk)
             result = original(*args, **kwargs)
             if kind is Kind.FORWARD:
-                output = _first_tensor(result[0] if isinstance(result, tuple) else result)
-                iteration.pending_backward[id(output)] = identity
+                iteration.remember_output(identity, result)
             self.runtime.after_computation(kind, microbatch, chunk=chunk)
-            iteration.observed += 1
-            if iteration.observed == iteration.num_computations:
+            iteration.position += 1
+            if iteration.position == len(iteration.order):
                 self.runtime.mark_compute_end()  # what follows is the data-parallel grad sync
             return result
 
         return run_step
+
+    def _step_outside_schedule(self, step: str) -> None:
+        """megatron-core's `step` ran, but no schedule perseus-ext wrapped called it: the script
+        holds a schedule function it looked up before `install()`."""
+        if self._resolve_config() is None:  # --perseus off: nothing to hook, step aside
+            return
+        raise ConfigError(
+            f"perseus: megatron-core's {step} ran outside every pipeline schedule perseus-ext "
+            f"hooked: the training script bound get_forward_backward_func() (or imported a "
+            f"forward_backward_* function) before perseus_megatron.install(); call install() "
+            f"first, then get_forward_backward_func()")
 
     def _identify(self, iteration: _Iteration, kind: Kind, bound: dict) -> tuple[int, int] | None:
         """(microbatch, chunk) of the computation megatron is about to run.
@@ -205,6 +329,8 @@ class MegatronPerseus:
         The runtime checks it against the plan's order and falls back to default clocks (one
         error, training goes on) when megatron runs something else.
         """
+        if self._unidentified is not None:
+            return None
         if kind is Kind.FORWARD:
             chunk = iteration.chunk_of(bound.get("model"), bound.get("vp_stage"))
             if chunk is None or not 0 <= chunk < len(iteration.forwards_per_chunk):
@@ -213,16 +339,25 @@ class MegatronPerseus:
             counted = iteration.forwards_per_chunk[chunk]
             iteration.forwards_per_chunk[chunk] += 1
             return (reported if isinstance(reported, int) else counted), chunk
-        output = _first_tensor(bound.get("output_tensor"))
-        identity = iteration.pending_backward.pop(id(output), None)
-        if identity is None:
-            return self._cannot_identify("a backward step of an output no observed forward made")
+        expected = iteration.expected
+        where = (f"where the {self.schedule.kind.value} schedule expects "
+                 f"{expected if expected else 'no more computations'} (position {iteration.position})")
+        if (expected is None or expected.kind is not Kind.BACKWARD
+                or iteration.forwards_per_chunk[expected.chunk] <= expected.microbatch):
+            return self._cannot_identify(f"a backward step {where}")
+        identity = expected.microbatch, expected.chunk
+        # The order names the backward; the output tensor (when it is a forward's of this
+        # iteration) can only confirm it or prove the order wrong.
+        produced_by = iteration.producer_of(bound.get("output_tensor"))
+        if produced_by is not None and produced_by != identity:
+            ran = Computation(self.stage, produced_by[1], produced_by[0], Kind.BACKWARD)
+            return self._cannot_identify(f"{ran} {where}")
+        iteration.outputs.pop(identity, None)
         return identity
 
     def _cannot_identify(self, what: str) -> None:
-        if self._unidentified is None:
-            self._unidentified = what
-            self.runtime.fall_back(f"megatron-core ran {what}, which perseus cannot place in the plan")
+        self._unidentified = what
+        self.runtime.fall_back(f"megatron-core ran {what}, which perseus cannot place in the plan")
         return None
 
     def _start_iteration(self, bound: dict, original: Callable) -> bool:
@@ -230,23 +365,49 @@ class MegatronPerseus:
         models = list(models) if isinstance(models, (list, tuple)) else [models]
         if self.runtime is None and not self._build_runtime(bound, original, models):
             return False
-        assert self.schedule is not None and self.stage is not None
-        self._iteration = _Iteration(
-            models=models,
-            num_computations=len(self.schedule.orders[self.stage]),
-            forwards_per_chunk=[0] * len(models),
-        )
+        schedule = self._schedule_of(bound, original, models)
+        if schedule != self.schedule:  # e.g. Megatron's batch-size ramp-up: same on every rank
+            log.info("perseus: megatron-core now runs %s; re-planning", schedule.describe())
+            self.runtime.reschedule(schedule)
+            self.schedule = schedule
+        self._iteration = _Iteration(models=models, order=schedule.orders[self.stage],
+                                     forwards_per_chunk=[0] * len(models))
         self.runtime.iteration_start()
         return True
 
+    def _schedule_of(self, bound: dict, original: Callable, models: list[Any]) -> PipelineSchedule:
+        """The `PipelineSchedule` this schedule call runs (cached: it is the same every iteration)."""
+        num_microbatches = bound.get("num_microbatches")
+        if not isinstance(num_microbatches, int):
+            raise ConfigError("perseus: megatron-core's schedule was called without an integer "
+                              "num_microbatches; pass it by keyword as megatron-core documents")
+        name = original.__name__
+        group = _microbatch_group_size(models[0]) if name == _WITH_INTERLEAVING else None
+        key = (name, num_microbatches, len(models), group)
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            num_stages = 1 if name == _NO_PIPELINING else self._pp_group(bound).size()
+            if name == _WITH_INTERLEAVING:
+                schedule = interleaved(num_stages, num_microbatches, len(models), group)
+            else:
+                schedule = build_schedule("1f1b", num_stages, num_microbatches)
+            self._schedules[key] = schedule
+        return schedule
+
     # ---- runtime --------------------------------------------------------------------------
 
-    def _megatron_args(self) -> argparse.Namespace:
-        if self._args is None:
-            from megatron.training import get_args
+    def _resolve_config(self) -> Any:
+        """The PerseusConfig (None: --perseus off, and then every hook is removed for good)."""
+        if self._config is None and not self._closed:
+            if self._args is None:
+                from megatron.training import get_args
 
-            self._args = get_args()
-        return self._args
+                self._args = get_args()
+            self._config = config_from_args(self._args)
+            if self._config is None:
+                self._closed = True
+                self._unpatch()
+        return self._config
 
     @staticmethod
     def _pp_group(bound: dict) -> Any:
@@ -278,28 +439,17 @@ class MegatronPerseus:
 
     def _build_runtime(self, bound: dict, original: Callable, models: list[Any]) -> bool:
         """First training iteration: build the schedule this stage runs and the runtime."""
-        if self._config is None:
-            self._config = config_from_args(self._megatron_args())
-        if self._config is None:  # --perseus not given: stay out of the way for good
-            self._closed = True
-            self._unpatch()
+        config = self._resolve_config()
+        if config is None:  # --perseus not given: stay out of the way for good
             return False
-        num_microbatches = bound.get("num_microbatches")
-        if not isinstance(num_microbatches, int):
-            raise ConfigError("perseus: megatron-core's schedule was called without an integer "
-                              "num_microbatches; pass it by keyword as megatron-core documents")
-        pp_group = self._pp_group(bound)
-        self.stage, num_stages = pp_group.rank(), pp_group.size()
-        if original.__name__ == _WITH_INTERLEAVING:
-            self.schedule = interleaved(
-                num_stages, num_microbatches, len(models), _microbatch_group_size(models[0])
-            )
-        else:
-            self.schedule = build_schedule("1f1b", num_stages, num_microbatches)
+        self.schedule = self._schedule_of(bound, original, models)
+        _check_mode(config, self.schedule.num_stages, f"this job (megatron-core's {original.__name__})")
+        pp_group = self._pp_group(bound) if self.schedule.num_stages > 1 else None
+        self.stage = pp_group.rank() if pp_group is not None else 0
         from perseus_ext.runtime import PerseusRuntime
 
         self.runtime = PerseusRuntime(
-            self._config,
+            config,
             schedule=self.schedule,
             stage=self.stage,
             dp_group=self._dp_group(),
@@ -353,23 +503,30 @@ def install(
     gpu: Any = None,
     policy: Any = None,
 ) -> MegatronPerseus | None:
-    """One call from a pretraining script: hook megatron-core's pipeline schedules.
+    """One call from a pretraining script, before it looks up `get_forward_backward_func()`:
+    hook megatron-core's schedules.
 
-    `args` are the parsed arguments carrying the `--perseus*` flags; None means "Megatron-LM's
-    global args" (`megatron.training.get_args()`), read at the first training iteration, so the
-    call can come before `pretrain()` parses the command line. Returns None when `args` are
-    given and `--perseus` is off. One install per process at a time; `close()` undoes it.
+    `args` are the parsed arguments carrying the `--perseus*` flags: they are validated here
+    (ConfigError naming the key and flag), and None is returned when `--perseus` is off. Without
+    `args`, Megatron-LM's global args (`megatron.training.get_args()`) are read at the first
+    training iteration, so bad flags only fail then. One install per process at a time;
+    `close()` undoes it.
     """
     global _INSTALLED
-    if args is not None and not getattr(args, "perseus", False):
-        return None
     if _INSTALLED is not None and not _INSTALLED._closed:
         raise ConfigError("perseus is already installed on megatron-core in this process; "
                           "close() the previous install first")
-    perseus = MegatronPerseus(args, gpu=gpu, policy=policy)
+    config = None
     if args is not None:
-        perseus._config = config_from_args(args)  # bad flags fail before training starts
-        apply_run_batch_size(args, perseus._config)  # the store's --global-batch-size, if asked for
+        config = config_from_args(args)  # bad flags fail before training starts
+        if config is None:
+            return None
+        stages = _pipeline_size(args)
+        if stages is not None:
+            _check_mode(config, stages, "this job (--pipeline-model-parallel-size 1)")
+        apply_run_batch_size(args, config)  # the store's --global-batch-size, if asked for
+    perseus = MegatronPerseus(args, gpu=gpu, policy=policy)
+    perseus._config = config
     perseus._patch()
     atexit.register(perseus.close)
     _INSTALLED = perseus

@@ -369,13 +369,8 @@ def print_report(scenario: Scenario, comparison: dict[str, Any], results: list[l
 def plot(scenario: Scenario, comparison: dict[str, Any], results: list[list[dict[str, Any]]]) -> list[Path]:
     """frontier.png (time-energy frontier with the plans used) and timeline.png (time and
     energy of every iteration, baseline vs perseus)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from perseus_ext.planning.frontier import Frontier
-    from perseus_ext.plotting import plot_frontier
+    from perseus_ext.plotting import plot_frontier, plot_run_timeline
 
     out = Path(scenario.out_dir)
     paths = []
@@ -387,20 +382,16 @@ def plot(scenario: Scenario, comparison: dict[str, Any], results: list[list[dict
         plot_frontier(frontier, out / "frontier.png", marks=marks, title="Pipeline 0 time-energy frontier")
         paths.append(out / "frontier.png")
     series = comparison["series"]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
-    for name, style in (("baseline", "k-"), ("perseus", "g-")):
-        top.plot(series[name]["time_s"], style, label=name, linewidth=1)
-        bottom.plot(series[name]["true_energy_j"], style, label=name, linewidth=1)
-    for axis in (top, bottom):
-        if scenario.straggler_pipeline is not None:
-            axis.axvspan(scenario.straggler_start, scenario.straggler_end, color="orange", alpha=0.2)
-    top.set_ylabel("time/iteration (s)")
-    bottom.set_ylabel("job energy/iteration (J)")
-    bottom.set_xlabel("iteration (orange: straggler)")
-    top.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "timeline.png", dpi=120)
-    plt.close(fig)
+    phases = [iteration.get("phase", "observing") for iteration in by_variant(results, "perseus")[0]["iterations"]]
+    straggler = ((scenario.straggler_start, scenario.straggler_end)
+                 if scenario.straggler_pipeline is not None else None)
+    plot_run_timeline(
+        {f"{name} (exact energy)": {"time_s": figures["time_s"], "energy_j": figures["true_energy_j"]}
+         for name, figures in series.items()},
+        phases, out / "timeline.png", straggler=straggler,
+        title=f"perseus-ext demo ({scenario.stages} stages x {scenario.pipelines} pipelines): job time and "
+              f"energy per iteration",
+    )
     paths.append(out / "timeline.png")
     return paths
 

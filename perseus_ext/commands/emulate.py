@@ -25,7 +25,7 @@ MAX_PARALLEL = 1 << 20  # GPUs per stage / stages / samples: far above any real 
 MAX_MICROBATCHES = 4096
 MAX_SCALE = 1e6
 MAX_SLOWDOWN = 100.0
-DEFAULT_SWEEP = [1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35, 1.4, 1.45, 1.5]
+DEFAULT_SWEEP = [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,9 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="emulate a large TP x PP x DP job's energy with and without perseus-ext",
         description=(
             "Emulate one training iteration of a whole TP x PP x DP job from per-stage profiles: "
-            "iteration time and energy with all GPUs at max clock, a Zeus-style global clock, "
-            "perseus-ext intrinsic only, and perseus-ext intrinsic + extrinsic under a straggler "
-            "scenario. Uses the runtime's planner and straggler policy."
+            "iteration time and energy with all GPUs at max clock, a Zeus-style global clock, an "
+            "EnvPipe-style plan, perseus-ext intrinsic only, and perseus-ext intrinsic + extrinsic "
+            "(wait-aware) under a straggler scenario. Uses the runtime's planner and straggler policy."
         ),
     )
     job = parser.add_argument_group("job")
@@ -73,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     which.add_argument("--slowdown-trace", default=None, metavar="CSV",
                        help="per-iteration slowdowns (column 'slowdown' or the first column)")
     which.add_argument("--sweep", type=bounded_float(1, MAX_SLOWDOWN), nargs="*", default=None, metavar="F",
-                       help="one steady straggler per factor (default factors 1.0, 1.05, ..., 1.5)")
+                       help="one steady straggler per factor (default factors 1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0)")
 
     budget = parser.add_argument_group("power budget")
     budget.add_argument("--power-budget", type=bounded_float(0, 1, inclusive_min=False), nargs="*",
@@ -157,10 +157,14 @@ def run(args: argparse.Namespace) -> int:
         sweeps = {em.layout.microbatches: em.sweep(list(factors)) for em in emulators}
         print("\nTotal saving vs all GPUs at max clock (intrinsic + extrinsic), per slowdown T'/T:")
         print(report.sweep_table(sweeps, markdown=args.markdown))
+        print("\nTotal saving per strategy (perseus-ext: wait-aware; margin: over the better of one "
+              "global clock and EnvPipe-style):")
+        print(report.comparison_table(sweeps, profile_path.stem, markdown=args.markdown))
         results = [e for runs in sweeps.values() for e in runs]
         if plot_dir:
             path = plot_dir / f"savings_vs_slowdown.{args.plot_format}"
-            report.plot_sweep(sweeps, path, title=f"{profile_path.stem}: energy saving vs slowdown")
+            report.plot_sweep(sweeps, path, title=f"{profile_path.stem}: energy saving vs slowdown",
+                              profile_stem=profile_path.stem)
             print(f"\nwrote {path}")
     else:
         results = [em.run(scenario) for em in emulators]

@@ -4,10 +4,13 @@ and operating-point policy.
 """
 
 from perseus_ext.emulator.core import (
+    ENVPIPE,
     GLOBAL_CLOCK,
     INTRINSIC,
     MAX_CLOCK,
     PERSEUS,
+    PERSEUS_DETECTED,
+    PERSEUS_T_STAR,
     STRATEGIES,
     Deployment,
     Emulation,
@@ -19,7 +22,8 @@ from perseus_ext.emulator.layout import JobLayout, resolve_blocking_power
 from perseus_ext.emulator.scenario import StragglerScenario
 
 __all__ = [
-    "GLOBAL_CLOCK", "INTRINSIC", "MAX_CLOCK", "PERSEUS", "STRATEGIES",
+    "ENVPIPE", "GLOBAL_CLOCK", "INTRINSIC", "MAX_CLOCK", "PERSEUS", "PERSEUS_DETECTED",
+    "PERSEUS_T_STAR", "STRATEGIES",
     "Deployment", "Emulation", "Emulator", "IterationEnergy", "StrategyOutcome",
     "JobLayout", "resolve_blocking_power", "StragglerScenario",
 ]

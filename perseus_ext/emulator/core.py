@@ -13,8 +13,11 @@ DP copies of that pipeline, one of which may straggle. Energy of one iteration o
   straggler plan's time).
 
 Strategies compared (see docs/emulator.md): all GPUs at max clock; a Zeus-style single clock for
-every GPU; perseus-ext without straggler information (intrinsic only); and perseus-ext with it
-(intrinsic + extrinsic).
+every GPU; an EnvPipe-style plan (the bottleneck stage at max clock, every other stage at one
+lower clock); perseus-ext without straggler information (intrinsic only); perseus-ext as before
+wait-aware planning (non-stragglers stop at the minimum-energy plan T*); perseus-ext with a
+detected straggler (non-stragglers wait-aware, the straggler at its fastest plan); and
+perseus-ext (every pipeline whose iteration ends at T' plans for it, wait-aware).
 """
 
 from __future__ import annotations
@@ -33,19 +36,26 @@ from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier, Plan
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
+from perseus_ext.planning.wait_aware import extend_frontier
 from perseus_ext.policies.base import OperatingPointPolicy, StragglerPolicy
 
 FrontierSolver = Callable[[PipelineSchedule, Profile, float], Frontier]
 
 MAX_CLOCK = "max-clock"
 GLOBAL_CLOCK = "global-clock"
+ENVPIPE = "envpipe"
 INTRINSIC = "perseus-intrinsic"
+PERSEUS_T_STAR = "perseus-t-star"
+PERSEUS_DETECTED = "perseus-detected"
 PERSEUS = "perseus"
-STRATEGIES = (MAX_CLOCK, GLOBAL_CLOCK, INTRINSIC, PERSEUS)
+STRATEGIES = (MAX_CLOCK, GLOBAL_CLOCK, ENVPIPE, INTRINSIC, PERSEUS_T_STAR, PERSEUS_DETECTED, PERSEUS)
 STRATEGY_LABELS = {
     MAX_CLOCK: "all GPUs at max clock",
     GLOBAL_CLOCK: "Zeus-style global clock",
+    ENVPIPE: "EnvPipe-style (off-critical stages, one clock)",
     INTRINSIC: "perseus-ext intrinsic only",
+    PERSEUS_T_STAR: "perseus-ext stopping at T*",
+    PERSEUS_DETECTED: "perseus-ext, straggler at fastest plan",
     PERSEUS: "perseus-ext intrinsic + extrinsic",
 }
 _TIME_TOLERANCE = 1e-9  # relative; a plan "meets" a time it matches up to float noise
@@ -195,6 +205,7 @@ class Emulator:
         energy_scale: float | None = None,
         policy: OperatingPointPolicy | None = None,
         solver: FrontierSolver | None = None,
+        wait_aware: bool = True,
     ):
         energy_scale = time_scale if energy_scale is None else energy_scale
         for name, value in (("time_scale", time_scale), ("energy_scale", energy_scale)):
@@ -211,6 +222,7 @@ class Emulator:
         if solver is None:
             from perseus_ext.planning.solver import solve_frontier as solver
         self._solver = solver
+        self.wait_aware = wait_aware
         self.schedule = layout.build_schedule()
         tp = layout.tensor_parallel
         # One "stage" of the cost model is the stage's TP GPUs together.
@@ -231,10 +243,13 @@ class Emulator:
         model is the full model's divided by (energy_scale x TP) and its times by time_scale;
         plans are then scaled back. This is exact (the frequency choices are the same) and
         keeps the solver's time grid at the slice's resolution, which is what makes the
-        emulator fast.
+        emulator fast. With `wait_aware` (the runtime's default) the frontier carries the
+        wait-aware plans past its minimum-energy plan, planned on the unfiltered profile.
         """
         slice_blocking = self.blocking_power * self.time_scale / self.energy_scale
         solved = self._solver(self.schedule, self.profile.pareto(), slice_blocking)
+        if self.wait_aware:
+            solved = extend_frontier(solved, self.schedule, self.profile, slice_blocking)
         energy_factor = self.energy_scale * self.layout.tensor_parallel
 
         def scale(plan: Plan) -> Plan:
@@ -245,6 +260,7 @@ class Emulator:
             blocking_power=self.stage_blocking_power,
             plans=tuple(scale(p) for p in solved.plans),
             baseline=scale(solved.baseline),
+            extension_start=solved.extension_start,
         )
 
     @cached_property
@@ -267,6 +283,17 @@ class Emulator:
         )
         times, energies = model.replay(choices)
         return dict(zip(clocks, model.make_plans(choices, times, energies)))
+
+    @cached_property
+    def envpipe_plans(self) -> dict[int, Plan]:
+        """EnvPipe-style plans: the bottleneck stage (most busy time at max clock) keeps the max
+        clock, every other stage runs one lower clock; per clock of `uniform_plans`."""
+        model = self.model
+        per_clock = [np.argmax(model.frequencies == clock, axis=1) for clock in self.uniform_plans]
+        busy = np.bincount(model.dag.stage, weights=model.times[np.arange(model.num_nodes), per_clock[0]])
+        on_critical = model.dag.stage == int(np.argmax(busy))
+        choices = np.stack([np.where(on_critical, per_clock[0], c) for c in per_clock], axis=1)
+        return dict(zip(self.uniform_plans, self.plans_from_choices(choices)))
 
     @property
     def max_clock_plan(self) -> Plan:
@@ -331,16 +358,27 @@ class Emulator:
         )
 
     # ------------------------------------------------------------ strategies
-    def _policy_deployment(self, factor: float, informed: bool) -> Deployment:
-        """What the runtime deploys: the straggler keeps the no-straggler plan (slowing it would
-        slow the job); the others get the policy's plan for the straggler's time when the
-        runtime tells them about it (`informed`)."""
+    def _policy_deployment(self, factor: float, informed: bool, straggler_plans: bool = False) -> Deployment:
+        """What the runtime deploys. Uninformed: every pipeline runs the no-straggler plan.
+        Informed: every non-straggler gets the policy's plan for the straggler's time T'; the
+        straggler keeps the no-straggler plan unless `straggler_plans`, i.e. its own iteration
+        also ends at T' whatever its plan (the emulator's stall model: its extra time is its GPUs
+        idling, outside its computations; the runtime learns T' from an announced slowdown)."""
         frontier = self.frontier
         own = self.policy.select(frontier, None)
         straggler_time = self.straggler_time(factor)
         if informed and straggler_time is not None:
-            return Deployment(factor, own, self.policy.select(frontier, straggler_time))
+            held = self.policy.select(frontier, straggler_time)
+            return Deployment(factor, held if straggler_plans else own, held)
         return Deployment(factor, own, own)
+
+    def _t_star_deployment(self, factor: float) -> Deployment:
+        """Perseus before wait-aware planning: non-stragglers take the least-energy plan within
+        T' on the ordinary frontier, never past its minimum-energy plan T*."""
+        frontier = self.frontier
+        straggler_time = self.straggler_time(factor)
+        others = frontier.fastest if straggler_time is None else frontier.plan_for_deadline(straggler_time)
+        return Deployment(factor, frontier.fastest, others)
 
     def _expected(self, deployments: list[Deployment], scenario: StragglerScenario) -> IterationEnergy:
         return IterationEnergy.mean([self.iteration(d) for d in deployments], scenario.weights)
@@ -361,20 +399,26 @@ class Emulator:
         outcomes[MAX_CLOCK] = outcome(MAX_CLOCK, base_deps, f"{_clock_of(base_plan)} MHz")
 
         # Zeus-style: ONE clock for every GPU for the whole run, the least-energy one whose
-        # expected iteration time is no longer than all-max-clock's.
-        best: tuple[float, int, tuple[Deployment, ...]] | None = None
-        for clock, plan in self.uniform_plans.items():
-            deps = tuple(Deployment(f, plan, plan) for f in factors)
-            it = self._expected(list(deps), scenario)
-            if it.time <= base.time * (1 + _TIME_TOLERANCE) and (best is None or it.total < best[0]):
-                best = (it.total, clock, deps)
-        assert best is not None  # the max clock itself always qualifies
-        outcomes[GLOBAL_CLOCK] = outcome(GLOBAL_CLOCK, best[2], f"{best[1]} MHz")
+        # expected iteration time is no longer than all-max-clock's; EnvPipe-style likewise.
+        for key, plans in ((GLOBAL_CLOCK, self.uniform_plans), (ENVPIPE, self.envpipe_plans)):
+            best: tuple[float, int, tuple[Deployment, ...]] | None = None
+            for clock, plan in plans.items():
+                deps = tuple(Deployment(f, plan, plan) for f in factors)
+                it = self._expected(list(deps), scenario)
+                if it.time <= base.time * (1 + _TIME_TOLERANCE) and (best is None or it.total < best[0]):
+                    best = (it.total, clock, deps)
+            assert best is not None  # the max clock itself always qualifies
+            outcomes[key] = outcome(key, best[2], f"{best[1]} MHz")
 
+        note = f"policy {self.policy.name}"
         intrinsic = tuple(self._policy_deployment(f, informed=False) for f in factors)
-        outcomes[INTRINSIC] = outcome(INTRINSIC, intrinsic, f"policy {self.policy.name}")
-        informed = tuple(self._policy_deployment(f, informed=True) for f in factors)
-        outcomes[PERSEUS] = outcome(PERSEUS, informed, f"policy {self.policy.name}")
+        outcomes[INTRINSIC] = outcome(INTRINSIC, intrinsic, note)
+        outcomes[PERSEUS_T_STAR] = outcome(
+            PERSEUS_T_STAR, tuple(self._t_star_deployment(f) for f in factors), "lowest energy within T'")
+        detected = tuple(self._policy_deployment(f, informed=True) for f in factors)
+        outcomes[PERSEUS_DETECTED] = outcome(PERSEUS_DETECTED, detected, note)
+        held = tuple(self._policy_deployment(f, informed=True, straggler_plans=True) for f in factors)
+        outcomes[PERSEUS] = outcome(PERSEUS, held, note)
         return Emulation(self.layout, scenario, outcomes, self.frontier)
 
     def sweep(self, factors: list[float]) -> list[Emulation]:

@@ -10,14 +10,29 @@ from typing import Sequence
 import numpy as np
 
 from perseus_ext.emulator.core import (
+    ENVPIPE,
     GLOBAL_CLOCK,
     INTRINSIC,
     MAX_CLOCK,
     PERSEUS,
+    PERSEUS_DETECTED,
+    PERSEUS_T_STAR,
     STRATEGIES,
     Emulation,
     Emulator,
 )
+
+# Total savings the Perseus paper (SOSP'24) reports for its emulation, per (profile file stem,
+# microbatches): {T'/T: saving}. Only the figures its text states; the sweep shows "-" elsewhere.
+PAPER_SAVINGS: dict[tuple[str, int], dict[float, float]] = {
+    ("gpt3-175b-a100_sxm", 96): {1.2: 0.270},
+}
+COMPARED = (GLOBAL_CLOCK, ENVPIPE, PERSEUS_T_STAR, PERSEUS_DETECTED, PERSEUS)
+
+
+def paper_savings(profile_stem: str, microbatches: int) -> dict[float, float]:
+    """The paper's reported total savings for this profile and job size (often none)."""
+    return PAPER_SAVINGS.get((profile_stem, microbatches), {})
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], markdown: bool = False) -> str:
@@ -101,6 +116,36 @@ def sweep_table(sweeps: dict[int, Sequence[Emulation]], markdown: bool = False) 
     return format_table(headers, rows, markdown)
 
 
+def comparison_table(
+    sweeps: dict[int, Sequence[Emulation]], profile_stem: str = "", markdown: bool = False
+) -> str:
+    """Total saving per (job size, T'/T) of every compared strategy, the paper's figure where it
+    reports one, and perseus-ext's margin over the best of one global clock and EnvPipe-style."""
+    headers = ["microbatches", "T'/T", *(STRATEGY_SHORT[k] for k in COMPARED), "paper", "margin"]
+    rows = []
+    for m in sorted(sweeps):
+        paper = paper_savings(profile_stem, m)
+        for em in sweeps[m]:
+            factor = em.scenario.factors[0]
+            baseline = max(em.outcomes[GLOBAL_CLOCK].saving, em.outcomes[ENVPIPE].saving)
+            reported = next((v for f, v in paper.items() if abs(f - factor) < 1e-9), None)
+            rows.append([
+                m, f"{factor:.2f}", *(f"{100 * em.outcomes[k].saving:.2f}%" for k in COMPARED),
+                "-" if reported is None else _pct(reported),
+                f"{100 * (em.total_saving - baseline):+.2f} pt",
+            ])
+    return format_table(headers, rows, markdown)
+
+
+STRATEGY_SHORT = {
+    GLOBAL_CLOCK: "global clock",
+    ENVPIPE: "EnvPipe-style",
+    PERSEUS_T_STAR: "perseus T*",
+    PERSEUS_DETECTED: "perseus detected",
+    PERSEUS: "perseus-ext",
+}
+
+
 def records(emulations: Sequence[Emulation]) -> list[dict]:
     return [row for em in emulations for row in em.rows()]
 
@@ -158,9 +203,13 @@ def plot_emulation(emulator: Emulator, emulation: Emulation, directory: str | Pa
     return [frontier_path, timeline_path]
 
 
-def plot_sweep(sweeps: dict[int, Sequence[Emulation]], path: str | Path, title: str | None = None) -> Path:
-    """Savings vs slowdown: perseus-ext total per job size, plus its intrinsic-only and the
-    Zeus-style global clock for the largest job."""
+def plot_sweep(
+    sweeps: dict[int, Sequence[Emulation]], path: str | Path, title: str | None = None,
+    profile_stem: str = "",
+) -> Path:
+    """Savings vs slowdown: perseus-ext total per job size; for the first job size also its
+    intrinsic-only saving, the Zeus-style global clock, the EnvPipe-style baseline, perseus-ext
+    stopping at T*, and the paper's figures where it reports them."""
     from perseus_ext import plotting
 
     sizes = sorted(sweeps)
@@ -169,9 +218,16 @@ def plot_sweep(sweeps: dict[int, Sequence[Emulation]], path: str | Path, title: 
     for m in sizes:
         gpus = sweeps[m][0].layout.num_gpus
         series[f"perseus-ext, {m} microbatches ({gpus:,} GPUs)"] = [em.total_saving for em in sweeps[m]]
-    largest = sweeps[sizes[0]]
-    gpus = largest[0].layout.num_gpus
-    series[f"perseus-ext intrinsic only ({gpus:,} GPUs)"] = [em.outcomes[INTRINSIC].saving for em in largest]
-    series[f"Zeus-style global clock ({gpus:,} GPUs)"] = [em.outcomes[GLOBAL_CLOCK].saving for em in largest]
+    first = sweeps[sizes[0]]
+    gpus = first[0].layout.num_gpus
+    for key, label in ((INTRINSIC, "perseus-ext intrinsic only"), (PERSEUS_T_STAR, "perseus-ext stopping at T*"),
+                       (GLOBAL_CLOCK, "Zeus-style global clock"), (ENVPIPE, "EnvPipe-style")):
+        series[f"{label} ({gpus:,} GPUs)"] = [em.outcomes[key].saving for em in first]
+    for m in sizes:
+        paper = paper_savings(profile_stem, m)
+        if paper:
+            series[f"paper, {m} microbatches"] = [
+                next((v for f, v in paper.items() if abs(f - x) < 1e-9), float("nan")) for x in factors
+            ]
     plotting.plot_savings(factors, series, path, title=title)
     return Path(path)

@@ -3,7 +3,8 @@
 `exact_min_energy` solves, for one deadline, the discrete problem exactly as a mixed-integer
 program (HiGHS through `scipy.optimize.milp`): one binary per (computation, clock), start times,
 and the iteration time as a variable so blocking energy is charged on the plan's own time.
-`brute_force_min_energy` enumerates every assignment and is only for the tiniest cases (it
+`exact_wait_aware` solves the wait-aware problem (the iteration ends at the deadline whatever
+the plan, so every stage pays blocking power until then). `brute_force_min_energy` enumerates every assignment and is only for the tiniest cases (it
 checks the MILP formulation itself).
 """
 
@@ -40,11 +41,20 @@ def exact_min_energy(model: CostModel, deadline: float) -> tuple[float, np.ndarr
     return None if result is None else (result.energy, result.choice)
 
 
+def exact_wait_aware(model: CostModel, deadline: float) -> ExactResult | None:
+    """Cheapest plan, time <= deadline, when the iteration ends at the deadline anyway: its
+    energy counts every stage blocked until the deadline (`energy` and `lower_bound` include
+    that wait). None if infeasible."""
+    return exact_solve(model, deadline, wait_aware=True)
+
+
 def exact_solve(
-    model: CostModel, deadline: float, rel_gap: float = 1e-9, time_limit_s: float | None = None
+    model: CostModel, deadline: float, rel_gap: float = 1e-9, time_limit_s: float | None = None,
+    wait_aware: bool = False,
 ) -> ExactResult | None:
     """The MILP at one deadline; `rel_gap` / `time_limit_s` stop HiGHS early on pipelines too
-    large to prove optimal (the result then carries the bound). None if infeasible."""
+    large to prove optimal (the result then carries the bound). None if infeasible.
+    `wait_aware`: blocking is charged up to the deadline instead of the plan's own time."""
     n = model.num_nodes
     option_index = [(i, k) for i in range(n) for k in range(model.num_options[i])]
     nx = len(option_index)
@@ -56,7 +66,7 @@ def exact_solve(
     cost = np.zeros(num_vars)
     for col, (i, k) in enumerate(option_index):
         cost[col] = model.energies[i, k] - p * model.times[i, k]
-    cost[t_col] = p * stages
+    cost[t_col] = 0.0 if wait_aware else p * stages  # waiting: P S deadline, a constant
 
     rows: list[dict[int, float]] = []
     lower: list[float] = []
@@ -109,8 +119,12 @@ def exact_solve(
     for col, (i, k) in enumerate(option_index):
         if result.x[col] > 0.5:
             choice[i] = k
-    _, energy = model.replay(choice, switch_latency_s=0.0)
+    time, energy = model.replay(choice, switch_latency_s=0.0)
     bound = getattr(result, "mip_dual_bound", None)
+    if wait_aware:
+        constant = p * stages * deadline
+        energy = energy + p * stages * max(0.0, deadline - time)
+        bound = None if bound is None else bound + constant
     return ExactResult(float(energy), choice, float(energy if bound is None else bound))
 
 

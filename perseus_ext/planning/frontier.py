@@ -56,16 +56,32 @@ class Frontier:
 
     `baseline` is every computation at its fastest clock (what training runs without
     perseus-ext), replayed with the same energy model.
+
+    A wait-aware frontier (`planning/wait_aware.py`) appends, from `extension_start` on, plans
+    slower than the minimum-energy plan: worth running only when the iteration is held to a
+    longer time anyway (a straggler), as they are Pareto-optimal in (time, energy - blocking
+    power x stages x time). `ordinary_plans`, `min_energy` and `plan_for_deadline` ignore them.
     """
 
     schedule: dict
     blocking_power: float
     plans: tuple[Plan, ...]
     baseline: Plan
+    extension_start: int | None = None  # index of the first wait-aware plan; None: no extension
 
     def __post_init__(self) -> None:
         if not self.plans:
             raise SolverError("a frontier needs at least one plan")
+        start = self.extension_start
+        if start is not None and not 1 <= start <= len(self.plans):
+            raise SolverError(
+                f"extension_start must be between 1 and {len(self.plans)} plans, got {start!r}"
+            )
+
+    @property
+    def ordinary_plans(self) -> tuple[Plan, ...]:
+        """The plans up to the minimum-energy one, each chosen by its own iteration time."""
+        return self.plans if self.extension_start is None else self.plans[: self.extension_start]
 
     @property
     def fastest(self) -> Plan:
@@ -74,7 +90,7 @@ class Frontier:
 
     @property
     def min_energy(self) -> Plan:
-        return min(self.plans, key=lambda p: p.energy)
+        return min(self.ordinary_plans, key=lambda p: p.energy)
 
     def plan_for_deadline(self, deadline: float) -> Plan:
         """Lowest-energy plan that finishes within `deadline`; the fastest plan if none does.
@@ -83,7 +99,7 @@ class Frontier:
         the straggler's iteration time, and never past the minimum-energy point.
         """
         best = self.fastest
-        for plan in self.plans:
+        for plan in self.ordinary_plans:
             if plan.time <= deadline and plan.energy < best.energy:
                 best = plan
         return best
@@ -98,15 +114,21 @@ class Frontier:
             "blocking_power": self.blocking_power,
             "baseline": self.baseline.to_dict(),
             "plans": [p.to_dict() for p in self.plans],
+            **self._extension_dict(),
         }
+
+    def _extension_dict(self) -> dict:
+        return {} if self.extension_start is None else {"extension_start": self.extension_start}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Frontier":
+        start = data.get("extension_start")
         return cls(
             schedule=dict(data["schedule"]),
             blocking_power=float(data["blocking_power"]),
             plans=tuple(Plan.from_dict(p) for p in data["plans"]),
             baseline=Plan.from_dict(data["baseline"]),
+            extension_start=None if start is None else int(start),
         )
 
     def save(self, path: str | Path) -> None:
@@ -121,6 +143,7 @@ class Frontier:
             "blocking_power": self.blocking_power,
             "baseline": _plan_json(self.baseline),
             "plans": [_plan_json(p) for p in self.plans],
+            **self._extension_dict(),
         }
         Path(path).write_bytes(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY))
 
@@ -169,6 +192,7 @@ class Frontier:
             "energies": np.array([self.plans[j].energy for j in chosen]),
             "baseline": (self.baseline.time, self.baseline.energy),
             "stages": per_stage,
+            "extension_start": _selected_extension_start(self.extension_start, chosen),
         }
 
     @classmethod
@@ -192,7 +216,16 @@ class Frontier:
                 for j, (t, e) in enumerate(zip(data["times"], data["energies"]))
             ),
             baseline=Plan(float(data["baseline"][0]), float(data["baseline"][1]), baseline),
+            extension_start=data.get("extension_start"),
         )
+
+
+def _selected_extension_start(start: int | None, chosen: np.ndarray) -> int | None:
+    """Where the extension starts among the selected plans (None when they are all of one kind)."""
+    if start is None:
+        return None
+    ordinary = int(np.sum(chosen < start))
+    return ordinary if 0 < ordinary < len(chosen) else None
 
 
 def compact_stage_clocks(data: dict, stage: int) -> np.ndarray:

@@ -41,7 +41,7 @@ from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier
 from perseus_ext.planning.options import SolverOptions, check_problem_size
-from perseus_ext.planning.profile import Profile
+from perseus_ext.planning.profile import Profile, pareto_indices
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.planning.switching import merge_switches, repair_latency
 
@@ -615,15 +615,7 @@ def _fill_gaps(times: np.ndarray, energies: np.ndarray, keep: list[int], resolut
 
 
 def _pareto(times: np.ndarray, energies: np.ndarray) -> list[int]:
-    """Indices of Pareto-optimal (time, energy) points, by increasing time.
-
-    Times equal to 1e-12 s count as equal: replays of different plans along the same critical
-    path can differ by rounding, and a costlier plan must not win on that.
-    """
-    order = np.lexsort((energies, np.round(times, 12)))
-    keep, best = [], np.inf
-    for j in order:
-        if energies[j] < best - 1e-9:
-            keep.append(int(j))
-            best = energies[j]
-    return keep
+    """Indices of Pareto-optimal (time, energy) points, by increasing time. Times within 1e-12 s
+    count as equal: replays of different plans along the same critical path can differ by
+    rounding, and a costlier plan must not win on that."""
+    return pareto_indices(np.round(times, 12), energies, tolerance=1e-9)

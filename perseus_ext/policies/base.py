@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 
 from perseus_ext.planning.frontier import Frontier, Plan
+from perseus_ext.planning.wait_aware import plan_ending_at
 from perseus_ext.policies.cost import CostWeights, EnergyTimeCost
 
 
@@ -30,14 +31,16 @@ class OperatingPointPolicy(abc.ABC):
 
 class StragglerPolicy(OperatingPointPolicy):
     """Perseus: run the fastest plan (intrinsic bloat removed, no slowdown); when another
-    pipeline straggles, the lowest-energy plan that still finishes within its time."""
+    pipeline straggles, the cheapest plan for an iteration that ends at the straggler's time
+    anyway (its energy plus the blocking energy of waiting for the straggler). On a wait-aware
+    frontier that may be slower than the minimum-energy plan, never slower than the straggler."""
 
     name = "perseus"
 
     def select(self, frontier: Frontier, straggler_time: float | None) -> Plan:
         if straggler_time is None:
             return frontier.fastest
-        return frontier.plan_for_deadline(straggler_time)
+        return plan_ending_at(frontier, straggler_time)
 
 
 def min_cost_plan(
@@ -50,20 +53,22 @@ def min_cost_plan(
     A straggler caps useful speed: the data-parallel iteration takes at least `straggler_time`,
     so a plan finishing earlier is charged the straggler's time, plus the energy its S stages
     burn at the frontier's blocking power while waiting. Hence a plan faster than needed never
-    beats the cheapest plan that meets the straggler's time. Plans slower than the
-    minimum-energy plan are never candidates. Ties go to the lower-energy, then faster, plan,
-    which makes weights with no energy term reproduce `StragglerPolicy` exactly.
+    beats the cheapest plan that meets the straggler's time. Plans slower than both the
+    minimum-energy plan and the straggler are never candidates (they cost more energy and
+    time); a wait-aware frontier's plans up to the straggler's time are. Ties go to the plan
+    with less energy including the wait, then the faster one, which makes weights with no
+    energy term reproduce `StragglerPolicy` exactly.
     """
     floor = 0.0 if straggler_time is None else float(straggler_time)
     num_stages = len(frontier.fastest.frequencies)
     num_gpus = num_stages * gpus_per_stage
-    slowest_useful = frontier.min_energy.time
+    slowest_useful = max(frontier.min_energy.time, floor)
 
     def cost(plan: Plan) -> tuple[float, float, float]:
         wait = max(0.0, floor - plan.time)
         # frontier.blocking_power is per stage (all of a stage's GPUs), as in the energy model.
         energy = plan.energy + num_stages * frontier.blocking_power * wait
-        return (weights.cost(max(plan.time, floor), energy, num_gpus), plan.energy, plan.time)
+        return (weights.cost(max(plan.time, floor), energy, num_gpus), energy, plan.time)
 
     return min((p for p in frontier.plans if p.time <= slowest_useful), key=cost)
 

@@ -8,13 +8,24 @@ instead of hanging forever.
 
 Every collective here is called by *all* ranks of the job at the same iteration (the runtime's
 lifecycle is driven by agreed results only), which is what keeps them deadlock-free.
+
+Why two small groups instead of one world group: at 10k+ GPUs a world-wide gloo collective is
+a host-wide barrier over TCP. A job-wide reduction is done in two steps instead: within the
+rank's pipeline (its PP x TP ranks), then among its data-parallel peers (the ranks at the same
+stage and tensor-parallel slot of every pipeline, DP ranks). After both, every rank holds the
+job-wide result. The world group is used once, at set-up, to learn who is where. Message and
+byte counts per rank are in docs/control-plane.md and counted in `ControlPlane.stats`.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+FLOAT_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,9 @@ class ControlPlane:
         self._dist = None
         self._world = None
         self._pipeline_group = None
+        self._peer_group = None
+        self.peer_ranks: list[int] = [0]
+        self.stats: collections.Counter[str] = collections.Counter()  # collectives and bytes per group
         self.rank = 0
         self.pipeline = 0
         self.members: list[Member] = [Member(0, 0, stage)]
@@ -57,6 +71,22 @@ class ControlPlane:
             group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
             if pipeline == self.pipeline:
                 self._pipeline_group = group
+        for key, ranks in sorted(self._peer_sets().items()):
+            group = dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+            if self.rank in ranks:
+                self._peer_group, self.peer_ranks = group, ranks
+
+    def _peer_sets(self) -> dict[tuple[int, int], list[int]]:
+        """Data-parallel peers: (stage, tensor-parallel slot) -> the ranks holding it in every
+        pipeline. A slot is a rank's position among its stage's ranks of its pipeline."""
+        by_place: dict[tuple[int, int], list[Member]] = collections.defaultdict(list)
+        for member in self.members:
+            by_place[member.pipeline, member.stage].append(member)
+        peers: dict[tuple[int, int], list[int]] = collections.defaultdict(list)
+        for (_, stage), placed in by_place.items():
+            for slot, member in enumerate(sorted(placed, key=lambda m: m.rank)):
+                peers[stage, slot].append(member.rank)
+        return {key: sorted(ranks) for key, ranks in peers.items()}
 
     @property
     def distributed(self) -> bool:
@@ -76,9 +106,10 @@ class ControlPlane:
         return sum(1 for m in self.members if m.pipeline == self.pipeline and m.stage == self.stage)
 
     def broadcast_job(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank of the job (e.g. a job id all ranks must share)."""
+        """Rank 0's `obj` on every rank of the job (set-up only: a job id all ranks share)."""
         if self._dist is None:
             return obj
+        self._count("world", 1)
         box = [obj]
         self._dist.broadcast_object_list(box, src=0, group=self._world)
         return box[0]
@@ -104,6 +135,7 @@ class ControlPlane:
         return self._all_reduce(values, "sum")
 
     def _all_reduce(self, values: Sequence[float], op: str) -> list[float]:
+        """Job-wide element-wise reduction in two steps: the pipeline, then the DP peers."""
         if self._dist is None:
             return [float(v) for v in values]
         import torch
@@ -111,34 +143,83 @@ class ControlPlane:
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
         reduce_op = {"min": self._dist.ReduceOp.MIN, "max": self._dist.ReduceOp.MAX,
                      "sum": self._dist.ReduceOp.SUM}[op]
-        self._dist.all_reduce(tensor, op=reduce_op, group=self._world)
+        for name, group, size in (("pipeline", self._pipeline_group, len(self.pipeline_members)),
+                                  ("peers", self._peer_group, len(self.peer_ranks))):
+            if size > 1:
+                self._dist.all_reduce(tensor, op=reduce_op, group=group)
+                self._count(name, len(values))
         return tensor.tolist()
 
-    def all_gather_floats(self, values: Sequence[float]) -> list[list[float]]:
-        """Every rank's `values` (same length everywhere), indexed by global rank."""
-        if self._dist is None:
-            return [[float(v) for v in values]]
+    def _count(self, group: str, floats: int) -> None:
+        self.stats[f"{group} collectives"] += 1
+        self.stats[f"{group} payload bytes"] += floats * FLOAT_BYTES
+
+    def straggler_exchange(self, own_s: float | None, announced_factor: float,
+                           announced_time_s: float) -> tuple[float | None, float, float, float, float]:
+        """One straggler check: (this pipeline's time, the fastest pipeline's, the slowest one's,
+        the largest announced factor, the largest announced time). A pipeline's time is its
+        slowest stage's; a pipeline whose ranks have no measurement yet is left out (None when it
+        is this one)."""
+        missing = -math.inf
+        own = missing if own_s is None else own_s
+        pipeline = self._reduce_in(self._pipeline_group, len(self.pipeline_members), "pipeline",
+                                   [own, announced_factor, announced_time_s])
+        mine = pipeline[0]
+        job = self._reduce_in(self._peer_group, len(self.peer_ranks), "peers",
+                              [mine, -mine if mine != missing else missing, pipeline[1], pipeline[2]])
+        return (None if mine == missing else mine), -job[1], job[0], job[2], job[3]
+
+    def _reduce_in(self, group: Any, size: int, name: str, values: list[float]) -> list[float]:
+        """Element-wise max within one group."""
+        if self._dist is None or size <= 1:
+            return values
         import torch
 
-        mine = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        out = [torch.empty_like(mine) for _ in range(self._dist.get_world_size())]
-        self._dist.all_gather(out, mine, group=self._world)
-        return [t.tolist() for t in out]
+        tensor = torch.tensor(values, dtype=torch.float64)
+        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=group)
+        self._count(name, len(values))
+        return tensor.tolist()
 
     def gather_pipeline(self, obj: Any) -> list[tuple[Member, Any]]:
         """Every pipeline member's `obj`, with who sent it."""
         if self._dist is None:
             return [(self.members[0], obj)]
+        self.stats["pipeline object collectives"] += 1
         members = self.pipeline_members
         out: list[Any] = [None] * len(members)
         self._dist.all_gather_object(out, (self.rank, obj), group=self._pipeline_group)
         by_rank = {m.rank: m for m in members}
         return [(by_rank[rank], value) for rank, value in out]
 
+    def scatter_pipeline(self, by_rank: dict[int, Any] | None) -> Any:
+        """This rank's entry of the pipeline leader's `by_rank` (global rank -> object)."""
+        if self._dist is None:
+            return by_rank[self.rank]
+        self.stats["pipeline object collectives"] += 1
+        ranks = sorted(m.rank for m in self.pipeline_members)  # the group's rank order
+        inputs = [by_rank[rank] for rank in ranks] if by_rank is not None else None
+        out: list[Any] = [None]
+        self._dist.scatter_object_list(out, inputs, src=self.pipeline_leader(), group=self._pipeline_group)
+        return out[0]
+
     def broadcast_pipeline(self, obj: Any) -> Any:
         """The pipeline leader's `obj` on every rank of the pipeline."""
         if self._dist is None:
             return obj
+        self.stats["pipeline object collectives"] += 1
         box = [obj]
         self._dist.broadcast_object_list(box, src=self.pipeline_leader(), group=self._pipeline_group)
         return box[0]
+
+
+def check_pipeline_rank(pp_group: Any, stage: int) -> None:
+    """The pipeline group's ranks must be ordered by stage (what the plan's stage index means)."""
+    if pp_group is None:
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank(pp_group) != stage:
+        from perseus_ext.errors import PerseusError
+
+        raise PerseusError(f"stage {stage} is rank {dist.get_rank(pp_group)} of its pipeline group; "
+                           f"perseus-ext expects pipeline-group ranks ordered by stage")

@@ -15,6 +15,8 @@ The same model generates the Megatron `--perseus-<key>` flags
 
 from __future__ import annotations
 
+import dataclasses
+
 import enum
 import json
 import math
@@ -24,6 +26,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, Field, PlainValidator, PrivateAttr, TypeAdapter, model_validator
 
 from perseus_ext.errors import ConfigError, SolverError
+from perseus_ext.planning.options import BOUNDS as SOLVER_OPTION_BOUNDS
 from perseus_ext.planning.solver import SolverOptions
 from perseus_ext.policies.config import PolicyConfig
 from perseus_ext.schema import (
@@ -59,17 +62,25 @@ class Mode(enum.StrEnum):
 
 
 # ------------------------------------------------------------------------------ solver options
-SOLVER_BOUNDS: dict[str, Any] = {
-    "resolution": number(example=1e-3, unit="seconds", at_least=1e-4, at_most=10.0),
-    "grid_oversampling": integer(1, 64, example=1),
-    "min_grid_points": integer(1, 100_000, example=300),
-    "anchors": integer(2, 100_000, example=256),
-    "anchor_budget": integer(1, 10_000_000, example=4000),
-    "progress": flag(example=False),
-    "polish_budget": integer(0, 10**12, example=20_000_000),
-}
-"""Door bounds of every `SolverOptions` field: beyond them the solver's grid or LP count (and
-its memory) explodes or the option is meaningless (e.g. a negative grid)."""
+def _solver_bounds() -> dict[str, Any]:
+    """Door rules of every `SolverOptions` field, from the solver's own bounds (one table:
+    `perseus_ext.planning.options.BOUNDS`): beyond them its grid or LP count (and its memory)
+    explodes or the option is meaningless (e.g. a negative grid)."""
+    rules: dict[str, Any] = {}
+    for option in dataclasses.fields(SolverOptions):
+        default = option.default
+        if isinstance(default, bool):
+            rules[option.name] = flag(example=default)
+            continue
+        low, high = SOLVER_OPTION_BOUNDS[option.name]
+        if isinstance(default, int):
+            rules[option.name] = integer(int(low), int(high), example=default)
+        else:
+            rules[option.name] = number(example=default, at_least=low, at_most=high)
+    return rules
+
+
+SOLVER_BOUNDS: dict[str, Any] = _solver_bounds()
 
 _SOLVER_EXAMPLE = {"min_grid_points": 300}
 

@@ -7,15 +7,20 @@ and optimizer overheads stay put, so a pipeline that slowed down on purpose neve
 straggler. Each pipeline then deploys the plan its leader's policy picks for "the iteration may
 take as long as the slowest pipeline", broadcast to the pipeline's stages so they never disagree.
 Measurements come from device-side records, which arrive an iteration or so after launch; a
-check simply uses the records that have arrived.
+check simply uses the records that have arrived. A frontier with a wait-aware extension keeps one
+plan numbering; the policy sees the extension only when there is a deadline (the iteration then
+ends at the deadline anyway), the ordinary frontier otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import math
 import statistics
+
+import numpy as np
 
 from perseus_ext.errors import PerseusError
 from perseus_ext.planning.frontier import Frontier, Plan
@@ -28,13 +33,19 @@ from perseus_ext.runtime.straggler import SlowdownTracker
 
 logger = logging.getLogger(__name__)
 
+MODEL_DISAGREEMENT = 0.10  # warn when the fastest pipeline's compute time is this far off the model
+
 
 class PlanDeployment:
     """Plan selection for one rank once its pipeline's frontier is known."""
 
     def __init__(self, frontier: Frontier, policy: OperatingPointPolicy, config: PerseusConfig,
-                 comm: ControlPlane, schedule: PipelineSchedule, measured: MeasuredProfile | None) -> None:
+                 comm: ControlPlane, schedule: PipelineSchedule, measured: MeasuredProfile | None,
+                 stage_table: np.ndarray | None = None) -> None:
+        """stage_table: (plans, computations) clocks of this rank's stage when `frontier` carries
+        no clocks (ranks other than the pipeline leader receive only their own stage's)."""
         self.frontier = frontier
+        self.stage_table = stage_table
         self.schedule = schedule
         self.measured = measured
         self.policy = policy
@@ -45,12 +56,14 @@ class PlanDeployment:
         self.index = 0
         self.switches: list[PlanSwitch] = []
         self._index_of = {id(plan): index for index, plan in enumerate(frontier.plans)}
+        self._ordinary = dataclasses.replace(frontier, plans=frontier.ordinary_plans, extension_start=None)
         self._deployed_iterations = 0
         self._check_times: list[float] = []
         self._deadline: float | None = None
         self._policy_check_at: int | None = None
         self._recent_times: list[float] = []
         self._clock_cache: dict[tuple[int, int], tuple] = {}
+        self._model_warned = False
 
     @property
     def plan(self) -> Plan:
@@ -61,7 +74,8 @@ class PlanDeployment:
         key = (self.index, stage)
         clocks = self._clock_cache.get(key)
         if clocks is None:
-            clocks = self._clock_cache[key] = tuple(int(c) for c in self.plan.frequencies[stage])
+            row = self.stage_table[self.index] if self.stage_table is not None else self.plan.frequencies[stage]
+            clocks = self._clock_cache[key] = tuple(int(c) for c in row)
         return clocks
 
     def stage_durations(self, stage: int) -> tuple[float, ...] | None:
@@ -106,26 +120,15 @@ class PlanDeployment:
                         reason=f"{self.policy.name} re-evaluated (period {self.policy.period_s:g} s)")
 
     def _straggler_check(self, iteration: int, announced: tuple[str, float] | None) -> None:
-        own = statistics.median(self._check_times) if self._check_times else math.nan
+        own = statistics.median(self._check_times) if self._check_times else None
         self._check_times = []
         kind, value = announced or ("", 0.0)
-        rows = self.comm.all_gather_floats([
-            self.comm.pipeline, own,
-            value if kind == "factor" else 0.0, value if kind == "time" else 0.0,
-        ])
-        pipeline_time: dict[int, float] = {}
-        for pipeline, seconds, _, _ in rows:
-            if not math.isnan(seconds):
-                pipeline_time[int(pipeline)] = max(pipeline_time.get(int(pipeline), 0.0), seconds)
-        mine = pipeline_time.get(self.comm.pipeline)
+        mine, normal, slowest, factor_announced, time_announced = self.comm.straggler_exchange(
+            own, value if kind == "factor" else 0.0, value if kind == "time" else 0.0)
         if mine is None:  # no device record yet on this pipeline: keep the plan
             return
-        normal = min(pipeline_time.values())
-        straggler = max(
-            max(pipeline_time.values()),
-            max(r[2] for r in rows) * normal,  # announced factor of the normal iteration time
-            max(r[3] for r in rows),  # announced iteration time
-        )
+        self._check_model(normal)
+        straggler = max(slowest, factor_announced * normal, time_announced)
         # This pipeline may take (straggler - mine) longer without slowing the job down.
         ratio = 1.0 + (straggler - mine) / self.frontier.fastest.time
         self.tracker.update(ratio)
@@ -137,6 +140,19 @@ class PlanDeployment:
         self._agree(iteration, self._deadline, factor=factor,
                     reason=f"slowest pipeline {straggler:.4f} s, this one {mine:.4f} s")
 
+    def _check_model(self, measured_s: float) -> None:
+        """Straggler targets are model times: warn once when the model misjudges the fastest
+        pipeline (a profile that does not describe this job), as plans would be off by as much."""
+        modelled = self.frontier.fastest.time
+        if self._model_warned or abs(measured_s / modelled - 1) <= MODEL_DISAGREEMENT:
+            return
+        self._model_warned = True
+        if self.comm.is_pipeline_leader and self.comm.pipeline == 0:
+            logger.warning("perseus-ext: the frontier models the fastest plan's iteration at %.4f s of "
+                           "compute, the fastest pipeline measures %.4f s (%+.0f%%); straggler plans "
+                           "will be off by as much -- is the profile (%s.profile_path) from this job?",
+                           modelled, measured_s, 100 * (measured_s / modelled - 1), "perseus")
+
     def _agree(self, iteration: int, deadline: float | None, *, factor: float, reason: str) -> None:
         """Deploy the pipeline leader's choice on every rank of the pipeline.
 
@@ -144,8 +160,9 @@ class PlanDeployment:
         emissions ledger), but ranks may read a time-varying signal at slightly different
         moments, so only the leader's plan counts. The leader also says when to evaluate again:
         every `period_s` seconds, converted to iterations with its recent iteration time."""
+        offered = self._ordinary if deadline is None else self.frontier
         try:
-            chosen = self._index_of[id(self.policy.select(self.frontier, deadline))]
+            chosen = self._index_of[id(self.policy.select(offered, deadline))]
         except Exception as err:  # a failing policy must not skip the broadcast below
             logger.error("perseus-ext: the %s policy failed (%r); deploying the fastest plan",
                          getattr(self.policy, "name", "?"), err)
@@ -170,6 +187,9 @@ class PlanDeployment:
             return
         self.index = index
         plan = self.plan
+        start = self.frontier.extension_start
+        if start is not None and index >= start:
+            reason += "; wait-aware plan"
         self.switches.append(PlanSwitch(iteration, index, factor, reason, plan.time, plan.energy))
         if self.comm.is_pipeline_leader:
             logger.info("perseus-ext: pipeline %d iteration %d: plan %d/%d (%s): model time "

@@ -111,6 +111,10 @@ class RunRecorder:
 
     # ------------------------------------------------------------------ records
     def _finish(self, pending: _Pending) -> IterationRecord:
+        """An iteration spans the adapter's hooks: from `iteration_start` to `iteration_end` as
+        the device reaches them (DeepSpeed's whole schedule including the optimizer step;
+        Megatron's forward-backward, whose optimizer step follows outside it). What the process
+        does between iterations -- data loading, evaluation, another engine -- is not charged."""
         (start_s, start_mj), (compute_s, _), (end_s, end_mj) = (
             pending.seen[START], pending.seen[COMPUTE_END], pending.seen[END])
         energy = None if start_mj is None or end_mj is None else (end_mj - start_mj) / 1000.0

@@ -28,6 +28,21 @@ class MeasuredProfile:
     def blocking_power_per_gpu_w(self) -> float:
         return self.blocking_power_per_stage_w / self.gpus_per_stage
 
+    def for_schedule(self, schedule: PipelineSchedule) -> Profile:
+        """The profile the planner reads for `schedule`.
+
+        The runtime times single computations: with V model chunks per GPU, one chunk's forward
+        or backward. The planner reads a profile of one entry per GPU stage as the stage's whole
+        model and gives each chunk 1/V of it, so an interleaved schedule gets one entry per
+        virtual stage instead, each holding its GPU's measured computations."""
+        if schedule.num_chunks == 1:
+            return self.profile
+        stages = self.profile.num_stages
+        points = {(chunk * stages + stage, instruction): measured
+                  for (stage, instruction), measured in self.profile.points.items()
+                  for chunk in range(schedule.num_chunks)}
+        return Profile(points, f"{self.profile.source} (per virtual stage)")
+
 
 @dataclass(frozen=True)
 class SolveProblem:
@@ -48,6 +63,9 @@ class SolveOutcome:
     solve_s: float
     in_background: bool
     measured: MeasuredProfile | None = None  # what the frontier was solved from (planned durations)
+    # Why the frontier has no wait-aware extension (planning/wait_aware.py) when it failed;
+    # the ordinary frontier is still deployed.
+    extension_error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ collectives, so it cannot hang the others.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import secrets
@@ -29,7 +30,7 @@ from perseus_ext.actuation.sequencer import ClockSequencer
 from perseus_ext.errors import PerseusError
 from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
-from perseus_ext.runtime.comm import ControlPlane
+from perseus_ext.runtime.comm import ControlPlane, check_pipeline_rank
 from perseus_ext.runtime.config import PerseusConfig
 from perseus_ext.runtime.deployment import PlanDeployment, parse_announcement
 from perseus_ext.runtime.emissions import EmissionsAccount
@@ -41,6 +42,7 @@ from perseus_ext.runtime.rank_setup import RankSetup, describe_gpu
 from perseus_ext.runtime.recorder import RunRecorder
 from perseus_ext.runtime.recurring import JobCoordinator
 from perseus_ext.runtime.records import IterationSetting, MeasuredProfile, SolveOutcome, SolveProblem
+from perseus_ext.runtime.shipping import StageFrontier, ship, shipped_bytes
 from perseus_ext.runtime.solver_process import BackgroundSolve, solve
 from perseus_ext.runtime.summary import build_summary, log_summary
 from perseus_ext.measurement.gpu import GPU
@@ -68,7 +70,7 @@ class PerseusRuntime:
     ) -> None:
         if not 0 <= stage < schedule.num_stages:
             raise PerseusError(f"stage {stage} is outside the schedule's 0..{schedule.num_stages - 1}")
-        _check_pipeline_rank(pp_group, stage)
+        check_pipeline_rank(pp_group, stage)
         if config.simulated_workload is not None:
             config.simulated_workload.check_stages(schedule.num_stages)
         self.config = config
@@ -107,11 +109,13 @@ class PerseusRuntime:
         self.profiling: ProfilingRun | None = None
         self.deployment: PlanDeployment | None = None
         self.power_limit: PowerLimitMode | None = None
-        self.solve_outcome: SolveOutcome | None = None
+        self.solve_outcome: SolveOutcome | StageFrontier | None = None  # the leader's, or this rank's share
         self._phase_iterations = 0
         self._announced: tuple[str, float] | None = None
         self._solver: BackgroundSolve | None = None
         self._leader_outcome: SolveOutcome | None = None
+        self._measured: MeasuredProfile | None = None  # the pipeline leader's, kept for re-plans
+        self._solved: dict[PipelineSchedule, SolveOutcome] = {}  # the leader's frontiers, per schedule
         self._setting = IterationSetting(-1, self.phase)
         self._compute_ended = False
         self._closed = False
@@ -232,6 +236,41 @@ class PerseusRuntime:
         the next straggler check."""
         self._announced = parse_announcement(factor_or_time)
 
+    def reschedule(self, schedule: PipelineSchedule) -> None:
+        """Run `schedule` from the next iteration on (e.g. another number of microbatches).
+
+        Every rank calls it at the same iteration boundary (between `iteration_end()` and
+        `iteration_start()`). The measured profile stays: a computation's time and energy do
+        not depend on how many microbatches the iteration holds. A pipeline that had a
+        frontier (or was solving one) re-solves for the new schedule -- its leader re-uses the
+        frontier it solved for that schedule before, if any -- and redeploys through the solving
+        phase, so all ranks deploy together; warm-up, profiling and power-limit mode go on."""
+        if self._closed or schedule == self.schedule:
+            return
+        if schedule.num_stages != self.schedule.num_stages:
+            raise PerseusError(f"reschedule: the new schedule has {schedule.num_stages} stages, this "
+                               f"pipeline {self.schedule.num_stages}; a new pipeline needs a new runtime")
+        if self.deployment is not None and self._leader_outcome is not None:
+            self._solved[self.schedule] = self._leader_outcome
+        if self._solver is not None:
+            self._solver.cancel()
+            self._solver = None
+        self._leader_outcome = None
+        self.schedule = schedule
+        self.order = schedule.orders[self.stage]
+        self.pacer = self.setup.pacer(self.config, self.timeline, schedule, stage=self.stage,
+                                      pipeline=self.comm.pipeline, num_pipelines=self.comm.num_pipelines)
+        logger.info("perseus-ext: stage %d runs %s from iteration %d on", self.stage,
+                    schedule.describe(), self.iteration)
+        if self.phase not in (Phase.SOLVING, Phase.DEPLOYED):
+            return
+        cached = self._solved.get(schedule)
+        if cached is None:
+            self._start_solve(self._measured)
+            return
+        self._set_phase(Phase.SOLVING)
+        self._leader_outcome = dataclasses.replace(cached, solve_s=0.0, in_background=False)
+
     # ------------------------------------------------------------------ state
     @property
     def _profiling_now(self) -> bool:
@@ -347,6 +386,7 @@ class PerseusRuntime:
         self._start_solve(measured)
 
     def _start_solve(self, measured: MeasuredProfile | None) -> None:
+        self._measured = measured
         self._set_phase(Phase.SOLVING)
         if not self.comm.is_pipeline_leader:
             return
@@ -375,26 +415,29 @@ class PerseusRuntime:
         (all_ready,) = self.comm.all_min([float(self._leader_outcome is not None or not leader)])
         if not all_ready:
             return
-        outcome: SolveOutcome = self.comm.broadcast_pipeline(self._leader_outcome if leader else None)
-        self.solve_outcome = outcome
-        if outcome.frontier is None:
+        shipments = ship(self._leader_outcome, self.comm.pipeline_members) if leader else None
+        shipment: StageFrontier = self.comm.scatter_pipeline(shipments)
+        self.solve_outcome = self._leader_outcome if leader else shipment
+        if shipment.compact is None:
             logger.warning("perseus-ext: pipeline %d has no frontier (%s); staying at default clocks",
-                           self.comm.pipeline, outcome.error)
+                           self.comm.pipeline, shipment.error)
             self._set_phase(Phase.OBSERVING)
             return
-        frontier = outcome.frontier
+        # The leader keeps the whole frontier; the others get their own stage's clocks only.
+        frontier = self._leader_outcome.frontier if leader else shipment.frontier()
         if leader:
-            how = "in a background process while training went on" if outcome.in_background else "inline"
+            how = "in a background process while training went on" if shipment.in_background else "inline"
             logger.info("perseus-ext: pipeline %d frontier: %d plans, solved in %.1f s %s; the fastest "
-                        "plan saves %.1f%% energy at no slowdown (model)", self.comm.pipeline,
-                        len(frontier.plans), outcome.solve_s, how, 100 * frontier.intrinsic_saving())
+                        "plan saves %.1f%% energy at no slowdown (model); %.3f MB shipped per rank",
+                        self.comm.pipeline, len(frontier.plans), shipment.solve_s, how,
+                        100 * frontier.intrinsic_saving(), max(map(shipped_bytes, shipments.values())) / 1e6)
             if self.comm.pipeline == 0 and self.config.frontier_path:
                 try:
                     frontier.save(self.config.frontier_path)
                 except OSError as err:
                     logger.error("perseus-ext: cannot save the frontier to %s: %s", self.config.frontier_path, err)
         self.deployment = PlanDeployment(frontier, self.policy, self.config, self.comm, self.schedule,
-                                         outcome.measured)
+                                         shipment.measured, None if leader else shipment.stage_clocks())
         self.deployment.deploy(self.iteration)
         self._set_phase(Phase.DEPLOYED)
 
@@ -461,12 +504,3 @@ class PerseusRuntime:
         if self.job is not None:
             self.job.close()  # reports the batch-size run (rank 0); never raises
 
-
-def _check_pipeline_rank(pp_group: Any, stage: int) -> None:
-    if pp_group is None:
-        return
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_rank(pp_group) != stage:
-        raise PerseusError(f"stage {stage} is rank {dist.get_rank(pp_group)} of its pipeline group; "
-                           f"perseus-ext expects pipeline-group ranks ordered by stage")

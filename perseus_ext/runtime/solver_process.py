@@ -15,6 +15,7 @@ parent dies (PR_SET_PDEATHSIG), so a dead leader never leaves a solver running.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import pickle
 import signal
@@ -29,21 +30,36 @@ NICENESS = 10
 READ_CHUNK_BYTES = 1 << 20
 PR_SET_PDEATHSIG = 1
 
+logger = logging.getLogger(__name__)
+
 
 def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveOutcome:
-    """The frontier, or the error that prevented it; never raises."""
+    """The frontier with its wait-aware extension, or the error that prevented the frontier;
+    never raises. A failed extension leaves the ordinary frontier (and says why)."""
     started = time.perf_counter()
     try:
         from perseus_ext.planning.solver import solve_frontier
 
         measured = problem.measured
         frontier = solve_frontier(
-            problem.schedule, measured.profile.pareto(), measured.blocking_power_per_stage_w,
+            problem.schedule, measured.for_schedule(problem.schedule).pareto(), measured.blocking_power_per_stage_w,
             problem.options, switch_latency_s=problem.switch_latency_s,
         )
-        return SolveOutcome(frontier, None, time.perf_counter() - started, in_background, measured)
     except Exception as err:  # reported to every rank of the pipeline instead
         return SolveOutcome(None, f"{type(err).__name__}: {err}", time.perf_counter() - started, in_background)
+    extension_error = None
+    try:
+        from perseus_ext.planning.wait_aware import extend_frontier
+
+        frontier = extend_frontier(
+            frontier, problem.schedule, measured.profile, measured.blocking_power_per_stage_w,
+            problem.options, switch_latency_s=problem.switch_latency_s,
+        )
+    except Exception as err:  # the ordinary frontier still serves every deadline up to T*
+        extension_error = f"{type(err).__name__}: {err}"
+        logger.warning("perseus-ext: no wait-aware plans past the minimum-energy plan (%s)", extension_error)
+    return SolveOutcome(frontier, None, time.perf_counter() - started, in_background, measured,
+                        extension_error)
 
 
 class BackgroundSolve:

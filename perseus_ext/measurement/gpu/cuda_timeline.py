@@ -18,7 +18,7 @@ from typing import Any
 
 from perseus_ext.measurement.gpu.timeline import DeviceMarker, DeviceTimeline
 
-POLL_S = 0.0002  # query interval of a wait with a timeout (event.synchronize cannot time out)
+POLL_S = 0.001  # query interval of a wait with a timeout (event.synchronize cannot time out); each query takes the GIL
 
 
 class CudaTimeline(DeviceTimeline):

@@ -25,7 +25,7 @@ from pathlib import Path
 from perseus_ext.measurement.gpu.common import GPUError
 
 DEFAULT_TRANSFER_S = 0.0001  # device-to-device hand-over added to every dependency (NVLink-ish)
-POLL_S = 0.0005  # how often a waiting device engine looks for its keys
+POLL_S = 0.002  # how often a waiting device engine looks for its keys (late keys still start on time)
 
 
 def board_directory(job_id: str) -> Path:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from perseus_ext.planning.energy import BLOCKING_POWER_W
 from perseus_ext.measurement.gpu.common import (
     GPU,
     GPUError,
@@ -103,7 +104,7 @@ PRESETS: dict[str, Preset] = {
         static_fraction=0.21,
         voltage_floor=0.77,
         memory_bound_fraction=0.20,
-        idle_power_w=83.64,
+        idle_power_w=BLOCKING_POWER_W["a100"],
         default_power_limit_w=500.0,
         power_limit_range_w=(100.0, 500.0),
         source="fitted to examples/profiles/{gpt3-175b,bloom}-a100_sxm.csv",
@@ -118,7 +119,7 @@ PRESETS: dict[str, Preset] = {
         static_fraction=0.52,
         voltage_floor=0.575,
         memory_bound_fraction=0.67,
-        idle_power_w=70.38,
+        idle_power_w=BLOCKING_POWER_W["a40"],
         default_power_limit_w=300.0,
         power_limit_range_w=(100.0, 300.0),
         source="fitted to examples/profiles/{gpt3-175b,bloom}-a40.csv",

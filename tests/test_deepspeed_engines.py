@@ -1,0 +1,206 @@
+"""Schedule changes and non-pipeline engines.
+
+`PerseusRuntime.reschedule` (what `set_train_batch_size()` and Megatron's batch-size ramp-up
+lead to) is checked on a single-process runtime with a virtual-clock simulated GPU; the DeepSpeed
+pieces run `examples/deepspeed/train.py` under torchrun over gloo with simulated A100s: a pipeline
+engine whose batch size changes after deployment, and a plain (non-pipeline) engine in observe
+and power-limit modes, which is all a job without a pipeline can use.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from perseus_ext.errors import PerseusError
+from perseus_ext.planning.profile import load_profile
+from perseus_ext.planning.schedule import build_schedule
+from perseus_ext.runtime import PerseusRuntime, Phase
+
+from runtime_helpers import make_config, sim_gpu, train  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH_TIMEOUT_S = 240
+FAST_PROFILING = {
+    "gpu": "sim:a100_sxm?noise=0&period=0.01",  # a fine energy counter: few profiling iterations
+    "warmup_iterations": 1,
+    "candidate_clocks": [1410, 1200, 990],
+    "clock_stride": 1,
+    "solve_in_background": False,
+    "log_interval": 0,
+}
+
+
+# --------------------------------------------------------------------------- runtime
+def test_reschedule_resolves_for_a_new_schedule_and_reuses_a_cached_frontier():
+    four, six = build_schedule("1f1b", 1, 4), build_schedule("1f1b", 1, 6)
+    runtime = PerseusRuntime(make_config(), schedule=four, stage=0, gpu=sim_gpu())
+    try:
+        train(runtime, 20)
+        assert runtime.phase is Phase.DEPLOYED
+        first = runtime.frontier
+
+        runtime.reschedule(six)
+        assert runtime.phase is Phase.SOLVING and len(runtime.order) == 12
+        train(runtime, 2)
+        assert runtime.phase is Phase.DEPLOYED and runtime.fallback_reason is None
+        assert runtime.frontier is not first
+        assert runtime.frontier.fastest.time > first.fastest.time  # 6 microbatches take longer
+
+        runtime.reschedule(four)  # back to a schedule solved before: no new solve
+        train(runtime, 2)
+        assert runtime.phase is Phase.DEPLOYED and runtime.frontier is first
+        assert runtime.solve_outcome.solve_s == 0.0
+
+        runtime.reschedule(four)  # the same schedule changes nothing
+        assert runtime.phase is Phase.DEPLOYED
+        with pytest.raises(PerseusError, match="stages"):
+            runtime.reschedule(build_schedule("1f1b", 2, 4))
+    finally:
+        runtime.close()
+
+
+def test_reschedule_while_profiling_keeps_the_measurements():
+    runtime = PerseusRuntime(make_config(), schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=sim_gpu())
+    try:
+        train(runtime, 2)
+        assert runtime.phase is Phase.PROFILING
+        profiled = runtime.profiling_iterations
+        runtime.reschedule(build_schedule("1f1b", 1, 3))
+        train(runtime, 20)
+        assert runtime.phase is Phase.DEPLOYED and runtime.fallback_reason is None
+        assert runtime.profiling_iterations > profiled
+        assert runtime.frontier.fastest.time > 0 and runtime.schedule.num_microbatches == 3
+    finally:
+        runtime.close()
+
+
+def train_steadily(runtime: PerseusRuntime, iterations: int) -> None:
+    """An adapter's hooks with no host-side waits between computations (a busy pipeline)."""
+    for _ in range(iterations):
+        runtime.iteration_start()
+        for computation in runtime.order:
+            runtime.before_computation(computation.kind, computation.microbatch)
+            runtime.after_computation(computation.kind, computation.microbatch)
+        runtime.mark_compute_end()
+        runtime.gpu.wait(0.005)  # optimizer step
+        runtime.iteration_end()
+
+
+def test_a_model_that_misjudges_the_measured_iteration_is_warned_about(tmp_path, caplog):
+    """A saved profile that halves every computation (as the per-chunk bug did for V = 2) makes
+    the frontier model half the measured compute time: one warning says so. The profile the job
+    measured itself never models the iteration too short (its per-computation framework
+    overhead, larger on a loaded machine, can only lengthen the model)."""
+    schedule = build_schedule("1f1b", 1, 4)
+    path = tmp_path / "profile.csv"
+    caplog.set_level(logging.WARNING, logger="perseus_ext")
+    runtime = PerseusRuntime(make_config(profile_path=str(path)), schedule=schedule, stage=0, gpu=sim_gpu())
+    train_steadily(runtime, 20)
+    runtime.close()
+    assert runtime.phase is Phase.DEPLOYED
+    assert not [r for r in caplog.records if "the frontier models" in r.getMessage() and "(+" in r.getMessage()]
+    caplog.clear()
+
+    load_profile(path, pareto=False).scaled(0.5, 0.5).save(path)
+    halved = PerseusRuntime(make_config(profile_path=str(path)), schedule=schedule, stage=0, gpu=sim_gpu())
+    train_steadily(halved, 10)
+    halved.close()
+    warnings = [r.getMessage() for r in caplog.records if "the frontier models" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "(+" in warnings[0]  # measured about twice the model
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is an optional dependency"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_example(tmp_path: Path, perseus: dict, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """examples/deepspeed/train.py under torchrun with `perseus` merged into its config."""
+    config = json.loads((REPO / "examples/deepspeed/ds_config.json").read_text())
+    config["perseus"] = {**config["perseus"], "profile_path": None, **FAST_PROFILING,
+                         "summary_path": str(tmp_path / "summary-{rank}.json"),
+                         "log_path": str(tmp_path / "log-{rank}.jsonl"), **perseus}
+    config_path = tmp_path / "ds_config.json"
+    config_path.write_text(json.dumps(config))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+         "--master_port", str(_free_port()), str(REPO / "examples/deepspeed/train.py"),
+         "--deepspeed_config", str(config_path), *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
+    )
+
+
+def summaries(tmp_path: Path, ranks: int) -> list[dict]:
+    return [json.loads((tmp_path / f"summary-{rank}.json").read_text()) for rank in range(ranks)]
+
+
+def log_phases(tmp_path: Path, rank: int) -> dict[int, str]:
+    lines = (tmp_path / f"log-{rank}.jsonl").read_text().splitlines()
+    return {record["iteration"]: record["phase"] for record in map(json.loads, lines)}
+
+
+@needs_deepspeed
+def test_set_train_batch_size_replans_instead_of_falling_back(tmp_path):
+    completed = run_example(tmp_path, {}, "--iterations", "18", "--set-train-batch-size", "12", "24")
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-4000:]
+    for rank, summary in enumerate(summaries(tmp_path, 2)):
+        assert summary["fallback_reason"] is None
+        assert summary["final_phase"] == "deployed" and len(summary["profiled_clocks"]) >= 2
+        assert summary["plan_switches"][0]["iteration"] == 12  # redeployed on the new frontier
+        phases = log_phases(tmp_path, rank)
+        assert phases[11] == "deployed" and phases[12] == "solving"
+        assert all(phases[i] == "deployed" for i in range(13, 18))
+    assert "microbatches': 6" in output  # gradient accumulation 4 -> 6
+
+
+PLAIN_WORKLOAD = {"simulated_workload": {"forward_seconds": 0.01, "backward_seconds": 0.02}}
+
+
+@needs_deepspeed
+def test_plain_engine_observe_mode_measures_every_iteration(tmp_path):
+    completed = run_example(tmp_path, {"mode": "observe", **PLAIN_WORKLOAD}, "--stages", "0", "--iterations", "6")
+    assert completed.returncode == 0, (completed.stdout + completed.stderr)[-4000:]
+    for rank, summary in enumerate(summaries(tmp_path, 2)):
+        assert summary["fallback_reason"] is None and summary["final_phase"] == "observing"
+        assert summary["pipeline"] == rank  # each data-parallel rank is its own "pipeline"
+        assert set(log_phases(tmp_path, rank).values()) == {"observing"}
+        assert len(log_phases(tmp_path, rank)) == 6
+
+
+@needs_deepspeed
+def test_plain_engine_power_limit_mode_settles_on_a_limit(tmp_path):
+    policy = {"type": "zeus", "mode": "power_limit",
+              "power_limit": {"warmup_iters": 0, "profile_iters": 1, "step_w": 100}}
+    completed = run_example(tmp_path, {"policy": policy, **PLAIN_WORKLOAD}, "--stages", "0", "--iterations", "10")
+    assert completed.returncode == 0, (completed.stdout + completed.stderr)[-4000:]
+    for summary in summaries(tmp_path, 2):
+        assert summary["fallback_reason"] is None and summary["final_phase"] == "power_limit"
+        assert summary["policy"]["limit_w"] is not None and len(summary["policy"]["measurements"]) >= 2
+
+
+@needs_deepspeed
+def test_plain_engine_optimize_mode_is_a_clear_error(tmp_path):
+    completed = run_example(tmp_path, PLAIN_WORKLOAD, "--stages", "0", "--iterations", "2", nproc=1)
+    assert completed.returncode != 0
+    assert "perseus.mode 'optimize' plans GPU clocks across pipeline stages" in completed.stderr
+    assert "PipelineModule" in completed.stderr

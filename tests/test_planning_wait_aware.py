@@ -1,0 +1,132 @@
+"""Wait-aware planning: the frontier's extension past T*, checked against the exact MILP with
+the wait-aware objective, and the lookups the policies use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from perseus_ext.planning.energy import CostModel
+from perseus_ext.planning.exact import exact_wait_aware
+from perseus_ext.planning.frontier import Frontier
+from perseus_ext.planning.profile import Profile, load_profile
+from perseus_ext.planning.schedule import one_f_one_b
+from perseus_ext.planning.wait_aware import (
+    plan_ending_at,
+    solve_wait_aware,
+    wait_useful_profile,
+    waiting_cost_profile,
+    waiting_energy,
+)
+
+A100 = Path(__file__).resolve().parents[1] / "examples" / "profiles" / "gpt3-175b-a100_sxm.csv"
+P_BLOCK_A100 = 83.64
+
+
+@pytest.fixture(scope="module")
+def raw_a100() -> Profile:
+    return load_profile(A100, pareto=False)
+
+
+def raw_sub_profile(raw: Profile, stages: int, clocks: tuple[int, ...]) -> Profile:
+    """The first `stages` stages at `clocks` only, unfiltered (dominated clocks kept)."""
+    rows = [r for r in raw.rows() if r["stage"] < stages and r["frequency"] in clocks]
+    return Profile.from_rows(rows, source=f"{A100.name}[{stages} stages, {clocks}]")
+
+
+def test_wait_useful_clocks_keep_what_the_energy_filter_drops(raw_a100: Profile) -> None:
+    useful = wait_useful_profile(raw_a100, P_BLOCK_A100)
+    filtered = raw_a100.pareto()
+    extra = 0
+    for key, op in useful.points.items():
+        assert set(filtered.points[key].frequencies) <= set(op.frequencies)
+        extra += len(op) - len(filtered.points[key])
+        waiting = op.energies - P_BLOCK_A100 * op.times
+        assert np.all(np.diff(op.times) > 0) and np.all(np.diff(waiting) < 0)
+    assert extra > 0  # clocks slower than each computation's min-energy clock are back
+    shifted = waiting_cost_profile(useful, P_BLOCK_A100)
+    for key, op in shifted.points.items():
+        assert np.all(op.energies > 0)
+        assert op.energies[-1] == pytest.approx(useful.points[key].energies[-1])
+
+
+# (stages, microbatches, clocks): the lowest clocks lie below most computations' min-energy
+# clock, where only waiting makes them worth running.
+SMALL_CASES = [
+    (2, 3, (1410, 1200, 1050, 900)),
+    (2, 4, (1410, 1140, 975, 855)),
+    (3, 3, (1410, 1230, 1020, 870)),
+    (3, 4, (1410, 1275, 1035, 885)),
+]
+
+
+@pytest.mark.parametrize("stages, microbatches, clocks", SMALL_CASES)
+def test_extension_within_half_a_percent_of_the_exact_wait_aware_optimum(
+    raw_a100: Profile, stages: int, microbatches: int, clocks: tuple[int, ...]
+) -> None:
+    raw = raw_sub_profile(raw_a100, stages, clocks)
+    schedule = one_f_one_b(stages, microbatches)
+    frontier = solve_wait_aware(schedule, raw, P_BLOCK_A100)
+    exact_model = CostModel(schedule, raw, P_BLOCK_A100)  # every measured clock
+    t_min = frontier.fastest.time
+    t_slowest = float(exact_model.dag.makespan(exact_model.times[np.arange(exact_model.num_nodes),
+                                                                  exact_model.num_options - 1]))
+    worst = 0.0
+    for deadline in np.linspace(t_min, 1.05 * t_slowest, 24):
+        optimum = exact_wait_aware(exact_model, deadline)
+        ours = plan_ending_at(frontier, deadline)
+        assert ours.time <= deadline + 1e-9
+        worst = max(worst, waiting_energy(frontier, ours, deadline) / optimum.energy - 1)
+    assert worst <= 0.005, f"{100 * worst:.3f}% above the exact wait-aware optimum"
+
+
+def test_extension_plans_are_exact_replays_and_keep_the_ordinary_frontier(raw_a100: Profile) -> None:
+    raw = raw_sub_profile(raw_a100, 3, (1410, 1275, 1140, 1035, 960, 885))
+    schedule = one_f_one_b(3, 4)
+    frontier = solve_wait_aware(schedule, raw, P_BLOCK_A100)
+    start = frontier.extension_start
+    assert start is not None and start < len(frontier.plans)
+    ordinary, extension = frontier.ordinary_plans, frontier.plans[start:]
+    t_star = frontier.min_energy
+    assert t_star is ordinary[-1]
+    assert np.all(np.diff([p.time for p in ordinary]) > 0)
+    assert np.all(np.diff([p.energy for p in ordinary]) < 0)
+    assert any(p.time > t_star.time for p in extension)
+    assert all(p.energy > t_star.energy for p in extension if p.time > t_star.time)
+    # Every extension plan is Pareto-optimal in (time, energy - P S time) among all plans.
+    slope = 3 * P_BLOCK_A100
+    for plan in extension:
+        waiting = plan.energy - slope * plan.time
+        assert not any(
+            other is not plan and other.time <= plan.time and other.energy - slope * other.time <= waiting
+            for other in frontier.plans
+        )
+    model = CostModel(schedule, wait_useful_profile(raw, P_BLOCK_A100), P_BLOCK_A100)
+    for plan in extension:
+        time, energy = model.replay(model.choice_of(plan))
+        assert (plan.time, plan.energy) == (pytest.approx(time, rel=1e-12), pytest.approx(energy, rel=1e-12))
+    # Ordinary lookups ignore the extension; the wait-aware one uses it past T*.
+    late = max(p.time for p in extension)
+    assert frontier.plan_for_deadline(late) is t_star
+    assert plan_ending_at(frontier, late) is max(extension, key=lambda p: p.time)
+    assert plan_ending_at(frontier, t_star.time) is t_star
+    assert plan_ending_at(frontier, 0.5 * frontier.fastest.time) is frontier.fastest
+    round_trip = Frontier.from_dict(frontier.to_dict())
+    assert round_trip.extension_start == start and round_trip.min_energy.energy == t_star.energy
+    compact = Frontier.from_compact(frontier.to_compact())
+    assert compact.extension_start == start
+
+
+def test_latency_aware_extension_reports_latency_aware_replays(raw_a100: Profile) -> None:
+    raw = raw_sub_profile(raw_a100, 2, (1410, 1200, 1050, 900))
+    schedule = one_f_one_b(2, 4)
+    latency = 0.004
+    frontier = solve_wait_aware(schedule, raw, P_BLOCK_A100, switch_latency_s=latency)
+    model = CostModel(schedule, wait_useful_profile(raw, P_BLOCK_A100), P_BLOCK_A100, latency)
+    extension = frontier.plans[frontier.extension_start:]
+    assert extension
+    for plan in extension:
+        time, energy = model.replay(model.choice_of(plan))
+        assert plan.time == pytest.approx(time, rel=1e-12) and plan.energy == pytest.approx(energy, rel=1e-12)
