@@ -60,6 +60,22 @@ def test_cost_limit_stops_every_rank_at_a_boundary_with_clocks_restored(tmp_path
     assert only_state(store).arms[4].stopped == 1
 
 
+def test_reaching_the_target_before_a_decided_stop_takes_effect_wins_on_every_rank(tmp_path):
+    """Rank 0 decides the stop at one boundary and acts at the next; a target reported in
+    between must get the same answer on every rank (a rank that breaks out of its loop on
+    True while another trains on would hang the job), so the run counts as reached."""
+    store = tmp_path / "bso.db"
+    seed_cheap_run(store)
+    runtime = runtime_for(recurring_config(store))
+    train(runtime, 1)  # the cost limit is passed here: stop decided, not yet taken
+    assert not runtime.stop_requested
+    assert runtime.report_metric(0.5)
+    train(runtime, 2)  # no PerseusEarlyStop after the target
+    runtime.close()
+    assert runtime.job.report.outcome is RunOutcome.REACHED
+    assert only_state(store).arms[4].reached == 1
+
+
 def test_a_run_ending_without_its_target_is_not_reached_and_reaching_it_is_recorded(tmp_path):
     store = tmp_path / "bso.db"
     missed = runtime_for(recurring_config(store))

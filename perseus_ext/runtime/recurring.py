@@ -279,18 +279,26 @@ class JobCoordinator:
         self.job_energy_j += energy_j
         if isinstance(self._signal, ExternalSignal) and reading >= 0:
             self._signal.feed(reading)
-        if reached > 0:
-            self.reached = True
-            if self.job is not None and self.job.report is None and not self.job.stopped:
-                self.job.finish(RunOutcome.REACHED)  # seen on another rank
+        if reached > 0 and not self.reached:
+            self._reach()  # reported on another rank since the last boundary
+        if self.reached:
+            return False  # a run that reached its target is never stopped
         if stop > 0:
             self.stop_requested = True
             self._stop_cost = stop_cost
             return True
-        if leader and self.job is not None and self.job.record_iteration(energy_j):
+        if leader and self.job is not None and self.job.report is None and self.job.record_iteration(energy_j):
             self._stop_next = True
             self._stop_cost = self.job.cost
         return False
+
+    def _reach(self) -> None:
+        """The target is reached: recorded as reached (rank 0) even if rank 0 decided to stop
+        at the last boundary, since that stop has not happened yet; no stop follows."""
+        self.reached = True
+        self._stop_next = False
+        if self.job is not None and self.job.report is None:
+            self.job.finish(RunOutcome.REACHED)
 
     def report_metric(self, value: float) -> bool:
         """One evaluation result (call it on any rank; on rank 0 it is recorded at once, on
@@ -300,12 +308,11 @@ class JobCoordinator:
                               f"(name, value, higher_is_better) in the config")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(f"report_metric: {self.target.name} must be a finite number, got {value!r}")
-        if self.job is not None:
-            reached = self.job.report_metric(float(value))
-        else:
-            reached = not self.stop_requested and self.target.is_reached(float(value))
+        # The same answer on every rank for the same value: ranks stop training on it together.
+        reached = self.reached or (not self.stop_requested and self.target.is_reached(float(value)))
+        if reached and not self.reached:
+            self._reach()
         self._reached_local = self._reached_local or reached
-        self.reached = self.reached or reached
         return reached
 
     def early_stop(self) -> PerseusEarlyStop:
