@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "perseus_ext.commands.emulate",
     "perseus_ext.commands.batch_size",
     "perseus_ext.commands.demo",
+    "perseus_ext.commands.report",
     "perseus_ext.commands.doctor",
     "perseus_ext.commands.patch_path",
 ]

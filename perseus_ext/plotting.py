@@ -261,7 +261,8 @@ def plot_savings(
 
 
 PHASE_COLORS = {"warmup": "#bbbbbb", "profiling": "#f2c14e", "solving": "#7fb7e6", "deployed": "#9fd89f",
-                "power_limit": "#9fd89f", "observing": "#eeeeee"}
+                "power_limit": "#9fd89f", "observing": "#eeeeee", "deployed (slowed for a straggler)": "#3f9b3f",
+                "baseline probe": "#d62728", "fallback": "#f4a6a6"}
 
 
 def plot_run_timeline(

@@ -109,7 +109,7 @@ def test_object_flags_take_json_and_null_overrides_the_file(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--perseus-solver", '{"min_grid_points": -5}'],
-     "perseus.solver.min_grid_points must be an integer in [1, 100000], got -5; e.g. 300 (Megatron flag --perseus-solver"),
+     "perseus.solver.min_grid_points must be an integer in [2, 20000], got -5; e.g. 500 (Megatron flag --perseus-solver"),
     (["--perseus-solver", "{min_grid_points: 5}"], "perseus.solver must be an object"),
     (["--perseus-candidate-clocks", "1410", "fast"], "perseus.candidate_clocks[1] must be a clock in MHz"),
     (["--perseus-control-timeout-s", "1e15"], "perseus.control_timeout_s must be a number of seconds in [1, 604800]"),

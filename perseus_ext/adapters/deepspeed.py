@@ -192,7 +192,11 @@ def _attach_pipeline(engine: Any, config: Any) -> Any:
         runtime.iteration_start()
         original_exec_schedule(tagged)
         runtime.iteration_end()
+        metrics.write()
 
+    from perseus_ext.monitoring import IterationMetrics, deepspeed_sink
+
+    metrics = IterationMetrics(runtime, [deepspeed_sink(getattr(engine, "monitor", None))])
     engine._exec_schedule = MethodType(exec_schedule, engine)
     return runtime
 

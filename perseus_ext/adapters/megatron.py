@@ -214,10 +214,14 @@ class MegatronPerseus:
         *,
         gpu: Any = None,
         policy: Any = None,
+        tensorboard_writer: Any = None,
+        wandb_writer: Any = None,
     ) -> None:
         self._args = args
         self._gpu = gpu
         self._policy = policy
+        self._writers = (tensorboard_writer, wandb_writer)
+        self.metrics: Any = None
         self._config: Any = None
         self.runtime: Any = None
         self.schedule: PipelineSchedule | None = None
@@ -282,6 +286,7 @@ class MegatronPerseus:
                 self._schedule_depth -= 1
             self._iteration = None
             self.runtime.iteration_end()
+            self.metrics.write()
             return result
 
         return run_iteration
@@ -458,6 +463,9 @@ class MegatronPerseus:
             policy=self._policy,
             local_rank=self._local_device(),
         )
+        from perseus_ext.monitoring import IterationMetrics, megatron_sinks
+
+        self.metrics = IterationMetrics(self.runtime, megatron_sinks(*self._writers))
         log.info("perseus: stage %d of %s", self.stage, self.schedule.describe())
         return True
 
@@ -502,6 +510,8 @@ def install(
     *,
     gpu: Any = None,
     policy: Any = None,
+    tensorboard_writer: Any = None,
+    wandb_writer: Any = None,
 ) -> MegatronPerseus | None:
     """One call from a pretraining script, before it looks up `get_forward_backward_func()`:
     hook megatron-core's schedules.
@@ -510,7 +520,8 @@ def install(
     (ConfigError naming the key and flag), and None is returned when `--perseus` is off. Without
     `args`, Megatron-LM's global args (`megatron.training.get_args()`) are read at the first
     training iteration, so bad flags only fail then. One install per process at a time;
-    `close()` undoes it.
+    `close()` undoes it. Per-iteration perseus metrics go to `tensorboard_writer` /
+    `wandb_writer`, or by default to Megatron-LM's own writers (`perseus_ext.monitoring`).
     """
     global _INSTALLED
     if _INSTALLED is not None and not _INSTALLED._closed:
@@ -525,7 +536,8 @@ def install(
         if stages is not None:
             _check_mode(config, stages, "this job (--pipeline-model-parallel-size 1)")
         apply_run_batch_size(args, config)  # the store's --global-batch-size, if asked for
-    perseus = MegatronPerseus(args, gpu=gpu, policy=policy)
+    perseus = MegatronPerseus(args, gpu=gpu, policy=policy, tensorboard_writer=tensorboard_writer,
+                              wandb_writer=wandb_writer)
     perseus._config = config
     perseus._patch()
     atexit.register(perseus.close)

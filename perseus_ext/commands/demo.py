@@ -7,7 +7,9 @@ observing (default clocks: the baseline), once optimising. Midway,
 one pipeline's GPUs slow down by 1.2x (a straggler) and later recover. The command prints
 baseline vs perseus time and energy per iteration, splits the savings into intrinsic (fastest
 plan, no straggler) and extrinsic (slower plans while another pipeline straggles), and draws
-the frontier and a timeline.
+the frontier and a timeline. Beside the side-by-side figure it prints what a real job, which has
+no twin, reports: the saving measured against its own baseline probes (`perseus-ext report` on
+the perseus run's logs), with its confidence interval.
 
 The worker side (`python -m perseus_ext.commands.demo --worker SCENARIO.json`, run by torchrun)
 is also what the DeepSpeed end-to-end tests drive, with other scenarios.
@@ -51,6 +53,7 @@ class Scenario:
     variants: list[str] = field(default_factory=lambda: ["observe", "perseus"])
     fault_rank: int = 1  # "faulty" variant: this rank's GPU fails every clock change
     perseus: dict[str, Any] = field(default_factory=dict)  # overrides of the perseus section
+    deepspeed: dict[str, Any] = field(default_factory=dict)  # more DeepSpeed config (e.g. a monitor)
 
     def __post_init__(self) -> None:
         unknown = [v for v in self.variants if v not in VARIANTS]
@@ -78,6 +81,8 @@ class Scenario:
                 "backward_seconds": self.backward_seconds,
             },
             "frontier_path": str(Path(self.out_dir) / f"frontier-{variant}.json"),
+            "log_path": str(Path(self.out_dir) / f"log-{variant}-{{rank}}.jsonl"),
+            "baseline_fraction": 0.25,  # a short demo: enough probes for a usable interval
         }
         section.update(self.perseus)
         if variant == "observe":
@@ -107,6 +112,7 @@ class _VariantRun:
             "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
             "steps_per_print": 10**9,
             "perseus": scenario.perseus_section(variant),
+            **scenario.deepspeed,
         }
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         self.runtime = getattr(self.engine, "perseus", None)
@@ -143,7 +149,8 @@ class _VariantRun:
             for logged in runtime.history:
                 self.iterations[logged.iteration].update(
                     energy_j=logged.energy_j, phase=logged.phase.value, plan=logged.setting.plan,
-                    factor=logged.setting.factor, compute_s=logged.compute_s, coverage=logged.coverage)
+                    factor=logged.setting.factor, compute_s=logged.compute_s, coverage=logged.coverage,
+                    probe=logged.setting.probe)
         return {
             "variant": self.variant, "rank": self.engine.global_rank, "pipeline": self.pipeline,
             "stage": self.engine.stage_id, "losses": self.losses, "iterations": self.iterations,
@@ -188,7 +195,7 @@ def launch(scenario: Scenario, *, timeout_s: float = 600.0, quiet: bool = True) 
     """
     out = Path(scenario.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob("rank*.json"):
+    for stale in [*out.glob("rank*.json"), *out.glob("log-*.jsonl")]:  # logs are appended to
         stale.unlink()
     scenario_path = out / "scenario.json"
     scenario_path.write_text(json.dumps(dataclasses.asdict(scenario)))
@@ -260,21 +267,40 @@ def compare(scenario: Scenario, results: list[list[dict[str, Any]]], baseline: s
         name: {key: job_series(ranks, key) for key in ("time_s", "energy_j", "true_energy_j")}
         for name, ranks in (("baseline", base), ("perseus", pers))
     }
+    # Baseline probes run default clocks on purpose: the side-by-side figures leave them out,
+    # so they compare the plans with their twin (what the probes measure).
+    probes = {i for r in pers for i, it in enumerate(r["iterations"]) if it.get("probe")}
     table = {}
     for label, span in windows(scenario, pers).items():
-        if len(span) == 0:
+        kept = [i for i in span if i not in probes]
+        if not kept:
             continue
         row: dict[str, Any] = {}
         for name in ("baseline", "perseus"):
-            row[f"{name}_time_s"] = statistics.median(series[name]["time_s"][i] for i in span)
+            row[f"{name}_time_s"] = statistics.median(series[name]["time_s"][i] for i in kept)
             for key in ("energy_j", "true_energy_j"):
-                row[f"{name}_{key}"] = statistics.fmean(series[name][key][i] for i in span)
+                row[f"{name}_{key}"] = statistics.fmean(series[name][key][i] for i in kept)
         row["time_change"] = row["perseus_time_s"] / row["baseline_time_s"] - 1.0
         row["energy_saving"] = 1.0 - row["perseus_true_energy_j"] / row["baseline_true_energy_j"]
         row["measured_energy_saving"] = 1.0 - row["perseus_energy_j"] / row["baseline_energy_j"]
         row["iterations"] = [span.start, span.stop]
         table[label] = row
-    return {"windows": table, "series": series, "model_check": model_check(scenario, pers)}
+    deployed = [i for span in windows(scenario, pers).values() for i in span if i not in probes]
+    side_by_side = None if not deployed else 1.0 - (
+        statistics.fmean(series["perseus"]["true_energy_j"][i] for i in deployed)
+        / statistics.fmean(series["baseline"]["true_energy_j"][i] for i in deployed))
+    return {"windows": table, "series": series, "model_check": model_check(scenario, pers),
+            "side_by_side_saving": side_by_side, "report": measured_report(scenario, pers)}
+
+
+def measured_report(scenario: Scenario, perseus_ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """What `perseus-ext report` makes of the perseus run's own logs: the saving measured
+    against its baseline probes, as a job without a twin would see it."""
+    from perseus_ext.commands.report import analyse, read_logs
+
+    frontier = perseus_ranks[0]["summary"].get("frontier") if perseus_ranks[0]["summary"] else None
+    logs = sorted(Path(scenario.out_dir).glob("log-perseus-*.jsonl"))
+    return analyse(read_logs(logs), frontier["intrinsic_saving"] if frontier else None)
 
 
 def model_check(scenario: Scenario, perseus_ranks: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -347,6 +373,7 @@ def print_report(scenario: Scenario, comparison: dict[str, Any], results: list[l
             print(f"extrinsic savings (non-stragglers slowed to the straggler): {total - intrinsic:.1f} "
                   f"J/iteration on top ({100 * (total - intrinsic) / slow['baseline_true_energy_j']:.1f}%), "
                   f"{100 * slow['energy_saving']:.1f}% in total")
+    print_measured(comparison)
     check = comparison.get("model_check")
     if check:
         print(f"model check (pipeline 0, fastest plan): time {check['planned_time_s']:.4f} s planned vs "
@@ -366,11 +393,32 @@ def print_report(scenario: Scenario, comparison: dict[str, Any], results: list[l
         print(f"pipeline {pipeline} plans: {steps}")
 
 
+def print_measured(comparison: dict[str, Any]) -> None:
+    """The saving measured against the baseline probes (what a job without a twin reports),
+    with its interval, against the side-by-side saving over the same deployed iterations."""
+    from perseus_ext.commands.report import format_report
+
+    report, twin = comparison["report"], comparison["side_by_side_saving"]
+    print()
+    print("what the job itself measured (perseus-ext report on the perseus run's logs):")
+    print(format_report(report))
+    overall = report["job"]["measured"]["all"]
+    if overall is None or twin is None:
+        return
+    low, high = overall["saving_low"], overall["saving_high"]
+    inside = low is not None and low <= twin <= high
+    print(f"measured saving {100 * overall['saving']:.1f}%" + (
+        "" if low is None else f" [{100 * low:.1f}, {100 * high:.1f}] (95% CI)")
+        + f" vs side-by-side {100 * twin:.1f}% (exact energy, same deployed iterations): "
+        + ("within the interval" if inside else "OUTSIDE the interval"))
+
+
 def plot(scenario: Scenario, comparison: dict[str, Any], results: list[list[dict[str, Any]]]) -> list[Path]:
     """frontier.png (time-energy frontier with the plans used) and timeline.png (time and
     energy of every iteration, baseline vs perseus)."""
+    from perseus_ext.commands.report import plot as plot_report
     from perseus_ext.planning.frontier import Frontier
-    from perseus_ext.plotting import plot_frontier, plot_run_timeline
+    from perseus_ext.plotting import plot_frontier
 
     out = Path(scenario.out_dir)
     paths = []
@@ -381,14 +429,12 @@ def plot(scenario: Scenario, comparison: dict[str, Any], results: list[list[dict
         marks = {f"plan {index} (straggler)": frontier.plans[index] for index in sorted(used - {0})}
         plot_frontier(frontier, out / "frontier.png", marks=marks, title="Pipeline 0 time-energy frontier")
         paths.append(out / "frontier.png")
-    series = comparison["series"]
-    phases = [iteration.get("phase", "observing") for iteration in by_variant(results, "perseus")[0]["iterations"]]
     straggler = ((scenario.straggler_start, scenario.straggler_end)
                  if scenario.straggler_pipeline is not None else None)
-    plot_run_timeline(
-        {f"{name} (exact energy)": {"time_s": figures["time_s"], "energy_j": figures["true_energy_j"]}
-         for name, figures in series.items()},
-        phases, out / "timeline.png", straggler=straggler,
+    baseline = comparison["series"]["baseline"]
+    plot_report(
+        comparison["report"], out / "timeline.png", straggler=straggler,
+        series={"baseline, side by side (measured)": {"time_s": baseline["time_s"], "energy_j": baseline["energy_j"]}},
         title=f"perseus-ext demo ({scenario.stages} stages x {scenario.pipelines} pipelines): job time and "
               f"energy per iteration",
     )

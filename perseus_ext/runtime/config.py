@@ -254,6 +254,11 @@ class PerseusConfig(Section):
     straggler_confirmations: Annotated[AtLeastOne, Field(
         description="Consecutive checks that must ask for a slower plan before it happens (a transient hiccup "
                     "slows nothing down); faster plans are taken at once.")] = 2
+    baseline_fraction: Annotated[number(example=0.01, at_least=0, at_most=0.5), Field(
+        description="Share of deployed iterations run at default clocks as baseline probes (about one in "
+                    "`1 / fraction`, the same iterations on every rank, never next to a straggler check or plan "
+                    "switch): the measured saving and its confidence interval come from them. `0` = no probes, "
+                    "no measured saving.")] = 0.01
     communication_clock: Annotated[
         int | Literal["min"] | None,
         Rule('null, "min" or a clock in MHz (an integer >= 1)', "min",
@@ -262,8 +267,8 @@ class PerseusConfig(Section):
                           "input (deployed plans only; each computation's own clock is issued at its start, so "
                           "computations pay the switching latency); `\"min\"` = the GPU's lowest clock.")] = None
     log_interval: Annotated[integer(0, example=10), Field(
-        description="Log a line (time, energy, plan) every N iterations on rank 0 (other ranks at DEBUG); `0` = "
-                    "off.")] = 1
+        description="Log one concise line (phase, plan, time, energy, measured saving) every N iterations on "
+                    "rank 0 (other ranks at DEBUG); `0` = off.")] = 100
     log_path: Annotated[rank_template(example="logs/perseus-{rank}.jsonl") | None, Field(
         description="JSONL file with one record per iteration as the device ran it (timestamp, rank, stage, "
                     "phase, plan, time, energy, clock coverage), appended across restarts; `{rank}` (the only "

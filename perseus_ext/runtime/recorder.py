@@ -5,7 +5,10 @@ cannot be written at `iteration_end`. Instead the recorder asks the controller's
 observe the iteration's start, compute-end and end markers (time and energy counter when the
 device reaches them), and turns an iteration into an `IterationRecord` once all three have been
 observed -- usually one iteration later. Records go to the history, the JSONL log (appended, so
-a restarted job keeps its earlier lines) and a concise log line every `log_interval` iterations.
+a restarted job keeps its earlier lines) and one concise line every `log_interval` iterations
+(INFO on rank 0, DEBUG elsewhere, so a job's console shows one line, not one per stage): what the
+iteration really ran (a fallen-back rank says so whatever the phase), its time and energy, and the
+saving measured against the baseline probes so far.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any, Callable
 from perseus_ext.actuation.sequencer import IterationTrace
 from perseus_ext.measurement.coverage import estimate_coverage
 from perseus_ext.measurement.gpu.timeline import DeviceMarker, SwitchLatency
+from perseus_ext.runtime.baseline import Comparison, label_of
 from perseus_ext.runtime.records import IterationRecord, IterationSetting
 
 logger = logging.getLogger(__name__)
@@ -42,7 +46,8 @@ class RunRecorder:
 
     def __init__(self, controller: Any, *, rank: int, pipeline: int, stage: int, latency: SwitchLatency,
                  log_path: str | None, log_interval: int,
-                 on_record: Callable[[IterationRecord], None] | None = None) -> None:
+                 on_record: Callable[[IterationRecord], None] | None = None,
+                 saving: Callable[[], Comparison | None] | None = None) -> None:
         self.controller = controller
         self.rank, self.pipeline, self.stage = rank, pipeline, stage
         self.latency = latency
@@ -52,6 +57,7 @@ class RunRecorder:
         self._changes: list[tuple[float, int | None]] = []
         self._clock_before: int | None = None  # the clock in force before self._changes[0]
         self._on_record = on_record
+        self._saving = saving
         self._log_file = self._open_log(log_path)
 
     def _open_log(self, template: str | None):
@@ -151,18 +157,31 @@ class RunRecorder:
                 "pipeline": record.pipeline, "stage": record.stage, "phase": setting.phase.value,
                 "setting": setting.describe(), "plan": setting.plan,
                 "profiled_clock_mhz": setting.profiled_clock_mhz, "power_limit_w": setting.power_limit_w,
-                "factor": setting.factor, "fell_back": setting.fell_back, "time_s": record.time_s,
+                "factor": setting.factor, "fell_back": setting.fell_back, "probe": setting.probe,
+                "time_s": record.time_s,
                 "compute_s": record.compute_s, "energy_j": record.energy_j, "coverage": record.coverage,
             }
             self._log_file.write(json.dumps(row) + "\n")
             self._log_file.flush()
         if self.log_interval and record.iteration % self.log_interval == 0:
-            level = logging.INFO if self.rank == 0 else logging.DEBUG
-            energy = f"{record.energy_j:.1f} J" if record.energy_j is not None else "n/a"
-            coverage = f", clock coverage {100 * record.coverage:.1f}%" if record.coverage is not None else ""
-            logger.log(level, "perseus-ext: iteration %d [%s, %s] time %.4f s compute %.4f s energy %s%s "
-                       "(rank %d)", record.iteration, setting.phase.value, setting.describe(), record.time_s,
-                       record.compute_s, energy, coverage, record.rank)
+            logger.log(logging.INFO if self.rank == 0 else logging.DEBUG, "%s", self.log_line(record))
+
+    def log_line(self, record: IterationRecord) -> str:
+        """'perseus-ext it 200 [deployed, plan 3, x1.15] 0.5120 s 612.3 J, coverage 97.0%,
+        saving 23.1% [19.0, 27.2] (12 probes) (rank 0)'."""
+        setting = record.setting
+        label = label_of(setting.phase.value, setting.fell_back, setting.probe)
+        what = [label] if label != setting.phase.value or setting.describe() == "default" else [label, setting.describe()]
+        if setting.factor is not None and setting.factor > 1.0 and setting.plan is not None:
+            what.append(f"x{setting.factor:.2f}")
+        parts = [f"perseus-ext it {record.iteration} [{', '.join(what)}] {record.time_s:.4f} s "
+                 + (f"{record.energy_j:.1f} J" if record.energy_j is not None else "n/a J")]
+        if record.coverage is not None:
+            parts.append(f"coverage {100 * record.coverage:.1f}%")
+        estimate = self._saving() if self._saving is not None and not setting.fell_back else None
+        if estimate is not None:
+            parts.append(f"saving {estimate.describe()}")
+        return ", ".join(parts) + f" (rank {self.rank})"
 
     def close(self, timeout_s: float) -> None:
         """Record what the device still runs (the controller is flushed first), close the log."""

@@ -99,10 +99,13 @@ class IterationSetting:
     power_limit_w: float | None = None  # the limit in force (power-limit mode)
     factor: float | None = None  # the slowdown factor planned for (deployed)
     fell_back: bool = False  # this rank ran default clocks because it fell back
+    probe: bool = False  # a deployed iteration run at default clocks on purpose (baseline probe)
 
     def describe(self) -> str:
         if self.fell_back:
             return "default (fallback)"
+        if self.probe:
+            return "default (baseline probe)"
         if self.plan is not None:
             return f"plan {self.plan}"
         if self.profiled_clock_mhz is not None:

@@ -30,6 +30,7 @@ from perseus_ext.actuation.sequencer import ClockSequencer
 from perseus_ext.errors import PerseusError
 from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
+from perseus_ext.runtime.baseline import BaselineProbes
 from perseus_ext.runtime.comm import ControlPlane, check_pipeline_rank
 from perseus_ext.runtime.config import PerseusConfig
 from perseus_ext.runtime.deployment import PlanDeployment, parse_announcement
@@ -98,9 +99,11 @@ class PerseusRuntime:
                                   blocking_power_per_gpu_w=config.blocking_power_w or config.saved_blocking_power_w)
         self.saved_profile = self.store.load(schedule)
         self.emissions = EmissionsAccount(self.policy)
+        self.probes = BaselineProbes(config.baseline_fraction, config.straggler_check_interval)
         self.recorder = RunRecorder(self.controller, rank=self.comm.rank, pipeline=self.comm.pipeline,
                                     stage=stage, latency=self.setup.latency, log_path=config.log_path,
-                                    log_interval=config.log_interval, on_record=self.emissions.on_record)
+                                    log_interval=config.log_interval, on_record=self.emissions.on_record,
+                                    saving=self.probes.estimate)
         # The job-wide exchange (batch-size run, early stop, shared signal); None when unused.
         self.job = JobCoordinator.create(config, self.comm, self.gpu, self.policy)
         self.phase = Phase.WARMUP if config.mode == "optimize" else Phase.OBSERVING
@@ -300,13 +303,23 @@ class PerseusRuntime:
     def _current_setting(self) -> IterationSetting:
         fell_back = self.fallback_reason is not None
         if self.phase is Phase.DEPLOYED and self.deployment is not None:
-            return IterationSetting(self.iteration, self.phase, plan=None if fell_back else self.deployment.index,
-                                    factor=self.deployment.factor, fell_back=fell_back)
+            probe = not fell_back and self._baseline_probe()
+            return IterationSetting(self.iteration, self.phase,
+                                    plan=None if fell_back or probe else self.deployment.index,
+                                    factor=self.deployment.factor, fell_back=fell_back, probe=probe)
         if self._profiling_now:
             return IterationSetting(self.iteration, self.phase, profiled_clock_mhz=self.profiling.profiler.current_clock)
         if self.power_limit is not None:
             return IterationSetting(self.iteration, self.phase, power_limit_w=self.power_limit.limit_w, fell_back=fell_back)
         return IterationSetting(self.iteration, self.phase, fell_back=fell_back)
+
+    def _baseline_probe(self) -> bool:
+        """Whether this deployed iteration runs default clocks as a baseline probe: decided from
+        the deployed-iteration count and the pipeline's last plan switch, the same on every rank;
+        a probe's setting has no plan, so it runs (and is recorded) at default clocks."""
+        switches = self.deployment.switches
+        since_switch = self.iteration - switches[-1].iteration - 1 if switches else None
+        return self.probes.is_probe(self._phase_iterations, since_switch)
 
     def _iteration_clocks(self) -> tuple[int, ...] | None:
         setting = self._setting
@@ -320,6 +333,7 @@ class PerseusRuntime:
     def _advance(self) -> None:
         self._phase_iterations += 1
         records = self.recorder.collect()
+        self.probes.observe(records)
         if self.phase is Phase.WARMUP and self._phase_iterations >= self.config.warmup_iterations:
             self._end_warmup()
         elif self.phase is Phase.PROFILING:

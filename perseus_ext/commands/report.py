@@ -1,0 +1,188 @@
+"""`perseus-ext report LOG...`: the job's results from the runtime's JSONL logs (`log_path`).
+
+Why: the runtime's summary is per rank and a job has no side-by-side twin; the JSONL of every
+rank holds what the device ran in each iteration (phase, plan, baseline probes, time, energy),
+which is all a job-level figure needs. The command prints per-rank lines and the job's measured
+saving against the baseline probes with its confidence interval (energy summed over the ranks,
+time of the slowest), split into the fastest-plan (intrinsic) and straggler (extrinsic) regimes,
+the probes' own cost, and what warm-up, profiling and solving cost on their own. With
+`--frontier` the profile-based estimate is printed beside it, labelled as a model. `--figure`
+draws the timeline that the demo draws too.
+
+A log appended across restarts holds several runs; each rank's latest run is reported (a run
+starts where the iteration count goes back).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from perseus_ext.errors import PerseusError
+
+STRAGGLER_LABEL = "deployed (slowed for a straggler)"
+
+
+def read_logs(paths: Iterable[str | Path]) -> dict[int, list[dict[str, Any]]]:
+    """Every rank's rows of its latest run, in iteration order (several files may hold one
+    rank's rows; a rank whose iteration count goes back restarted)."""
+    rows_by_rank: dict[int, list[dict[str, Any]]] = {}
+    for path in paths:
+        path = Path(path)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as err:
+            raise PerseusError(f"cannot read the log {path}: {err.strerror or err}") from None
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                rows_by_rank.setdefault(int(row["rank"]), []).append(row)
+                float(row["time_s"]), int(row["iteration"]), str(row["phase"])
+            except (ValueError, KeyError, TypeError) as err:
+                raise PerseusError(f"{path}:{number} is not a perseus-ext log record ({err!r}); give the "
+                                   "JSONL files the runtime writes to perseus.log_path") from None
+    if not rows_by_rank:
+        raise PerseusError("the logs hold no iteration records")
+    latest = {}
+    for rank, rows in rows_by_rank.items():
+        start = max((k for k in range(1, len(rows)) if rows[k]["iteration"] <= rows[k - 1]["iteration"]), default=0)
+        latest[rank] = rows[start:]
+    return dict(sorted(latest.items()))
+
+
+def analyse(rows_by_rank: dict[int, list[dict[str, Any]]], model_saving: float | None = None) -> dict[str, Any]:
+    """Per-rank and job-level measured saving, probe cost and phase costs (JSON-ready)."""
+    from perseus_ext.runtime.baseline import Sample, default_figures, job_samples, measured_counterfactual, phase_costs
+
+    samples = {rank: [Sample.of_row(row) for row in rows] for rank, rows in rows_by_rank.items()}
+    ranks = {}
+    for rank, own in samples.items():
+        first = rows_by_rank[rank][0]
+        measured = measured_counterfactual(own)
+        ranks[rank] = {"pipeline": first.get("pipeline"), "stage": first.get("stage"), "iterations": len(own),
+                       "fell_back_at_iteration": next((s.iteration for s in own if s.label == "fallback"), None),
+                       "measured": measured}
+    job = job_samples(samples.values())
+    measured = measured_counterfactual(job)
+    default_energy_j, default_time_s = default_figures(job, measured)
+    return {
+        "ranks": ranks,
+        "job": {"iterations": len(job), "measured": measured,
+                "default_per_iteration": {"energy_j": default_energy_j, "time_s": default_time_s},
+                "phase_costs": phase_costs(job, default_energy_j, default_time_s),
+                "model_intrinsic_saving": model_saving},
+        "timeline": {"iterations": [s.iteration for s in job], "labels": [timeline_label(s) for s in job],
+                     "time_s": [s.time_s for s in job], "energy_j": [s.energy_j for s in job]},
+    }
+
+
+def timeline_label(sample: Any) -> str:
+    """The band a job iteration gets in the timeline: its phase, probes and fallbacks as such,
+    and deployed iterations slowed for a straggler apart from fastest-plan ones."""
+    if sample.label == "deployed" and (sample.factor or 1.0) > 1.0:
+        return STRAGGLER_LABEL
+    return sample.label
+
+
+def _interval(comparison: dict[str, Any]) -> str:
+    from perseus_ext.runtime.baseline import Comparison
+
+    return Comparison(**comparison).describe()
+
+
+def format_report(analysis: dict[str, Any]) -> str:
+    """The table `perseus-ext report` prints (the demo prints it too)."""
+    lines = [f"{'rank':>4} {'pipeline':>8} {'stage':>5} {'iters':>6}  measured saving [95% CI]"]
+    for rank, entry in analysis["ranks"].items():
+        overall = entry["measured"]["all"]
+        text = (f"fell back at iteration {entry['fell_back_at_iteration']}" if entry["fell_back_at_iteration"] is not None
+                else _interval(overall) if overall is not None else "no probes")
+        lines.append(f"{rank:>4} {entry['pipeline']!s:>8} {entry['stage']!s:>5} {entry['iterations']:>6}  {text}")
+    job = analysis["job"]
+    measured = job["measured"]
+    lines.append("")
+    lines.append(f"job ({len(analysis['ranks'])} ranks, {job['iterations']} iterations; energy summed over the "
+                 "ranks, time of the slowest):")
+    overall = measured["all"]
+    if overall is None:
+        default = job["default_per_iteration"]
+        lines.append("  no baseline probe and plan iterations to compare (perseus.baseline_fraction 0, a run that "
+                     "never deployed a plan, or one that only observed)")
+        if default["energy_j"] is not None:
+            lines.append(f"  default clocks: energy/iteration {default['energy_j']:.1f} J, time/iteration "
+                         f"{default['time_s']:.4f} s")
+    else:
+        lines.append(f"  energy/iteration: default clocks {overall['default_energy_j']:.1f} J, perseus-ext "
+                     f"{overall['deployed_energy_j']:.1f} J: saving {_interval(overall)} (measured)")
+        time_ci = ("" if overall["time_change_low"] is None else
+                   f" [{100 * overall['time_change_low']:+.1f}, {100 * overall['time_change_high']:+.1f}]")
+        lines.append(f"  time/iteration: default clocks {overall['default_time_s']:.4f} s, perseus-ext "
+                     f"{overall['deployed_time_s']:.4f} s: {100 * overall['time_change']:+.1f}%{time_ci}")
+        for regime, what in (("intrinsic", "fastest plan (intrinsic)"),
+                             ("extrinsic", "slowed for a straggler (intrinsic + extrinsic)")):
+            if measured[regime] is not None:
+                lines.append(f"  {what}: saving {_interval(measured[regime])}")
+        cost = measured["probe_cost"]
+        lines.append(f"  baseline probes: {cost['probes']} iterations ({100 * cost['share_of_deployed']:.1f}% of the "
+                     f"deployed ones), their own cost {cost['energy_j']:.1f} J "
+                     f"({100 * (cost['share_of_energy'] or 0.0):.2f}% of the deployed energy)")
+    if job["model_intrinsic_saving"] is not None:
+        lines.append(f"  model (profile-based, pipeline 0's fastest plan vs all max clock): "
+                     f"{100 * job['model_intrinsic_saving']:.1f}% intrinsic saving")
+    lines.append("  lifecycle cost, never counted in the saving (extra vs default clocks):")
+    for label, group in job["phase_costs"].items():
+        extra = ("" if group["extra_energy_j"] is None else
+                 f", extra {group['extra_energy_j']:+.1f} J {group['extra_time_s']:+.3f} s")
+        energy = "n/a" if group["energy_j"] is None else f"{group['energy_j']:.1f} J"
+        lines.append(f"    {label:<34}{group['iterations']:>6} iterations, {group['time_s']:.3f} s, {energy}{extra}")
+    return "\n".join(lines)
+
+
+def plot(analysis: dict[str, Any], path: str | Path, *, title: str,
+         series: dict[str, dict[str, list[float]]] | None = None,
+         straggler: tuple[int, int] | None = None) -> Path:
+    """The timeline figure: job time and energy per iteration over bands marking warm-up,
+    profiling, solving, deployed plans (fastest / slowed for a straggler) and baseline probes;
+    `series` adds other runs (the demo's side-by-side baseline); `straggler` is the straggler's
+    window when known (default: where plans were slowed for one)."""
+    from perseus_ext.plotting import plot_run_timeline
+
+    timeline = analysis["timeline"]
+    labels = timeline["labels"]
+    slowed = [k for k, label in enumerate(labels) if label == STRAGGLER_LABEL]
+    energies = [float("nan") if e is None else e for e in timeline["energy_j"]]
+    return plot_run_timeline(
+        {"perseus-ext (measured)": {"time_s": timeline["time_s"], "energy_j": energies}, **(series or {})},
+        labels, path, straggler=straggler or ((slowed[0], slowed[-1] + 1) if slowed else None), title=title)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "report", help="the job's measured saving from the runtime's JSONL logs (every rank's)",
+        description=__doc__.split("\n\n")[0],
+    )
+    parser.add_argument("logs", nargs="+", metavar="LOG", help="JSONL logs written to perseus.log_path, one per rank")
+    parser.add_argument("--frontier", metavar="JSON", help="frontier file (perseus.frontier_path): print the "
+                        "model's saving beside the measured one")
+    parser.add_argument("--figure", metavar="PNG", help="write the timeline figure here")
+    parser.add_argument("--json", metavar="PATH", help="write the analysis as JSON here")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = None
+    if args.frontier:
+        from perseus_ext.planning.frontier import Frontier
+
+        model = Frontier.load(args.frontier).intrinsic_saving()
+    analysis = analyse(read_logs(args.logs), model)
+    print(format_report(analysis))
+    if args.json:
+        Path(args.json).write_text(json.dumps(analysis, indent=2))
+    if args.figure:
+        print(f"timeline: {plot(analysis, args.figure, title='perseus-ext run: job time and energy per iteration')}")
+    return 0

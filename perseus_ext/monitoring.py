@@ -1,0 +1,120 @@
+"""Per-iteration perseus metrics where users already look: DeepSpeed's monitor, Megatron's
+TensorBoard and W&B writers.
+
+Why: a training job's dashboards (TensorBoard, W&B, DeepSpeed's CSV monitor) are where people
+watch a run; a JSONL file beside them is easily missed. The adapters call `IterationMetrics.write`
+at every iteration end; it writes the device records that have arrived since (they come about
+an iteration late) as scalars stepped by the iteration number:
+
+* `perseus/energy_per_iteration_j`, `perseus/time_per_iteration_s`: this rank's GPU, as measured;
+* `perseus/phase`: `PHASE_CODES` (warm-up 0 ... observing 5), `perseus/fell_back` and
+  `perseus/baseline_probe` (0/1), `perseus/plan` (the frontier plan, -1 at default clocks) and
+  `perseus/clock_coverage` (share of the plan's compute time at its planned clock);
+* `perseus/straggler_factor`: the slowdown the pipeline plans for (1 = fastest plan);
+* `perseus/saving`, `perseus/saving_low`, `perseus/saving_high`: the energy saving measured
+  against the baseline probes so far, with its 95 % interval.
+
+The figures are the writing rank's (DeepSpeed's monitor writes on global rank 0, Megatron's
+writers live on the last rank); `perseus-ext report` gives the job's. A failing writer is
+logged once and dropped: metrics never break training.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable
+
+from perseus_ext.runtime.phase import Phase
+from perseus_ext.runtime.records import IterationRecord
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "perseus/"
+PHASE_CODES = {phase: code for code, phase in enumerate(Phase)}
+
+Sink = Callable[[list[tuple[str, float, int]]], None]  # (name, value, step) events
+
+
+def record_events(record: IterationRecord) -> list[tuple[str, float, int]]:
+    """The scalars of one device record."""
+    setting, step = record.setting, record.iteration
+    values: dict[str, float | None] = {
+        "energy_per_iteration_j": record.energy_j, "time_per_iteration_s": record.time_s,
+        "phase": PHASE_CODES[setting.phase], "fell_back": float(setting.fell_back),
+        "baseline_probe": float(setting.probe), "plan": -1 if setting.plan is None else setting.plan,
+        "clock_coverage": record.coverage, "straggler_factor": setting.factor,
+    }
+    return [(PREFIX + name, float(value), step) for name, value in values.items() if value is not None]
+
+
+def deepspeed_sink(monitor: Any) -> Sink | None:
+    """DeepSpeed's `engine.monitor` (TensorBoard, W&B, CSV, Comet as configured), when enabled."""
+    if monitor is None or not getattr(monitor, "enabled", False):
+        return None
+    return monitor.write_events
+
+
+def tensorboard_sink(writer: Any) -> Sink:
+    """A `torch.utils.tensorboard.SummaryWriter` (Megatron's `get_tensorboard_writer()`)."""
+    def write(events: list[tuple[str, float, int]]) -> None:
+        for name, value, step in events:
+            writer.add_scalar(name, value, step)
+    return write
+
+
+def wandb_sink(writer: Any) -> Sink:
+    """A W&B run or module (Megatron's `get_wandb_writer()`): one `log` call per step."""
+    def write(events: list[tuple[str, float, int]]) -> None:
+        steps: dict[int, dict[str, float]] = {}
+        for name, value, step in events:
+            steps.setdefault(step, {})[name] = value
+        for step, values in sorted(steps.items()):
+            writer.log(values, step=step)
+    return write
+
+
+def megatron_sinks(tensorboard_writer: Any = None, wandb_writer: Any = None) -> list[Sink]:
+    """The writers given, else Megatron-LM's global ones (`megatron.training.global_vars`,
+    absent with megatron-core alone, and None on ranks without a writer)."""
+    if tensorboard_writer is None and wandb_writer is None:
+        try:
+            from megatron.training import global_vars
+        except ImportError:
+            return []
+        tensorboard_writer = global_vars.get_tensorboard_writer()
+        wandb_writer = global_vars.get_wandb_writer()
+    sinks = [tensorboard_sink(tensorboard_writer)] if tensorboard_writer is not None else []
+    if wandb_writer is not None:
+        sinks.append(wandb_sink(wandb_writer))
+    return sinks
+
+
+class IterationMetrics:
+    """Writes each new device record of `runtime` (a `PerseusRuntime`) to the sinks."""
+
+    def __init__(self, runtime: Any, sinks: Iterable[Sink | None]) -> None:
+        self.runtime = runtime
+        self.sinks = [sink for sink in sinks if sink is not None]
+        self._written = 0  # records of runtime.history already written
+
+    def write(self) -> None:
+        """Called by the adapters at every iteration end; never raises."""
+        history = self.runtime.history
+        if not self.sinks or self._written >= len(history):
+            return
+        events: list[tuple[str, float, int]] = []
+        for record in history[self._written:]:
+            events += record_events(record)
+        self._written = len(history)
+        estimate = self.runtime.probes.estimate()
+        if estimate is not None:
+            step = history[-1].iteration
+            events += [(PREFIX + name, float(value), step) for name, value in (
+                ("saving", estimate.saving), ("saving_low", estimate.saving_low),
+                ("saving_high", estimate.saving_high)) if value is not None]
+        for sink in list(self.sinks):
+            try:
+                sink(events)
+            except Exception as err:  # a dashboard must never break training
+                logger.error("perseus-ext: writing metrics failed (%r); this writer gets no more", err)
+                self.sinks.remove(sink)

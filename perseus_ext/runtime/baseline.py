@@ -1,0 +1,318 @@
+"""Baseline probes: rare deployed iterations at default clocks, and the saving measured from them.
+
+Why: a real job has no side-by-side twin at default clocks, and the default-clock iterations it
+does have (warm-up, solving) overlap one-off costs -- allocation, profiling's after-effects, the
+background solve -- so comparing against them gave anything from -17 % to +49 % "saved". Instead,
+while a plan is deployed, about `baseline_fraction` of the iterations run at default clocks
+("probes"), spread evenly through the deployed period, so they see the same job conditions
+(stragglers included) as the plan iterations around them. The saving is 1 - mean deployed energy
+/ mean probe energy, with a confidence interval (delta method for a ratio of means, Welch's
+degrees of freedom); the intrinsic/extrinsic split compares probes and plans of the same regime
+(fastest plan vs slowed for a straggler).
+
+Which iterations probe is a pure function of the deployed-iteration count, the straggler-check
+interval and the pipeline's last plan switch, so every rank derives the same probes without a
+collective (plan switches are agreed within a pipeline by broadcast, straggler checks happen at
+the same deployed iteration on every rank). One probe falls in the second half of every
+`1 / baseline_fraction` deployed iterations, never within `guard` iterations of a straggler check
+(where plans switch) or of any other plan switch. Warm-up, profiling and solving are never probed
+and their iterations are reported as their own cost (`phase_costs`), never mixed into the saving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from scipy import stats
+
+from perseus_ext.runtime.records import IterationRecord
+
+MAX_GUARD_ITERATIONS = 2
+CONFIDENCE = 0.95
+PROBE = "baseline probe"
+FALLBACK = "fallback"
+DEPLOYED = "deployed"
+
+
+def probe_guard(check_interval: int) -> int:
+    """Iterations kept clear of a straggler check on either side: two, fewer when checks come
+    so often that two would leave no iteration to probe."""
+    return min(MAX_GUARD_ITERATIONS, check_interval // 2)
+
+
+class ProbeSchedule:
+    """Decides, identically on every rank, which deployed iterations run at default clocks."""
+
+    def __init__(self, fraction: float, check_interval: int) -> None:
+        self.period = round(1.0 / fraction) if fraction > 0 else None
+        self.check_interval = check_interval
+        self.guard = probe_guard(check_interval)
+        self._probed_period = -1
+
+    def clear_of_checks(self, deployed_index: int) -> bool:
+        """Whether the iteration is `guard` or more iterations from the nearest straggler check
+        (a check runs after every `check_interval` deployed iterations; its plan runs from the
+        next one, so the switch lands on a multiple of the interval)."""
+        offset = deployed_index % self.check_interval
+        return self.guard <= offset <= self.check_interval - self.guard
+
+    def is_probe(self, deployed_index: int, iterations_since_switch: int | None) -> bool:
+        """Call once per deployed iteration, in order. `deployed_index` counts deployed
+        iterations from 0; `iterations_since_switch` is how many iterations ago the pipeline's
+        latest plan took effect (None: no switch yet)."""
+        if self.period is None:
+            return False
+        period, offset = divmod(deployed_index, self.period)
+        if period == self._probed_period or offset < self.period // 2 or not self.clear_of_checks(deployed_index):
+            return False
+        if iterations_since_switch is not None and iterations_since_switch < self.guard:
+            return False
+        self._probed_period = period
+        return True
+
+
+# ------------------------------------------------------------------------------ estimator
+@dataclass
+class Moments:
+    """Running count, mean and sum of squared deviations (Welford): O(1) per iteration."""
+
+    count: int = 0
+    mean: float = 0.0
+    squares: float = 0.0
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        delta = value - self.mean
+        self.mean += delta / self.count
+        self.squares += delta * (value - self.mean)
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Moments:
+        moments = cls()
+        for value in values:
+            moments.add(value)
+        return moments
+
+    @property
+    def variance_of_mean(self) -> float:
+        return self.squares / (self.count - 1) / self.count if self.count > 1 else math.nan
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """mean(numerator) / mean(denominator) with its confidence interval (None with fewer than
+    two samples on either side)."""
+
+    value: float
+    low: float | None
+    high: float | None
+
+    @classmethod
+    def of(cls, numerator: Moments, denominator: Moments, confidence: float = CONFIDENCE) -> Ratio:
+        value = numerator.mean / denominator.mean
+        if numerator.count < 2 or denominator.count < 2:
+            return cls(value, None, None)
+        a = numerator.variance_of_mean / numerator.mean ** 2
+        b = denominator.variance_of_mean / denominator.mean ** 2
+        if a + b == 0.0:
+            return cls(value, value, value)
+        dof = (a + b) ** 2 / (a * a / (numerator.count - 1) + b * b / (denominator.count - 1))
+        half = stats.t.ppf(0.5 + confidence / 2, dof) * value * math.sqrt(a + b)
+        return cls(value, value - half, value + half)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Deployed iterations against the probes among them: per-iteration means, the energy
+    saving (1 - deployed / default) and time change (deployed / default - 1), each with its
+    interval at `CONFIDENCE`."""
+
+    probes: int
+    deployed: int
+    default_energy_j: float
+    deployed_energy_j: float
+    default_time_s: float
+    deployed_time_s: float
+    saving: float
+    saving_low: float | None
+    saving_high: float | None
+    time_change: float
+    time_change_low: float | None
+    time_change_high: float | None
+
+    @classmethod
+    def of(cls, default: tuple[Moments, Moments], deployed: tuple[Moments, Moments],
+           confidence: float = CONFIDENCE) -> Comparison | None:
+        """(energy, time) moments of the probes and of the plan iterations; None until both
+        have an energy reading."""
+        (default_energy, default_time), (deployed_energy, deployed_time) = default, deployed
+        if default_energy.count == 0 or deployed_energy.count == 0 or default_energy.mean <= 0:
+            return None
+        energy = Ratio.of(deployed_energy, default_energy, confidence)
+        time = Ratio.of(deployed_time, default_time, confidence)
+        return cls(
+            probes=default_energy.count, deployed=deployed_energy.count,
+            default_energy_j=default_energy.mean, deployed_energy_j=deployed_energy.mean,
+            default_time_s=default_time.mean, deployed_time_s=deployed_time.mean,
+            saving=1.0 - energy.value,
+            saving_low=None if energy.high is None else 1.0 - energy.high,
+            saving_high=None if energy.low is None else 1.0 - energy.low,
+            time_change=time.value - 1.0,
+            time_change_low=None if time.low is None else time.low - 1.0,
+            time_change_high=None if time.high is None else time.high - 1.0,
+        )
+
+    def describe(self) -> str:
+        """'23.1% [19.0, 27.2] (12 probes)': the saving and its interval, in percent."""
+        interval = ("" if self.saving_low is None
+                    else f" [{100 * self.saving_low:.1f}, {100 * self.saving_high:.1f}]")
+        return f"{100 * self.saving:.1f}%{interval} ({self.probes} probe{'s' * (self.probes != 1)})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------ samples
+@dataclass(frozen=True)
+class Sample:
+    """One iteration as the estimator sees it: a rank's record, a JSONL row, or a whole job's
+    iteration (energy summed over ranks, time of the slowest)."""
+
+    iteration: int
+    label: str  # the phase, or "baseline probe" / "fallback"
+    factor: float | None
+    time_s: float
+    energy_j: float | None
+
+    @classmethod
+    def of_record(cls, record: IterationRecord) -> Sample:
+        setting = record.setting
+        return cls(setting.iteration, label_of(setting.phase.value, setting.fell_back, setting.probe),
+                   setting.factor, record.time_s, record.energy_j)
+
+    @classmethod
+    def of_row(cls, row: Mapping[str, Any]) -> Sample:
+        """A row of the runtime's JSONL log (`log_path`)."""
+        return cls(int(row["iteration"]), label_of(row["phase"], bool(row.get("fell_back")), bool(row.get("probe"))),
+                   row.get("factor"), float(row["time_s"]), row.get("energy_j"))
+
+
+def label_of(phase: str, fell_back: bool, probe: bool) -> str:
+    """What an iteration really ran: a fallen-back rank's iterations are default-clock ones
+    whatever the phase, and probes are default-clock iterations within the deployed phase."""
+    return FALLBACK if fell_back else PROBE if probe else phase
+
+
+def job_samples(ranks: Iterable[Iterable[Sample]]) -> list[Sample]:
+    """Per-iteration job figures from every rank's samples: energy summed over the ranks, time
+    of the slowest, only iterations every rank recorded. An iteration is a probe (or a plan
+    iteration) only when every rank says so; the job's factor is the largest (any slowed
+    pipeline puts the job in the straggler regime)."""
+    by_rank = [{sample.iteration: sample for sample in samples} for samples in ranks]
+    if not by_rank:
+        return []
+    common = sorted(set.intersection(*(set(samples) for samples in by_rank)))
+    result = []
+    for iteration in common:
+        row = [samples[iteration] for samples in by_rank]
+        labels = {sample.label for sample in row}
+        label = labels.pop() if len(labels) == 1 else FALLBACK if FALLBACK in labels else "mixed"
+        energies = [sample.energy_j for sample in row]
+        factors = [sample.factor for sample in row if sample.factor is not None]
+        result.append(Sample(iteration, label, max(factors) if factors else None, max(s.time_s for s in row),
+                             None if None in energies else float(sum(energies))))
+    return result
+
+
+def _moments(samples: list[Sample]) -> tuple[Moments, Moments]:
+    measured = [s for s in samples if s.energy_j is not None]
+    return Moments.of(s.energy_j for s in measured), Moments.of(s.time_s for s in measured)
+
+
+def measured_counterfactual(samples: list[Sample], confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """The measured saving of the deployed iterations against the probes among them: over all
+    of them, per regime (fastest plan: intrinsic; slowed for a straggler: intrinsic plus
+    extrinsic), and what the probes themselves cost (the saving forgone on them)."""
+    probes = [s for s in samples if s.label == PROBE]
+    deployed = [s for s in samples if s.label == DEPLOYED]
+    result: dict[str, Any] = {}
+    for regime, keep in (("all", lambda s: True), ("intrinsic", lambda s: (s.factor or 1.0) <= 1.0),
+                         ("extrinsic", lambda s: (s.factor or 1.0) > 1.0)):
+        comparison = Comparison.of(_moments([s for s in probes if keep(s)]),
+                                   _moments([s for s in deployed if keep(s)]), confidence)
+        result[regime] = comparison.to_dict() if comparison is not None else None
+    overall = result["all"]
+    if overall is not None:
+        forgone_j = overall["probes"] * (overall["default_energy_j"] - overall["deployed_energy_j"])
+        total_j = sum(s.energy_j for s in probes + deployed if s.energy_j is not None)
+        result["probe_cost"] = {
+            "probes": len(probes), "share_of_deployed": len(probes) / (len(probes) + len(deployed)),
+            "energy_j": forgone_j, "share_of_energy": forgone_j / total_j if total_j else None,
+        }
+    else:
+        result["probe_cost"] = {"probes": len(probes), "share_of_deployed": None, "energy_j": None,
+                                "share_of_energy": None}
+    return result
+
+
+def phase_costs(samples: list[Sample], default_energy_j: float | None, default_time_s: float | None) -> dict[str, Any]:
+    """Iterations, total time and energy per label (warm-up, profiling, solving, deployed,
+    probes, ...), and what each cost beyond default clocks when a default-clock figure is known
+    (from the probes, or from a run that only observed)."""
+    result: dict[str, Any] = {}
+    for label in dict.fromkeys(s.label for s in samples):
+        group = [s for s in samples if s.label == label]
+        energies = [s.energy_j for s in group if s.energy_j is not None]
+        time_s = sum(s.time_s for s in group)
+        energy_j = sum(energies) if energies else None
+        result[label] = {
+            "iterations": len(group), "time_s": time_s, "energy_j": energy_j,
+            "time_per_iteration_s": time_s / len(group),
+            "energy_per_iteration_j": energy_j / len(energies) if energies else None,
+            "extra_time_s": None if default_time_s is None else time_s - len(group) * default_time_s,
+            "extra_energy_j": (None if default_energy_j is None or not energies
+                               else energy_j - len(energies) * default_energy_j),
+        }
+    return result
+
+
+def default_figures(samples: list[Sample], counterfactual: Mapping[str, Any]) -> tuple[float | None, float | None]:
+    """Default-clock energy and time per iteration: from the probes, else from an observing
+    run's iterations (the first is skipped: it carries one-off allocation costs)."""
+    overall = counterfactual.get("all")
+    if overall is not None:
+        return overall["default_energy_j"], overall["default_time_s"]
+    observed = [s for s in samples if s.label == "observing"][1:]
+    energy, time = _moments(observed)
+    return (energy.mean, time.mean) if energy.count else (None, None)
+
+
+# ------------------------------------------------------------------------------ runtime side
+class BaselineProbes:
+    """The runtime's collaborator: is this deployed iteration a probe, and the saving so far
+    (running moments, so the log line and monitors cost O(1) per iteration)."""
+
+    def __init__(self, fraction: float, check_interval: int) -> None:
+        self.schedule = ProbeSchedule(fraction, check_interval)
+        self._default = (Moments(), Moments())
+        self._deployed = (Moments(), Moments())
+
+    def is_probe(self, deployed_index: int, iterations_since_switch: int | None) -> bool:
+        return self.schedule.is_probe(deployed_index, iterations_since_switch)
+
+    def observe(self, records: Iterable[IterationRecord]) -> None:
+        for record in records:
+            setting = record.setting
+            if setting.fell_back or record.energy_j is None:
+                continue
+            target = self._default if setting.probe else self._deployed if setting.plan is not None else None
+            if target is not None:
+                target[0].add(record.energy_j)
+                target[1].add(record.time_s)
+
+    def estimate(self) -> Comparison | None:
+        """The saving measured so far on this rank (None before the first probe is recorded)."""
+        return Comparison.of(self._default, self._deployed)
