@@ -205,7 +205,7 @@ BAD = [
     ({"simulated_workload": {"forward_seconds": 1, "backward_seconds": 1, "step": 2}},
      "unknown key(s) perseus.simulated_workload.step; known keys: backward_seconds, forward_seconds"),
     ({"policy": "zeus"}, "perseus.policy must be an object, got \"zeus\"; e.g. {\"type\": \"zeus\", \"eta\": 0.5}"),
-    ({"policy": {"name": "perseus"}}, "unknown key(s) perseus.policy.name; known keys: batch_size, carbon, eta"),
+    ({"policy": {"name": "perseus"}}, "unknown key(s) perseus.policy.name; known keys: batch_size, budget, carbon, eta"),
     ({"policy": {"type": "greedy"}}, 'perseus.policy.type must be one of "perseus", "zeus", "chase"'),
     ({"policy": {"type": "zeus", "eta": 1.5}}, "perseus.policy.eta must be in [0, 1], got 1.5"),
     ({"policy": {"type": "zeus", "period_s": 0}}, "perseus.policy.period_s must be a positive number of seconds"),

@@ -34,6 +34,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
 from perseus_ext import megatron as perseus_megatron
+from perseus_ext.policies import PerseusEarlyStop
 
 # Standard GPT-3 sizes (Brown et al. 2020, Table 2.1): layers, hidden size, attention heads.
 GPT3_SIZES: dict[str, tuple[int, int, int]] = {
@@ -213,6 +214,8 @@ def train(args: argparse.Namespace) -> dict:
     """Build the model and optimizer, run `--train-iters` iterations; returns the per-iteration
     metrics (loss, seconds) and, with --perseus, every rank's Perseus summary."""
     initialize_distributed(args)
+    # Before the microbatches are counted: a batch-size policy sets --global-batch-size here.
+    perseus = perseus_megatron.install(args)
     dp_size = parallel_state.get_data_parallel_world_size()
     per_step = args.micro_batch_size * dp_size
     starts = [args.global_batch_size] + list(args.rampup_batch_size or ())[:2]
@@ -224,7 +227,6 @@ def train(args: argparse.Namespace) -> dict:
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=args.lr, bf16=args.bf16, clip_grad=1.0), model
     )
-    perseus = perseus_megatron.install(args)
     data = [synthetic_batches(args) for _ in model]
     forward_backward = get_forward_backward_func()
     iterations = []
@@ -256,6 +258,11 @@ def train(args: argparse.Namespace) -> dict:
             if dist.get_rank() == 0 and (iteration + 1) % args.log_interval == 0:
                 print(f"iteration {iteration + 1:5d}/{args.train_iters} | lm loss {loss:.6f} | "
                       f"grad norm {grad_norm:.3f} | {seconds * 1000:.1f} ms", flush=True)
+            if perseus is not None and perseus.target is not None and perseus.report_metric(loss):
+                break  # the recurring job's target (every rank has the same loss)
+    except PerseusEarlyStop as stop:  # cost limit passed: clocks restored, run recorded as stopped
+        if dist.get_rank() == 0:
+            print(f"perseus: {stop}", flush=True)
     finally:
         if perseus is not None:
             summary = perseus.close()

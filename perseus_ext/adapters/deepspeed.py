@@ -275,7 +275,8 @@ def _ensure_log_output() -> None:
 
 def install(deepspeed_module: ModuleType | None = None) -> None:
     """Make `deepspeed.initialize` attach perseus-ext to pipeline engines whose config has an
-    enabled `"perseus"` section; idempotent."""
+    enabled `"perseus"` section; idempotent. With `perseus.policy.batch_size`, the run's batch
+    size comes from the store before the engine is built (`with_run_batch_size`)."""
     if deepspeed_module is None:
         import deepspeed as deepspeed_module
     deepspeed_module._perseus_installed = True  # silences warn_if_unattached's wrapper
@@ -285,6 +286,7 @@ def install(deepspeed_module: ModuleType | None = None) -> None:
 
     @functools.wraps(original)
     def initialize(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = with_run_batch_size(args, kwargs)
         result = original(*args, **kwargs)
         engine = result[0]
         section = perseus_section(engine)
@@ -302,6 +304,116 @@ def install(deepspeed_module: ModuleType | None = None) -> None:
 
     initialize._perseus_wrapped = True  # type: ignore[attr-defined]
     deepspeed_module.initialize = initialize
+
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _read_ds_config(config: Any) -> dict | None:
+    """The DeepSpeed config as a dict (from a dict or a JSON file); None for anything else."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
+        import json
+        from pathlib import Path
+
+        try:
+            return json.loads(Path(config).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None  # DeepSpeed reports an unreadable config itself
+    return None
+
+
+def batch_keys_for(config: Mapping[str, Any], batch_size: int, data_parallel: int) -> tuple[dict, str]:
+    """The DeepSpeed batch keys for a global batch size: the micro batch per GPU is kept (it is
+    what fits in memory) and gradient accumulation changes, so global = micro x GAS x DP holds.
+    Returns the new keys and a line saying what changed; ConfigError when it cannot hold."""
+    from perseus_ext.errors import ConfigError
+
+    where = f"{CONFIG_KEY}.policy.batch_size"
+    total, micro, gas = (config.get(key) for key in BATCH_KEYS)
+    if micro is None and total is not None and gas is not None and total % (gas * data_parallel) == 0:
+        micro = total // (gas * data_parallel)
+    if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+        raise ConfigError(f"{where} changes gradient_accumulation_steps and keeps the micro batch: set "
+                          f"train_micro_batch_size_per_gpu in the DeepSpeed config (got {micro!r})")
+    per_step = micro * data_parallel
+    if batch_size % per_step:
+        raise ConfigError(f"{where}: batch size {batch_size} is not a multiple of train_micro_batch_size_per_gpu "
+                          f"{micro} x data-parallel size {data_parallel} = {per_step}; list batch_sizes that "
+                          f"are multiples of {per_step}")
+    keys = {"train_batch_size": batch_size, "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": batch_size // per_step}
+    change = (f"gradient_accumulation_steps {gas if gas is not None else 'unset'} -> {keys['gradient_accumulation_steps']} "
+              f"(train_micro_batch_size_per_gpu {micro} x data-parallel {data_parallel} kept), "
+              f"train_batch_size {total if total is not None else 'unset'} -> {batch_size}")
+    return keys, change
+
+
+def _data_parallel_layout(model: Any, mpu: Any, kwargs: dict) -> tuple[int, int]:
+    """(data-parallel size, GPUs of the job) before the engine exists: a PipelineModule's
+    topology, else the world over the model-parallel size as DeepSpeed computes it (starting
+    torch.distributed the way `deepspeed.initialize` would, if the script has not)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    topology = getattr(model, "_topo", None)
+    if topology is not None:
+        return topology.get_dim("data"), topology.world_size()
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                               dist_init_required=kwargs.get("dist_init_required"),
+                               **({"distributed_port": kwargs["distributed_port"]} if "distributed_port" in kwargs else {}))
+    world = deepspeed.comm.get_world_size()
+    model_parallel = mpu.get_model_parallel_world_size() if mpu is not None else 1
+    return max(world // model_parallel, 1), world
+
+
+def with_run_batch_size(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`deepspeed.initialize`'s arguments with this run's batch size from the store, when the
+    config has an enabled `perseus.policy.batch_size` (unchanged otherwise). Every rank calls
+    it; rank 0 asks the store and broadcasts. Every candidate is checked against the micro batch
+    and the data-parallel size first, so a bad list fails on the first run, not the n-th."""
+    kwargs = dict(kwargs)
+    ds_args = kwargs.get("args", args[0] if args else None)
+    source = kwargs.get("config", kwargs.get("config_params"))
+    from_args = source is None and getattr(ds_args, "deepspeed_config", None) is not None
+    config = _read_ds_config(ds_args.deepspeed_config if from_args else source)
+    section = config.get(CONFIG_KEY) if config is not None else None
+    if not isinstance(section, Mapping) or section.get("enabled") is not True:
+        return args, kwargs
+    policy = section.get("policy")
+    if not isinstance(policy, Mapping) or policy.get("batch_size") is None:
+        return args, kwargs
+    import os
+
+    from perseus_ext.runtime import PerseusConfig
+    from perseus_ext.runtime.recurring import choose_batch_size
+
+    perseus = PerseusConfig.from_dict(section)
+    model = kwargs.get("model", args[1] if len(args) > 1 else None)
+    data_parallel, num_gpus = _data_parallel_layout(model, kwargs.get("mpu"), kwargs)
+    for candidate in perseus.policy.batch_size["batch_sizes"]:
+        batch_keys_for(config, candidate, data_parallel)
+    assignment = choose_batch_size(perseus, num_gpus=num_gpus,
+                                   local_rank=max(int(os.environ.get("LOCAL_RANK", "0")), 0))
+    keys, change = batch_keys_for(config, assignment.batch_size, data_parallel)
+    config.update(keys)
+    _ensure_log_output()
+    if int(os.environ.get("RANK", "0")) == 0:
+        logger.info("perseus-ext: run %d of job %r trains with batch size %d (%s): %s", assignment.run_id,
+                    assignment.job_id, assignment.batch_size, assignment.phase, change)
+    kwargs.pop("config_params", None)
+    kwargs["config"] = config
+    if from_args:
+        import copy
+
+        ds_args = copy.copy(ds_args)
+        ds_args.deepspeed_config = None  # DeepSpeed refuses a config given twice
+        if "args" in kwargs or not args:
+            kwargs["args"] = ds_args
+        else:
+            args = (ds_args, *args[1:])
+    return args, kwargs
 
 
 def warn_if_unattached(deepspeed_module: ModuleType) -> None:

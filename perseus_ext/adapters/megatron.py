@@ -54,7 +54,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from perseus_ext.adapters.megatron_args import add_perseus_args, chain_extra_args, config_from_args
+from perseus_ext.adapters.megatron_args import (
+    add_perseus_args,
+    apply_run_batch_size,
+    chain_extra_args,
+    config_from_args,
+)
 from perseus_ext.errors import ConfigError
 from perseus_ext.planning.schedule import (
     Computation,
@@ -466,6 +471,20 @@ class MegatronPerseus:
 
     # ---- public ---------------------------------------------------------------------------
 
+    @property
+    def target(self) -> Any:
+        """The `policy.batch_size.target_metric` (a TargetMetric) to report, None without one."""
+        policy = getattr(self._config, "policy", None)
+        return policy.target_metric if policy is not None and policy.batch_size is not None else None
+
+    def report_metric(self, value: float) -> bool:
+        """Hand one evaluation result of `policy.batch_size.target_metric` to perseus-ext (after
+        the first training iteration); True once the target is reached."""
+        if self.runtime is None:
+            raise ConfigError("perseus: report_metric comes after the first training iteration "
+                              "(the runtime is built there)")
+        return self.runtime.report_metric(value)
+
     def summary(self) -> dict:
         """The runtime's per-rank summary plus the schedule the adapter observed."""
         summary = dict(self.runtime.summary()) if self.runtime is not None else {}
@@ -516,6 +535,7 @@ def install(
         stages = _pipeline_size(args)
         if stages is not None:
             _check_mode(config, stages, "this job (--pipeline-model-parallel-size 1)")
+        apply_run_batch_size(args, config)  # the store's --global-batch-size, if asked for
     perseus = MegatronPerseus(args, gpu=gpu, policy=policy, tensorboard_writer=tensorboard_writer,
                               wandb_writer=wandb_writer)
     perseus._config = config

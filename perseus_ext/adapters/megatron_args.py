@@ -178,3 +178,77 @@ def config_from_args(args: argparse.Namespace):
         separator = "\n" if "\n" in str(exc) else " "
         hint = f"{separator}(Megatron flag {', '.join(flags)} or {CONFIG_FLAG})" if flags else ""
         raise ConfigError(f"{exc}{hint}") from None
+
+
+GLOBAL_BATCH_FLAG = "--global-batch-size"
+
+
+def _data_parallel_size(args: argparse.Namespace) -> int:
+    """Megatron's data-parallel size: from its parallel state once initialised, else the world
+    size over the model-parallel sizes in `args`."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_data_parallel_world_size()
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    model_parallel = 1
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        model_parallel *= getattr(args, name, None) or 1
+    return max(world // model_parallel, 1)
+
+
+def apply_run_batch_size(args: argparse.Namespace, config: Any) -> int | None:
+    """Under `--perseus` with `policy.batch_size`: set `args.global_batch_size` to this run's
+    batch size from the store (rank 0 asks, every rank gets the same) and reconfigure
+    megatron-core's microbatch calculator if it already exists. Call before the number of
+    microbatches is derived; returns the batch size (None without a batch-size policy).
+
+    A flag that contradicts the store's choice fails with its name: a `--global-batch-size`
+    other than `default_batch_size` (or the micro batch x DP that Megatron fills in without
+    the flag), `--rampup-batch-size`, or a `--micro-batch-size` x DP that does not divide every
+    candidate."""
+    import logging
+    import os
+
+    policy = getattr(config, "policy", None)
+    if config is None or policy is None or policy.batch_size is None:
+        return None
+    options = policy.batch_size
+    where = "perseus.policy.batch_size"
+    sizes, default = sorted(options["batch_sizes"]), options["default_batch_size"]
+    if getattr(args, "rampup_batch_size", None):
+        raise ConfigError(f"--rampup-batch-size conflicts with {where}: the store picks one global batch size per "
+                          f"run; drop --rampup-batch-size or the batch_size section")
+    micro = getattr(args, "micro_batch_size", None) or 1
+    data_parallel = _data_parallel_size(args)
+    given = getattr(args, "global_batch_size", None)
+    if given is not None and given not in (default, micro * data_parallel):
+        raise ConfigError(f"{GLOBAL_BATCH_FLAG} {given} conflicts with {where}: the store picks the global batch "
+                          f"size from {sizes} under --perseus; drop {GLOBAL_BATCH_FLAG} or set it to "
+                          f"default_batch_size {default}")
+    per_step = micro * data_parallel
+    bad = [size for size in sizes if size % per_step]
+    if bad:
+        raise ConfigError(f"{where}.batch_sizes {bad} are not multiples of --micro-batch-size {micro} x data-parallel "
+                          f"size {data_parallel} = {per_step}; list multiples of {per_step} or change "
+                          f"--micro-batch-size")
+    from perseus_ext.runtime.recurring import choose_batch_size
+
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    assignment = choose_batch_size(config, num_gpus=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    args.global_batch_size = assignment.batch_size
+    from megatron.core import num_microbatches_calculator as calculator
+
+    if calculator._GLOBAL_NUM_MICROBATCHES_CALCULATOR is not None:
+        calculator.reconfigure_num_microbatches_calculator(
+            int(os.environ.get("RANK", "0")), None, assignment.batch_size, micro, data_parallel)
+    if int(os.environ.get("RANK", "0")) == 0:
+        logging.getLogger("perseus_ext.megatron").info(
+            "perseus: run %d of job %r trains with %s %d (%s): %d microbatches of %d x data-parallel %d",
+            assignment.run_id, assignment.job_id, GLOBAL_BATCH_FLAG, assignment.batch_size, assignment.phase,
+            assignment.batch_size // per_step, micro, data_parallel)
+    return assignment.batch_size

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import enum
 import importlib
+import math
 import re
 import time
 import urllib.parse
+from pathlib import Path
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar
 
@@ -27,27 +29,34 @@ from typing_extensions import Required, TypedDict
 
 from perseus_ext.errors import ConfigError
 from perseus_ext.policies.base import OperatingPointPolicy, StragglerPolicy
-from perseus_ext.policies.batch_size import BatchSizeOptimizer
+from perseus_ext.policies.batch_size import DEFAULT_LEASE_S, BatchSizeOptimizer
+from perseus_ext.policies.bso_store import StoreError, store_url
 from perseus_ext.policies.carbon import (
+    CARBON,
+    DEFAULT_MAX_RESPONSE_BYTES,
     CallbackCarbonSignal,
     CarbonSignal,
     CSVCarbonTrace,
     HTTPCarbonSignal,
+    SignalQuantity,
 )
 from perseus_ext.policies.chase import CarbonCost, ChasePolicy
 from perseus_ext.policies.cost import EnergyTimeCost, ZeusCost
+from perseus_ext.policies.power_budget import POWER_BUDGET, BudgetScope, PowerBudget, PowerBudgetPolicy
 from perseus_ext.policies.power_limit import AllReduceSum, PowerLimitGPU, PowerLimitOptimizer
+from perseus_ext.policies.recurring_job import RecurringJob, TargetMetric
 from perseus_ext.policies.zeus import ZeusPolicy
 from perseus_ext.schema import (
     Rule,
     Section,
     choice,
+    flag,
     integer,
     keyed,
     listing,
     number,
-    output_path,
     parse,
+    require_writable,
     show,
     statement_error,
     text,
@@ -72,6 +81,7 @@ class PolicyType(enum.StrEnum):
     PERSEUS = "perseus"
     ZEUS = "zeus"
     CHASE = "chase"
+    POWER_BUDGET = "power_budget"
 
 
 class PolicyMode(enum.StrEnum):
@@ -147,6 +157,13 @@ HttpURL = Annotated[
 ]
 
 
+class URLOptions(TypedDict, total=False):
+    field: Annotated[str | None, Rule("a field name (dots for nesting) or null", DEFAULT_URL_FIELD)]
+    timeout_s: Seconds
+    headers: Annotated[dict[str, str], Rule("an object of string headers", {"auth-token": "..."})]
+    max_response_bytes: integer(1, example=DEFAULT_MAX_RESPONSE_BYTES, what="a number of bytes")
+
+
 class _CarbonCommon(TypedDict, total=False):
     max_carbon: GramsPerKWh  # MaxCarbon; default: a CSV trace's maximum, else the highest seen
     forecast_horizon_s: Seconds  # decide on the forecast mean over this horizon
@@ -157,11 +174,8 @@ class CSVCarbonSource(_CarbonCommon, total=False):
     align: choice(TraceAlignment, example="start")
 
 
-class URLCarbonSource(_CarbonCommon, total=False):
+class URLCarbonSource(_CarbonCommon, URLOptions, total=False):
     url: Required[HttpURL]
-    field: Annotated[str | None, Rule("a field name (dots for nesting) or null", DEFAULT_URL_FIELD)]
-    timeout_s: Seconds
-    headers: Annotated[dict[str, str], Rule("an object of string headers", {"auth-token": "..."})]
 
 
 class CallbackCarbonSource(_CarbonCommon, total=False):
@@ -169,35 +183,68 @@ class CallbackCarbonSource(_CarbonCommon, total=False):
     forecast_callback: CallbackPath
 
 
+class _BudgetCommon(TypedDict, total=False):
+    scope: choice(BudgetScope, example="gpu")  # the average GPU's watts, or the whole job's
+
+
+class FixedBudget(_BudgetCommon, total=False):
+    watts: Required[Watts]
+
+
+class CSVBudgetSource(_BudgetCommon, total=False):
+    csv: Required[text(example="budget.csv", what="a path to a CSV budget schedule")]
+    align: choice(TraceAlignment, example="start")
+
+
+class URLBudgetSource(_BudgetCommon, URLOptions, total=False):
+    url: Required[HttpURL]
+
+
+class CallbackBudgetSource(_BudgetCommon, total=False):
+    callback: Required[CallbackPath]
+
+
 CarbonSource = CSVCarbonSource | URLCarbonSource | CallbackCarbonSource
+BudgetSource = FixedBudget | CSVBudgetSource | URLBudgetSource | CallbackBudgetSource
 _CARBON_EXAMPLE = {"csv": "grid/caiso-2024-05.csv"}
-_CARBON_SOURCES = {
-    CarbonSourceKind.CSV: keyed(CSVCarbonSource, example=_CARBON_EXAMPLE),
-    CarbonSourceKind.URL: keyed(URLCarbonSource, example={"url": "https://api.example.org/carbon"}),
-    CarbonSourceKind.CALLBACK: keyed(CallbackCarbonSource, example={"callback": "time:time"}),
-}
+_BUDGET_EXAMPLE = {"watts": 300, "scope": "gpu"}
 
 
-def carbon_source_kind(carbon: Mapping[str, Any]) -> CarbonSourceKind:
-    """The source a validated `carbon` sub-section names."""
-    return next(kind for kind in CarbonSourceKind if kind.value in carbon)
+def carbon_source_kind(section: Mapping[str, Any]) -> CarbonSourceKind | None:
+    """The signal source a validated `carbon` or `budget` sub-section names (None: fixed watts)."""
+    return next((kind for kind in CarbonSourceKind if kind.value in section), None)
 
 
-_CARBON_ADAPTERS = {kind: TypeAdapter(annotation) for kind, annotation in _CARBON_SOURCES.items()}
+def _one_source(sources: Mapping[str, Any], example: Mapping[str, Any]) -> Callable[[Any], dict]:
+    """A sub-section with exactly one source key, resolved by which key is present, so errors
+    name `<section>.<key>` of that source (not one error per union member)."""
+    adapters = {key: TypeAdapter(annotation) for key, annotation in sources.items()}
+    choices = ", ".join(f'{{"{key}": ...}}' for key in sources)
+
+    def validate(data: Any) -> dict:
+        if not isinstance(data, Mapping):
+            raise value_error(f"must be an object, got {show(data)}; e.g. {show(example)}")
+        present = [key for key in sources if key in data]
+        if len(present) != 1:
+            raise value_error(
+                f"needs exactly one source: {choices}; got keys {show(sorted(map(str, data)))}"
+            )
+        return adapters[present[0]].validate_python(data)
+
+    return validate
 
 
-def _one_carbon_source(data: Any) -> dict:
-    """The `carbon` union resolved by which source key is present, so errors name
-    `carbon.<key>` of that source (not one error per union member)."""
-    if not isinstance(data, Mapping):
-        raise value_error(f"must be an object, got {show(data)}; e.g. {show(_CARBON_EXAMPLE)}")
-    sources = [kind for kind in CarbonSourceKind if kind.value in data]
-    if len(sources) != 1:
-        raise value_error(
-            'needs exactly one source: {"csv": path}, {"url": "https://..."} or '
-            f'{{"callback": "module:function"}}; got keys {show(sorted(map(str, data)))}'
-        )
-    return _CARBON_ADAPTERS[sources[0]].validate_python(data)
+_one_carbon_source = _one_source({
+    "csv": keyed(CSVCarbonSource, example=_CARBON_EXAMPLE),
+    "url": keyed(URLCarbonSource, example={"url": "https://api.example.org/carbon"}),
+    "callback": keyed(CallbackCarbonSource, example={"callback": "time:time"}),
+}, _CARBON_EXAMPLE)
+_one_budget_source = _one_source({
+    "watts": keyed(FixedBudget, example=_BUDGET_EXAMPLE),
+    "csv": keyed(CSVBudgetSource, example={"csv": "budget.csv"}),
+    "url": keyed(URLBudgetSource, example={"url": "https://facility.example.org/budget"}),
+    "callback": keyed(CallbackBudgetSource, example={"callback": "mypkg.facility:budget_w"}),
+}, _BUDGET_EXAMPLE)
 
 
 class PowerLimitOptions(TypedDict, total=False):
@@ -207,27 +254,67 @@ class PowerLimitOptions(TypedDict, total=False):
     limits_w: listing(Watts, what="positive numbers of watts", example=[300, 250, 200])
 
 
-def _default_among_candidates(options: dict) -> dict:
+def _store_location(value: str) -> str:
+    """A URL the store accepts, or a path this process may create (checked at the door: a
+    typo in the URL should not wait for the job)."""
+    if "://" in value:
+        try:
+            store_url(value)
+        except StoreError as err:
+            raise value_error(str(err).split(": ", 1)[-1]) from None
+        return value
+    require_writable(str(Path(value).expanduser()), show(value))
+    return value
+
+
+StoreLocation = Annotated[
+    str,
+    Rule("a path, sqlite:///path or postgresql://user:password@host:port/db", "state/bso.db",
+         lambda s: bool(s.strip())),
+    AfterValidator(_store_location),
+]
+
+
+class TargetMetricOptions(TypedDict, total=False):
+    name: Required[text(example="val_loss")]
+    value: Required[Annotated[float, Rule("a finite number", 2.1, math.isfinite)]]
+    higher_is_better: flag(example=False)
+
+
+_TARGET_EXAMPLE = {"name": "val_loss", "value": 2.1, "higher_is_better": False}
+
+
+def _batch_size_agrees(options: dict) -> dict:
+    where = f"{PREFIX}.batch_size"
+    locations = [key for key in ("store", "db") if key in options]
+    if len(locations) != 1:
+        raise statement_error(
+            f"{where}.store is required (a path, sqlite:///path or postgresql://...; `db` is its "
+            f"older name): give exactly one of them, got {locations or 'neither'}"
+        )
     sizes, default = options["batch_sizes"], options["default_batch_size"]
     if default not in sizes:
         raise statement_error(
-            f"{PREFIX}.batch_size.default_batch_size {default} must be one of batch_sizes "
+            f"{where}.default_batch_size {default} must be one of batch_sizes "
             f"{sorted(sizes)} (it is tried first)"
         )
     return options
 
 
 class BatchSizeOptions(TypedDict, total=False):
-    db: Required[output_path(example="state/batch_size.db")]
+    store: StoreLocation
+    db: StoreLocation  # the key's first name, kept as an alias of `store`
     job_id: Required[text(example="gpt3-nightly")]
     batch_sizes: Required[listing(integer(1, example=32), what="positive integers", example=[32, 64], distinct=True)]
     default_batch_size: Required[integer(1, example=32)]
     beta: number(example=DEFAULT_BETA, above=1)
     pruning_rounds: integer(1, example=DEFAULT_PRUNING_ROUNDS)
     seed: Annotated[int | None, Rule("an integer >= 0 or null", 0, lambda v: v is None or v >= 0)]
+    lease_s: Seconds
+    target_metric: keyed(TargetMetricOptions, example=_TARGET_EXAMPLE)
 
 
-_BATCH_SIZE_EXAMPLE = {"db": "state/batch_size.db", "job_id": "gpt3-nightly", "batch_sizes": [32, 64],
+_BATCH_SIZE_EXAMPLE = {"store": "state/bso.db", "job_id": "gpt3-nightly", "batch_sizes": [32, 64],
                        "default_batch_size": 32}
 
 
@@ -258,6 +345,11 @@ class PolicyConfig(Section):
         | None,
         Field(description="Chase's carbon-intensity source: exactly one of csv, url, callback"),
     ] = None
+    budget: Annotated[
+        Annotated[BudgetSource, PlainValidator(_one_budget_source), Rule("an object with one budget source", _BUDGET_EXAMPLE)]
+        | None,
+        Field(description="power_budget's budget: watts, or one of csv, url, callback; scope gpu or job"),
+    ] = None
     power_limit: Annotated[
         Annotated[keyed(PowerLimitOptions, example={"step_w": 50}), Rule("an object", {"step_w": 50})],
         Field(description="power-limit mode's profiling knobs (all optional)"),
@@ -266,7 +358,7 @@ class PolicyConfig(Section):
         Annotated[
             keyed(BatchSizeOptions, example=_BATCH_SIZE_EXAMPLE,
                   why_required=" to optimise the batch size across runs"),
-            AfterValidator(_default_among_candidates),
+            AfterValidator(_batch_size_agrees),
             Rule("an object", _BATCH_SIZE_EXAMPLE),
         ]
         | None,
@@ -275,20 +367,23 @@ class PolicyConfig(Section):
 
     @model_validator(mode="after")
     def _keys_agree(self) -> PolicyConfig:
-        if self.mode is PolicyMode.POWER_LIMIT and self.type is PolicyType.PERSEUS:
+        if self.mode is PolicyMode.POWER_LIMIT and self.type not in (PolicyType.ZEUS, PolicyType.CHASE):
             raise statement_error(
                 f"{PREFIX}.mode 'power_limit' needs {PREFIX}.type 'zeus' or 'chase' (a cost to minimise); "
                 f'e.g. {{"type": "zeus", "mode": "power_limit"}}'
             )
-        if self.type is PolicyType.CHASE and self.carbon is None:
-            raise statement_error(
-                f'{PREFIX}.carbon needs exactly one source for type \'chase\': {{"csv": path}}, '
-                f'{{"url": "https://..."}} or {{"callback": "module:function"}}'
-            )
-        if self.type is not PolicyType.CHASE and self.carbon is not None:
-            raise statement_error(
-                f"{PREFIX}.carbon is only used by {PREFIX}.type 'chase', not '{self.type.value}'"
-            )
+        for key, owner in (("carbon", PolicyType.CHASE), ("budget", PolicyType.POWER_BUDGET)):
+            given = getattr(self, key) is not None
+            if self.type is owner and not given:
+                example = _CARBON_EXAMPLE if key == "carbon" else _BUDGET_EXAMPLE
+                raise statement_error(
+                    f"{PREFIX}.{key} needs exactly one source for type '{owner.value}', "
+                    f"e.g. {show(example)}"
+                )
+            if self.type is not owner and given:
+                raise statement_error(
+                    f"{PREFIX}.{key} is only used by {PREFIX}.type '{owner.value}', not '{self.type.value}'"
+                )
         if self.type is PolicyType.PERSEUS and "eta" in self.model_fields_set and self.batch_size is None:
             raise statement_error(
                 f"{PREFIX}.eta has no effect with {PREFIX}.type 'perseus' (never slows down); "
@@ -305,46 +400,54 @@ class PolicyConfig(Section):
     def carbon_source(self) -> CarbonSourceKind | None:
         return None if self.carbon is None else carbon_source_kind(self.carbon)
 
-    def _max_power(self, gpu_max_power_w: float | None) -> float:
+    def _max_power(self, gpu_max_power_w: float | None, what: str | None = None) -> float:
         value = self.max_power_w if self.max_power_w is not None else gpu_max_power_w
         if value is None:
             raise ConfigError(
-                f"{PREFIX}.max_power_w is required for type '{self.type.value}' when the GPU's maximum "
-                f"power limit is unknown; set it to one GPU's max power limit in watts (e.g. 400 "
-                f"for an A100 SXM)"
+                f"{PREFIX}.max_power_w is required for {what or f'type {self.type.value!r}'} when the "
+                f"GPU's maximum power limit is unknown; set it to one GPU's max power limit in watts "
+                f"(e.g. 400 for an A100 SXM)"
             )
         return value
 
-    def build_signal(self) -> CarbonSignal:
-        where = f"{PREFIX}.carbon"
-        carbon: Mapping[str, Any] = self.carbon or {}
-        max_carbon = carbon.get("max_carbon")
-        kind = self.carbon_source
+    def build_signal(self, key: str = "carbon") -> CarbonSignal:
+        """The `carbon` (or `budget`) section's signal; an HTTP source starts polling at once,
+        so build it on one rank per job and feed the others (`ExternalSignal`)."""
+        where = f"{PREFIX}.{key}"
+        section: Mapping[str, Any] = getattr(self, key) or {}
+        quantity: SignalQuantity = CARBON if key == "carbon" else POWER_BUDGET
+        max_carbon = section.get("max_carbon")
+        kind = carbon_source_kind(section)
         if kind is CarbonSourceKind.CSV:
-            return CSVCarbonTrace(carbon["csv"], align=carbon.get("align", TraceAlignment.START))
+            return CSVCarbonTrace(section["csv"], align=section.get("align", TraceAlignment.START),
+                                  quantity=quantity)
         if kind is CarbonSourceKind.URL:
             return HTTPCarbonSignal(
-                carbon["url"],
-                field=carbon.get("field", DEFAULT_URL_FIELD),
-                timeout_s=carbon.get("timeout_s", DEFAULT_URL_TIMEOUT_S),
+                section["url"],
+                field=section.get("field", DEFAULT_URL_FIELD if key == "carbon" else None),
+                timeout_s=section.get("timeout_s", DEFAULT_URL_TIMEOUT_S),
                 refresh_s=self.period_s,
-                headers=carbon.get("headers", {}),
+                headers=section.get("headers", {}),
                 max_intensity=max_carbon,
+                quantity=quantity,
+                max_response_bytes=section.get("max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES),
             )
         if kind is CarbonSourceKind.CALLBACK:
-            forecast = carbon.get("forecast_callback")
+            forecast = section.get("forecast_callback")
             return CallbackCarbonSignal(
-                resolve_callable(carbon["callback"], f"{where}.callback"),
+                resolve_callable(section["callback"], f"{where}.callback"),
                 None if forecast is None else resolve_callable(forecast, f"{where}.forecast_callback"),
                 max_intensity=max_carbon,
+                quantity=quantity,
             )
-        raise ConfigError(f"{where} is required for {PREFIX}.type 'chase'")
+        raise ConfigError(f"{where} names no signal source (csv, url or callback)")
 
     def build_cost(
         self, gpu_max_power_w: float | None = None, clock: Callable[[], float] = time.time
     ) -> EnergyTimeCost | None:
-        """Zeus or Chase cost (None for type perseus). Chase starts its carbon signal here."""
-        if self.type is PolicyType.PERSEUS:
+        """Zeus or Chase cost (None for perseus and power_budget). Chase starts its carbon
+        signal here."""
+        if self.type in (PolicyType.PERSEUS, PolicyType.POWER_BUDGET):
             return None
         max_power = self._max_power(gpu_max_power_w)
         if self.type is PolicyType.ZEUS:
@@ -360,9 +463,19 @@ class PolicyConfig(Section):
             clock=clock,
         )
 
+    def build_budget(self, num_gpus: int = 1, clock: Callable[[], float] = time.time) -> PowerBudget:
+        """The power budget of type power_budget; `num_gpus` (the job's) converts a job-wide
+        budget to the average GPU's."""
+        budget: Mapping[str, Any] = self.budget or {}
+        source = budget["watts"] if "watts" in budget else self.build_signal("budget")
+        return PowerBudget(source, scope=BudgetScope(budget.get("scope", BudgetScope.GPU)),
+                           num_gpus=num_gpus, period_s=self.period_s, clock=clock)
+
     def build_policy(
         self, gpu_max_power_w: float | None = None, clock: Callable[[], float] = time.time
     ) -> OperatingPointPolicy:
+        if self.type is PolicyType.POWER_BUDGET:
+            return PowerBudgetPolicy(self.build_budget(clock=clock))
         cost = self.build_cost(gpu_max_power_w, clock)
         if cost is None:
             return StragglerPolicy()
@@ -398,23 +511,54 @@ class PolicyConfig(Section):
             all_reduce=all_reduce,
         )
 
-    def build_batch_size_optimizer(
-        self, gpu_max_power_w: float | None = None
-    ) -> BatchSizeOptimizer | None:
+    # ------------------------------------------------------------------ batch size
+    @property
+    def target_metric(self) -> TargetMetric | None:
+        """The job's target (`batch_size.target_metric`), None without one."""
+        target = (self.batch_size or {}).get("target_metric")
+        if target is None:
+            return None
+        return TargetMetric(target["name"], target["value"], target.get("higher_is_better", True))
+
+    def build_batch_size_optimizer(self, gpu_max_power_w: float | None = None) -> BatchSizeOptimizer | None:
         """None unless a `batch_size` section is configured."""
         options = self.batch_size
         if options is None:
             return None
         return BatchSizeOptimizer(
-            options["db"],
+            options.get("store", options.get("db")),
             options["job_id"],
             options["batch_sizes"],
             options["default_batch_size"],
             eta=self.eta,
-            max_power_w=self._max_power(gpu_max_power_w),
+            max_power_w=self._max_power(gpu_max_power_w, f"{PREFIX}.batch_size"),
             beta=options.get("beta", DEFAULT_BETA),
             pruning_rounds=options.get("pruning_rounds", DEFAULT_PRUNING_ROUNDS),
             seed=options.get("seed"),
+            lease_s=options.get("lease_s", DEFAULT_LEASE_S),
+        )
+
+    def start_recurring_job(
+        self, *, num_gpus: int, gpu_max_power_w: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> RecurringJob:
+        """Ask the store for this run's batch size (rank 0, before the engine is built)."""
+        options = self.batch_size
+        if options is None:
+            raise ConfigError(f"{PREFIX}.batch_size is not configured")
+        return RecurringJob.start(
+            options.get("store", options.get("db")),
+            options["job_id"],
+            options["batch_sizes"],
+            options["default_batch_size"],
+            max_power_w=self._max_power(gpu_max_power_w, f"{PREFIX}.batch_size"),
+            num_gpus=num_gpus,
+            target=self.target_metric,
+            eta=self.eta,
+            beta=options.get("beta", DEFAULT_BETA),
+            pruning_rounds=options.get("pruning_rounds", DEFAULT_PRUNING_ROUNDS),
+            seed=options.get("seed"),
+            lease_s=options.get("lease_s", DEFAULT_LEASE_S),
+            clock=clock,
         )
 
 

@@ -286,8 +286,12 @@ class PerseusConfig(Section):
         Annotated[PolicyConfig, Rule("an object", PolicyConfig.example)] | None,
         Field(description="Which frontier plan to run: `null` = Perseus' straggler policy; Zeus/Chase cost "
                           "policies (`{\"type\": \"zeus\", \"eta\": 0.5}`, `{\"type\": \"chase\", \"carbon\": "
-                          "{\"csv\": ...}}`). `\"mode\": \"power_limit\"` instead keeps default clocks and picks "
-                          "one global GPU power limit (Zeus). Keys: docs/policies.md.")] = None
+                          "{\"csv\": ...}}`); the fastest plan within a power budget (`{\"type\": \"power_budget\", "
+                          "\"budget\": {\"watts\": 300}}`). `\"mode\": \"power_limit\"` instead keeps default clocks "
+                          "and picks one global GPU power limit (Zeus). `\"batch_size\": {\"store\": ..., ...}` "
+                          "makes each run of a recurring job take its batch size from a store and report its cost "
+                          "(`engine.perseus.report_metric(value)`; PerseusEarlyStop past its cost limit). Keys: "
+                          "docs/policies.md.")] = None
 
     _saved_blocking_power_w: float | None = PrivateAttr(default=None)
 

@@ -41,6 +41,7 @@ from perseus_ext.runtime.profile_store import ProfileStore
 from perseus_ext.runtime.profiling import ProfilingRun
 from perseus_ext.runtime.rank_setup import RankSetup, describe_gpu
 from perseus_ext.runtime.recorder import RunRecorder
+from perseus_ext.runtime.recurring import JobCoordinator
 from perseus_ext.runtime.records import IterationSetting, MeasuredProfile, SolveOutcome, SolveProblem
 from perseus_ext.runtime.shipping import StageFrontier, ship, shipped_bytes
 from perseus_ext.runtime.solver_process import BackgroundSolve, solve
@@ -103,6 +104,8 @@ class PerseusRuntime:
                                     stage=stage, latency=self.setup.latency, log_path=config.log_path,
                                     log_interval=config.log_interval, on_record=self.emissions.on_record,
                                     saving=self.probes.estimate)
+        # The job-wide exchange (batch-size run, early stop, shared signal); None when unused.
+        self.job = JobCoordinator.create(config, self.comm, self.gpu, self.policy)
         self.phase = Phase.WARMUP if config.mode == "optimize" else Phase.OBSERVING
         self.iteration = 0
         self.fallback_reason: str | None = None
@@ -209,6 +212,24 @@ class PerseusRuntime:
             self.fall_back("lifecycle step failed", err)
             self._set_phase(Phase.OBSERVING)
         self.iteration += 1
+        if self.job is not None and self.job.on_iteration_end():
+            # The run passed its cost limit: every rank stops at this boundary, clocks restored
+            # and the run reported as stopped, then the documented exception reaches the script.
+            self.close()
+            raise self.job.early_stop()
+
+    # ------------------------------------------------------------------ recurring-job API
+    def report_metric(self, value: float) -> bool:
+        """Hand over one evaluation result of `policy.batch_size.target_metric`; True once the
+        target is reached (the run is then reported as reached)."""
+        if self.job is None:
+            raise PerseusError("report_metric needs perseus.policy.batch_size with a target_metric")
+        return self.job.report_metric(value)
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once the run was stopped early by its cost limit (PerseusEarlyStop was raised)."""
+        return self.job is not None and self.job.stop_requested
 
     # ------------------------------------------------------------------ cluster-manager API
     def announce_slowdown(self, factor_or_time: float | datetime.timedelta | None) -> None:
@@ -494,4 +515,6 @@ class PerseusRuntime:
             log_summary(self._summary, self.config.summary_path)
         except Exception:
             logger.exception("perseus-ext: writing the summary failed")
+        if self.job is not None:
+            self.job.close()  # reports the batch-size run (rank 0); never raises
 
