@@ -182,7 +182,7 @@ def test_example_script_under_torchrun_saves_a_profile(tmp_path):
     for rank in (0, 1):
         summary = json.loads((tmp_path / f"summary-{rank}.json").read_text())
         assert summary["final_phase"] == "deployed"
-    assert "perseus-ext: iteration" in completed.stdout + completed.stderr
+    assert "perseus-ext it " in completed.stdout + completed.stderr
 
 
 # --------------------------------------------------------------------------- adapter pieces
