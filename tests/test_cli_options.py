@@ -195,9 +195,9 @@ def test_unknown_profile_lists_the_shipped_ones(capsys) -> None:
 def test_shipped_data_is_found_through_the_package() -> None:
     assert shipped_profile_names() == ["bloom-a100_sxm", "bloom-a40", "gpt3-175b-a100_sxm", "gpt3-175b-a40"]
     assert shipped_profile("../../setup") is None  # names only, never paths
-    assert sorted(p.name for p in (patches_dir() / "megatron-lm").glob("*.patch")) == [
-        "pretrain_gpt.core_v0.16.patch", "pretrain_gpt.core_v0.18.patch",
-    ]
+    repository = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm"
+    shipped = sorted(p.name for p in (patches_dir() / "megatron-lm").glob("*.patch"))
+    assert shipped == sorted(p.name for p in repository.glob("*.patch")) and len(shipped) >= 3
 
 
 def test_patch_path_prints_the_patch_directory(capsys) -> None:

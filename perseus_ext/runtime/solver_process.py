@@ -41,8 +41,9 @@ def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveOutcome
         from perseus_ext.planning.solver import solve_frontier
 
         measured = problem.measured
+        profile = measured.for_schedule(problem.schedule)  # one entry per virtual stage
         frontier = solve_frontier(
-            problem.schedule, measured.for_schedule(problem.schedule).pareto(), measured.blocking_power_per_stage_w,
+            problem.schedule, profile.pareto(), measured.blocking_power_per_stage_w,
             problem.options, switch_latency_s=problem.switch_latency_s,
         )
     except Exception as err:  # reported to every rank of the pipeline instead
@@ -52,7 +53,7 @@ def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveOutcome
         from perseus_ext.planning.wait_aware import extend_frontier
 
         frontier = extend_frontier(
-            frontier, problem.schedule, measured.profile, measured.blocking_power_per_stage_w,
+            frontier, problem.schedule, profile, measured.blocking_power_per_stage_w,
             problem.options, switch_latency_s=problem.switch_latency_s,
         )
     except Exception as err:  # the ordinary frontier still serves every deadline up to T*
