@@ -80,15 +80,15 @@ def test_paced_markers_resolve_on_the_engine_thread():
     gpu = SimulatedGPU("a100_sxm", queue_depth=4)
     timeline = gpu.open_timeline()
     start = time.perf_counter()
-    timeline.launch("forward", 0.03)
+    timeline.launch("forward", 0.3)  # long enough that a loaded host still queries it early
     first = timeline.record_marker()
-    timeline.launch("backward", 0.03)
+    timeline.launch("backward", 0.3)
     second = timeline.record_marker()
     assert not first.query()
-    time.sleep(0.1)  # the host does nothing; the device works on
-    assert second.wait(timeout_s=1.0) and first.query()
-    assert 0.03 <= first.device_time_s() - start < 0.03 + 0.05  # + the launch's host delay
-    assert second.device_time_s() - first.device_time_s() == pytest.approx(0.03, abs=1e-9)
+    time.sleep(0.4)  # the host does nothing; the device works on
+    assert second.wait(timeout_s=2.0) and first.query()
+    assert 0.3 <= first.device_time_s() - start < 0.3 + 0.1  # + the launch's host delay
+    assert second.device_time_s() - first.device_time_s() == pytest.approx(0.3, abs=1e-9)
 
 
 def test_slowdown_applies_to_work_launched_after_it_is_set():
