@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import math
 import os
@@ -29,9 +30,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    PlainValidator,
     TypeAdapter,
     ValidationError,
-    WrapValidator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError, core_schema
@@ -336,7 +337,7 @@ def keyed(typed_dict: type, *, example: Mapping[str, Any], why_required: str = "
 
 
 def dataclass_section(
-    cls: type,
+    load: Callable[[], type],
     bounds: Mapping[str, Any],
     *,
     where: str,
@@ -345,25 +346,34 @@ def dataclass_section(
 ) -> Any:
     """A plain dataclass (kept free of pydantic) validated at the door: keys are its fields,
     values are checked against `bounds` (a typed annotation per field), then the dataclass is
-    built; an error its constructor raises (from `errors`) names the keys its message mentions."""
-    hints = typing.get_type_hints(cls)
-    fields = [f.name for f in dataclasses.fields(cls) if f.init]
-    entries = typing_extensions.TypedDict(f"{cls.__name__}Section", {n: bounds.get(n, hints[n]) for n in fields}, total=False)
-    adapter = TypeAdapter(keyed(entries, example=example))
+    built; an error its constructor raises (from `errors`) names the keys its message mentions.
+    `load` imports the dataclass on first use, so a config without this section never pays
+    for its module (the solver's pulls in scipy and HiGHS)."""
 
-    def build(data: Any, handler: Callable[[Any], Any]) -> Any:
+    @functools.cache
+    def entries_of(cls: type) -> tuple[list[str], TypeAdapter]:
+        hints = typing.get_type_hints(cls)
+        fields = [f.name for f in dataclasses.fields(cls) if f.init]
+        entries = typing_extensions.TypedDict(
+            f"{cls.__name__}Section", {n: bounds.get(n, hints[n]) for n in fields}, total=False
+        )
+        return fields, TypeAdapter(keyed(entries, example=example))
+
+    def build(data: Any) -> Any:
         if data is None:
-            return handler(data)
+            return None
+        cls = load()
+        fields, adapter = entries_of(cls)
         if isinstance(data, cls):  # built in Python: its values meet the same bounds
             data = {name: getattr(data, name) for name in fields}
         values = adapter.validate_python(data)
         try:
-            return handler(cls(**values))
+            return cls(**values)
         except errors as err:
             keys = [f"{where}.{name}" for name in fields if name in str(err)] or [where]
             raise statement_error(f"{', '.join(keys)}: {err}") from None
 
-    return WrapValidator(build)
+    return PlainValidator(build)
 
 
 # --------------------------------------------------------------------------------- parsing

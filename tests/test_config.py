@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tracemalloc
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -332,27 +332,28 @@ def test_policy_rules_across_keys(section, message):
 
 
 # --------------------------------------------------------------------------- solver door
+@dataclasses.dataclass(frozen=True)
+class _CheckedOptions:
+    """Stands for a SolverOptions whose __post_init__ checks its own bounds."""
+
+    low: int = 1
+    high: int = 2
+
+    def __post_init__(self) -> None:
+        if self.low > self.high:
+            raise SolverError(f"low ({self.low}) must not exceed high ({self.high})")
+
+
 def test_solver_constructor_errors_name_the_key():
-    """A bound SolverOptions checks itself (SolverError) comes back as a ConfigError naming it."""
-
-    @dataclasses.dataclass(frozen=True)
-    class Options:
-        low: int = 1
-        high: int = 2
-
-        def __post_init__(self) -> None:
-            if self.low > self.high:
-                raise SolverError(f"low ({self.low}) must not exceed high ({self.high})")
+    """An error the dataclass raises on itself (SolverError) becomes a ConfigError naming its keys."""
 
     class Holder(Section):
-        options: Any = None
+        options: Annotated[Any, dataclass_section(lambda: _CheckedOptions, {}, where="perseus.solver", example={"low": 1},
+                                                  errors=(SolverError,))] = None
 
-    Holder.model_fields["options"].metadata.append(
-        dataclass_section(Options, {}, where="perseus.solver", example={"low": 1}, errors=(SolverError,)))
-    Holder.model_rebuild(force=True)
     from perseus_ext.schema import parse
 
-    assert parse(Holder, {"options": {"low": 1}}, root="perseus").options == Options(1, 2)
+    assert parse(Holder, {"options": {"low": 1}}, root="perseus").options == _CheckedOptions(1, 2)
     with pytest.raises(ConfigError) as caught:
         parse(Holder, {"options": {"low": 5}}, root="perseus")
     assert str(caught.value) == "perseus.solver.low, perseus.solver.high: low (5) must not exceed high (2)"

@@ -16,15 +16,15 @@ The same model generates the Megatron `--perseus-<key>` flags
 from __future__ import annotations
 
 import enum
+import importlib
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, PlainValidator, PrivateAttr, TypeAdapter, model_validator
 
 from perseus_ext.errors import ConfigError, SolverError
-from perseus_ext.planning.solver import SolverOptions
 from perseus_ext.policies.config import PolicyConfig
 from perseus_ext.schema import (
     Rule,
@@ -45,6 +45,9 @@ from perseus_ext.schema import (
     text,
     value_error,
 )
+
+if TYPE_CHECKING:
+    from perseus_ext.planning.solver import SolverOptions
 
 PREFIX = "perseus"
 CONTROL_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # a second .. a week
@@ -72,6 +75,12 @@ SOLVER_BOUNDS: dict[str, Any] = {
 its memory) explodes or the option is meaningless (e.g. a negative grid)."""
 
 _SOLVER_EXAMPLE = {"min_grid_points": 300}
+
+
+def _solver_options_class() -> type[SolverOptions]:
+    """Imported when a `solver` section is given: the solver module pulls in scipy and HiGHS,
+    which a config without one (and Megatron's argument parsing) need not load."""
+    return importlib.import_module("perseus_ext.planning.solver").SolverOptions
 
 
 # ------------------------------------------------------------------------------ simulated workload
@@ -217,14 +226,17 @@ class PerseusConfig(Section):
     solve_in_background: Annotated[flag(example=False), Field(
         description="Solve the frontier in a child process while training continues; `false` solves inline "
                     "(blocks one iteration).")] = True
-    solver: Annotated[
-        SolverOptions | None,
-        dataclass_section(SolverOptions, SOLVER_BOUNDS, where=f"{PREFIX}.solver", example=_SOLVER_EXAMPLE,
-                          errors=(SolverError,)),
-        Rule("an object of frontier-solver options", _SOLVER_EXAMPLE),
-        Field(description="Options of the frontier solver, the fields of "
-                          "`perseus_ext.planning.solver.SolverOptions` (e.g. `{\"min_grid_points\": 300}` for a "
-                          "faster, coarser frontier); bounds in docs/deepspeed.md.")] = None
+    if TYPE_CHECKING:
+        solver: SolverOptions | None
+    else:
+        solver: Annotated[
+            Any,
+            dataclass_section(_solver_options_class, SOLVER_BOUNDS, where=f"{PREFIX}.solver",
+                              example=_SOLVER_EXAMPLE, errors=(SolverError,)),
+            Rule("an object of frontier-solver options", _SOLVER_EXAMPLE),
+            Field(description="Options of the frontier solver, the fields of "
+                              "`perseus_ext.planning.solver.SolverOptions` (e.g. `{\"min_grid_points\": 300}` for "
+                              "a faster, coarser frontier); bounds in docs/deepspeed.md.")] = None
     control_timeout_s: Annotated[
         number(example=1800, unit="seconds", at_least=CONTROL_TIMEOUT_RANGE_S[0], at_most=CONTROL_TIMEOUT_RANGE_S[1]),
         Field(description="Timeout of perseus-ext's own gloo collectives; after it a rank falls back to default "
