@@ -93,12 +93,13 @@ def test_aligned_windows_start_and_end_on_counter_updates():
 def test_computation_timer_on_a_paced_gpu():
     gpu = SimulatedGPU("h100", seed=4)
     gpu.set_locked_sm_clocks(990)
+    gpu.wait(gpu.switch_latency.switch_s + gpu.switch_latency.transition_s)  # landed
     with MeasurementWindow(gpu) as window:
         for _ in range(3):
             with window.computation("forward@990"):
                 gpu.run(0.005)
     record = window.record
-    expected = gpu.expected(0.005)[0]
+    expected = gpu.expected(0.005, 990)[0]
     assert record.counts == {"forward@990": 3}
     assert record.busy_s["forward@990"] >= 3 * expected
     assert record.busy_s["forward@990"] < 3 * expected + 0.03

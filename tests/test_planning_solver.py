@@ -92,8 +92,13 @@ def test_gpt3_fastest_plan_is_free_and_saves_what_the_paper_reports(gpt3_frontie
 def test_gpt3_frontier_invariants(gpt3_frontier) -> None:
     _, model, frontier = gpt3_frontier
     times = np.array([p.time for p in frontier.plans])
-    assert np.all(np.diff(times) >= 0)
-    assert np.diff(times).max() <= 1e-3  # points at most 1 ms apart
+    energies = np.array([p.energy for p in frontier.plans])
+    # A true Pareto frontier: slower plans are strictly cheaper, none is dominated.
+    assert np.all(np.diff(times) > 0)
+    assert np.all(np.diff(energies) < 0)
+    # Gaps wider than the 1 ms grid only where the frontier is flat (< 0.5 % of energy).
+    wide = np.flatnonzero(np.diff(times) > 1e-3)
+    assert np.all(energies[wide] - energies[wide + 1] < 5e-3 * energies[wide])
     assert frontier.min_energy.energy < frontier.fastest.energy
     # Reported figures are exact replays of the discrete clocks.
     for plan in frontier.plans[:: max(1, len(frontier.plans) // 25)]:

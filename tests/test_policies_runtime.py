@@ -22,7 +22,7 @@ import pytest
 from perseus_ext.errors import ConfigError
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.runtime import PerseusConfig, PerseusRuntime, Phase
-from runtime_helpers import make_config as base_config, train, virtual_gpu
+from runtime_helpers import make_config as base_config, sim_gpu, train
 
 DEFAULT_LIMIT_W = 500.0  # the simulated A100's default (and maximum) power limit
 LIMITS_W = [500.0, 400.0, 300.0, 200.0, 100.0]
@@ -42,7 +42,7 @@ def power_limit_policy(eta: float) -> dict:
 def run_power_limit(eta: float) -> tuple[PerseusRuntime, list[float]]:
     """A job without pipeline parallelism (1-stage schedule) in power-limit mode; returns the
     runtime (closed) and the GPU's power limit after every iteration."""
-    gpu = virtual_gpu()
+    gpu = sim_gpu()
     runtime = PerseusRuntime(make_config(policy=power_limit_policy(eta)), schedule=build_schedule("1f1b", 1, 4),
                              stage=0, gpu=gpu)
     limits = []
@@ -88,7 +88,7 @@ def test_power_limit_eta_trades_time_for_energy():
 
 
 def test_power_limit_mode_in_dry_run_stays_at_the_default_limit(caplog):
-    gpu = virtual_gpu()
+    gpu = sim_gpu()
     runtime = PerseusRuntime(make_config(policy=power_limit_policy(0.5), dry_run=True),
                              schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=gpu)
     train(runtime, 6)
@@ -99,7 +99,7 @@ def test_power_limit_mode_in_dry_run_stays_at_the_default_limit(caplog):
 
 
 def test_a_rank_that_falls_back_restores_its_limit_but_keeps_counting():
-    gpu = virtual_gpu()
+    gpu = sim_gpu()
     runtime = PerseusRuntime(make_config(policy=power_limit_policy(1.0)), schedule=build_schedule("1f1b", 1, 4),
                              stage=0, gpu=gpu)
     train(runtime, 6)
@@ -118,7 +118,7 @@ def test_power_limit_mode_rejects_a_frontier_policy_object():
 
     with pytest.raises(ConfigError, match="perseus.policy.mode 'power_limit' picks a power limit"):
         PerseusRuntime(make_config(policy=power_limit_policy(0.5)), schedule=build_schedule("1f1b", 1, 4),
-                       stage=0, gpu=virtual_gpu(), policy=StragglerPolicy())
+                       stage=0, gpu=sim_gpu(), policy=StragglerPolicy())
 
 
 # --------------------------------------------------------------------------- Chase on the frontier
@@ -129,7 +129,7 @@ def test_chase_follows_a_carbon_trace_and_reports_emissions(tmp_path):
     policy = {"type": "chase", "eta": 0.9, "max_power_w": 400, "period_s": 0.05,
               "carbon": {"csv": str(trace), "align": "start"}}
     runtime = PerseusRuntime(make_config(policy=policy, straggler_check_interval=1000),
-                             schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=virtual_gpu())
+                             schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=sim_gpu())
     train(runtime, 40)
     assert runtime.phase is Phase.DEPLOYED
     dirty = runtime.plan
@@ -180,7 +180,7 @@ def worker(out_dir: str) -> None:
     }
     results = {}
     for name, (policy, iterations) in cases.items():
-        gpu = virtual_gpu(seed=rank)
+        gpu = sim_gpu(seed=rank)
         runtime = PerseusRuntime(make_config(policy=policy, profile_path=profile), schedule=schedule,
                                  stage=rank, gpu=gpu)
         train(runtime, iterations, seed=rank)

@@ -20,7 +20,7 @@ from perseus_ext.runtime import PerseusConfig, PerseusRuntime, Phase
 from perseus_ext.runtime.profiler import StageProfiler, build_windows, locate_updates
 from perseus_ext.runtime.straggler import SlowdownTracker
 
-from runtime_helpers import BACKWARD_S, FORWARD_S, make_config, train, virtual_gpu  # noqa: E402
+from runtime_helpers import BACKWARD_S, FORWARD_S, make_config, sim_gpu, train, virtual_gpu  # noqa: E402
 
 
 @pytest.fixture
@@ -70,18 +70,18 @@ def test_config_errors_name_the_key(section, key):
 
 def test_runtime_rejects_clocks_the_gpu_does_not_support(schedule):
     with pytest.raises(ConfigError, match=r"perseus.candidate_clocks: 1234 MHz is not supported .*nearest 1230"):
-        PerseusRuntime(make_config(candidate_clocks=[1410, 1234]), schedule=schedule, stage=0, gpu=virtual_gpu())
+        PerseusRuntime(make_config(candidate_clocks=[1410, 1234]), schedule=schedule, stage=0, gpu=sim_gpu())
     with pytest.raises(ConfigError, match="perseus.communication_clock: 5 MHz"):
-        PerseusRuntime(make_config(communication_clock=5), schedule=schedule, stage=0, gpu=virtual_gpu())
+        PerseusRuntime(make_config(communication_clock=5), schedule=schedule, stage=0, gpu=sim_gpu())
 
 
 def test_runtime_rejects_workload_of_wrong_length_and_unknown_solver_keys(schedule):
     two = build_schedule("1f1b", 2, 4)
     config = make_config(simulated_workload={"forward_seconds": [0.01, 0.02, 0.03], "backward_seconds": 0.02})
     with pytest.raises(ConfigError, match="forward_seconds has 3 entries but the pipeline has 2 stages"):
-        PerseusRuntime(config, schedule=two, stage=0, gpu=virtual_gpu())
+        PerseusRuntime(config, schedule=two, stage=0, gpu=sim_gpu())
     with pytest.raises(ConfigError, match="perseus.solver.speed"):
-        PerseusRuntime(make_config(solver={"speed": 2}), schedule=schedule, stage=0, gpu=virtual_gpu())
+        PerseusRuntime(make_config(solver={"speed": 2}), schedule=schedule, stage=0, gpu=sim_gpu())
 
 
 # --------------------------------------------------------------------------- straggler hysteresis
@@ -143,6 +143,7 @@ def test_profiler_estimates_energy_and_stops_early():
     while not profiler.done:
         clock = profiler.current_clock
         gpu.set_locked_sm_clocks(clock)
+        gpu.wait(gpu.switch_latency.switch_s + gpu.switch_latency.transition_s)  # until it lands
         for kind in order:
             gpu.wait(float(rng.uniform(0.0, 0.012)))
             profiler.on_counter(*meter.read())
@@ -159,11 +160,11 @@ def test_profiler_estimates_energy_and_stops_early():
     assert measured.blocking_power_w == pytest.approx(gpu.preset.idle_power_w, rel=0.25)
     errors = []
     for row in measured.rows:
-        seconds = FORWARD_S if row["instruction"] == "forward" else BACKWARD_S
-        true_time, true_energy = gpu.expected(seconds, row["frequency"])
+        seconds = FORWARD_S if row.instruction == "forward" else BACKWARD_S
+        true_time, true_energy = gpu.expected(seconds, row.frequency)
         overhead = measured.overhead_s  # the smallest gaps between computations
-        assert row["time"] == pytest.approx(true_time + overhead, rel=1e-6)
-        errors.append((row["energy"] - overhead * measured.blocking_power_w) / true_energy - 1)
+        assert row.time == pytest.approx(true_time + overhead, rel=1e-6)
+        errors.append((row.energy - overhead * measured.blocking_power_w) / true_energy - 1)
     assert 0.0 < measured.overhead_s < 0.012
     assert np.sqrt(np.mean(np.square(errors))) < 0.12
 
@@ -173,7 +174,7 @@ def test_lifecycle_profiles_solves_deploys_and_restores_clocks(schedule, tmp_pat
     caplog.set_level(logging.INFO, logger="perseus_ext")
     config = make_config(profile_path=str(tmp_path / "profile.csv"), frontier_path=str(tmp_path / "frontier.json"),
                          log_path=str(tmp_path / "log-{rank}.jsonl"), summary_path=str(tmp_path / "summary-{rank}.json"))
-    gpu = virtual_gpu()
+    gpu = sim_gpu()
     runtime = PerseusRuntime(config, schedule=schedule, stage=0, gpu=gpu)
     train(runtime, 30)
     assert runtime.phase is Phase.DEPLOYED
@@ -192,17 +193,17 @@ def test_lifecycle_profiles_solves_deploys_and_restores_clocks(schedule, tmp_pat
     assert "profiling finished after" in caplog.text
 
     # A restarted job loads the saved profile and skips profiling.
-    restarted = PerseusRuntime(config, schedule=schedule, stage=0, gpu=virtual_gpu())
+    restarted = PerseusRuntime(config, schedule=schedule, stage=0, gpu=sim_gpu())
     train(restarted, 5)
     assert restarted.phase is Phase.DEPLOYED and restarted.profiling_iterations == 0
     restarted.close()
 
 
 def test_schedule_mismatch_logs_once_and_falls_back(schedule, caplog):
-    gpu = virtual_gpu()
+    gpu = sim_gpu()
     runtime = PerseusRuntime(make_config(warmup_iterations=0), schedule=schedule, stage=0, gpu=gpu)
-    train(runtime, 2)  # now profiling: the clock is locked
-    assert gpu.locked_clock is not None
+    train(runtime, 2)  # now profiling: candidate clocks were locked
+    assert any(clock is not None for clock in gpu.clock_history)
     runtime.iteration_start()
     runtime.before_computation(Kind.BACKWARD, 3)  # the schedule expects forward 0
     runtime.after_computation(Kind.BACKWARD, 3)
@@ -217,7 +218,7 @@ def test_schedule_mismatch_logs_once_and_falls_back(schedule, caplog):
 
 
 def test_fallback_during_warmup_is_not_reported_as_missing_clock_control(schedule, caplog):
-    runtime = PerseusRuntime(make_config(warmup_iterations=2), schedule=schedule, stage=0, gpu=virtual_gpu())
+    runtime = PerseusRuntime(make_config(warmup_iterations=2), schedule=schedule, stage=0, gpu=sim_gpu())
     runtime.fall_back("the adapter cannot identify a computation")
     runtime.fall_back("a second reason")  # only the first one counts
     train(runtime, 3)
@@ -231,7 +232,7 @@ def test_fallback_during_warmup_is_not_reported_as_missing_clock_control(schedul
 
 
 def test_no_clock_permission_means_dry_run(schedule, caplog):
-    gpu = virtual_gpu(privileged="0")
+    gpu = sim_gpu(privileged="0")
     runtime = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=gpu)
     train(runtime, 6)
     assert runtime.controller.dry_run
@@ -245,11 +246,11 @@ def test_strict_mode_fails_fast_without_clock_permission(schedule):
     from perseus_ext.measurement.gpu import GPUPermissionError
 
     with pytest.raises(GPUPermissionError, match="CAP_SYS_ADMIN|root"):
-        PerseusRuntime(make_config(strict=True), schedule=schedule, stage=0, gpu=virtual_gpu(privileged="0"))
+        PerseusRuntime(make_config(strict=True), schedule=schedule, stage=0, gpu=sim_gpu(privileged="0"))
 
 
 def test_controller_errors_never_reach_training(schedule):
-    gpu = virtual_gpu()
+    gpu = sim_gpu()
     gpu.inject_fault("set_locked_sm_clocks", times=None)
     runtime = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=gpu)
     train(runtime, 12)
@@ -259,7 +260,7 @@ def test_controller_errors_never_reach_training(schedule):
 
 
 def test_observe_mode_never_touches_clocks(schedule):
-    gpu = virtual_gpu()
+    gpu = sim_gpu()
     runtime = PerseusRuntime(make_config(mode="observe"), schedule=schedule, stage=0, gpu=gpu)
     train(runtime, 5)
     runtime.close()
@@ -269,7 +270,7 @@ def test_observe_mode_never_touches_clocks(schedule):
 
 
 def test_announce_slowdown_validates_input(schedule):
-    runtime = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=virtual_gpu())
+    runtime = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=sim_gpu())
     runtime.announce_slowdown(1.2)
     runtime.announce_slowdown(datetime.timedelta(seconds=0.3))
     runtime.announce_slowdown(None)
@@ -281,7 +282,7 @@ def test_announce_slowdown_validates_input(schedule):
 
 
 def test_announced_slowdown_moves_a_single_pipeline_to_a_slower_plan(schedule):
-    runtime = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=virtual_gpu())
+    runtime = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=sim_gpu())
     train(runtime, 20)
     assert runtime.plan == runtime.frontier.fastest
     runtime.announce_slowdown(1.15)
@@ -289,7 +290,7 @@ def test_announced_slowdown_moves_a_single_pipeline_to_a_slower_plan(schedule):
     assert runtime.plan.time > runtime.frontier.fastest.time
     # The slowest pipeline takes 15% longer than the normal iteration: about that much extra
     # time (the normal time is re-measured at every check, hence the margin).
-    normal = np.median([r["compute_s"] for r in runtime.history[-9:-6]])
+    normal = np.median([r.compute_s for r in runtime.history[-9:-6]])
     assert runtime.plan.time <= runtime.frontier.fastest.time + 0.15 * normal * 1.1
     runtime.announce_slowdown(None)
     train(runtime, 3)  # recovery needs no confirmation
@@ -301,36 +302,39 @@ def test_policy_section_selects_a_cost_policy(schedule):
     from perseus_ext.policies import StragglerPolicy, ZeusPolicy
 
     runtime = PerseusRuntime(make_config(policy={"type": "zeus", "eta": 1.0}), schedule=schedule, stage=0,
-                             gpu=virtual_gpu())
+                             gpu=sim_gpu())
     assert isinstance(runtime.policy, ZeusPolicy)
     train(runtime, 20)
     assert runtime.phase is Phase.DEPLOYED
     assert runtime.plan == runtime.frontier.min_energy  # eta = 1: energy only
     runtime.close()
-    default = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=virtual_gpu())
+    default = PerseusRuntime(make_config(), schedule=schedule, stage=0, gpu=sim_gpu())
     assert isinstance(default.policy, StragglerPolicy)
     default.close()
     with pytest.raises(ConfigError, match="perseus.policy.mode 'power_limit' picks a power limit"):
         PerseusRuntime(make_config(policy={"type": "zeus", "mode": "power_limit"}), schedule=schedule, stage=0,
-                       gpu=virtual_gpu(), policy=StragglerPolicy())
+                       gpu=sim_gpu(), policy=StragglerPolicy())
     with pytest.raises(ConfigError, match=r"limits_w: \[50\] W outside"):
         PerseusRuntime(make_config(policy={"type": "zeus", "mode": "power_limit", "power_limit": {"limits_w": [500, 50]}}),
-                       schedule=schedule, stage=0, gpu=virtual_gpu())
+                       schedule=schedule, stage=0, gpu=sim_gpu())
     with pytest.raises(ConfigError, match="perseus.policy.eta"):
-        PerseusRuntime(make_config(policy={"type": "zeus", "eta": 2}), schedule=schedule, stage=0, gpu=virtual_gpu())
+        PerseusRuntime(make_config(policy={"type": "zeus", "eta": 2}), schedule=schedule, stage=0, gpu=sim_gpu())
 
 
-def test_communication_clock_is_requested_around_blocking_waits(schedule):
-    gpu = virtual_gpu()
+def test_communication_clock_fills_the_gaps_between_computations(schedule):
+    gpu = sim_gpu()
     runtime = PerseusRuntime(make_config(communication_clock="min"), schedule=schedule, stage=0, gpu=gpu)
     train(runtime, 20)
     assert runtime.phase is Phase.DEPLOYED
-    runtime.before_communication()
+    lowest = gpu.supported_sm_clocks()[-1]
     runtime.controller.flush()
-    assert gpu.locked_clock == gpu.supported_sm_clocks()[-1]
-    first = runtime.order[0]
-    runtime.iteration_start()
-    runtime.before_computation(first.kind, first.microbatch)
-    assert gpu.locked_clock == runtime.plan.frequencies[0][0]  # back to the plan's clock
+    gpu.clock_history.clear()
+    train(runtime, 1)
+    runtime.controller.flush()
+    planned = [int(c) for c in runtime.plan.frequencies[0]]
+    # Each computation at its planned clock, the lowest clock after each one (the device waits
+    # for its next input there), default clocks after the last one.
+    expected = [c for clock in planned for c in (clock, lowest)][:-1] + [None]
+    assert gpu.clock_history == expected
     runtime.close()
     assert gpu.locked_clock is None

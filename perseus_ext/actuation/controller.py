@@ -6,11 +6,19 @@ thread only pays for a `SimpleQueue.put` (a C call, reentrant, safe inside signa
 helper process would need IPC on every hook call; the one thing it adds -- surviving SIGKILL of
 the trainer -- is covered by a tiny watchdog process that only restores clocks (watchdog.py).
 
+Ordered by the device, not the host: CUDA is asynchronous, so the training thread launches a
+computation long before the GPU runs it. A change is therefore queued together with a device
+marker (a CUDA event recorded on the compute stream at a computation boundary) and the worker
+applies it once the device *reaches* that marker -- the end of the previous computation -- never
+when the host happened to launch the work. The worker also observes markers for measurement:
+it reads the energy counter when the device reaches an iteration boundary, so per-iteration
+time and energy follow the device's timeline without the training thread ever waiting.
+
 Guarantees:
-* `set_clock()` never blocks, never calls NVML or CUDA, never raises.
+* `set_clock()` / `observe()` never block, never call NVML or CUDA, never raise.
 * Changes apply in order; consecutive duplicates are skipped; when the worker falls behind,
-  targets already superseded by a newer one are skipped (applying a stale clock only delays the
-  one the schedule needs now).
+  targets already superseded by a newer one whose marker the device has reached are skipped
+  (applying a stale clock only delays the one the schedule needs now).
 * A failing device call is logged once, counted, and the controller falls back to the default
   clocks and stops touching the GPU; training goes on.
 * Clocks and power limit are restored on close, normal exit (atexit), exceptions (context
@@ -20,6 +28,7 @@ Guarantees:
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import logging
 import os
@@ -28,9 +37,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from perseus_ext.measurement.gpu import (
     GPU,
@@ -42,19 +52,58 @@ from perseus_ext.measurement.gpu import (
     open_gpu,
 )
 
+if TYPE_CHECKING:
+    from perseus_ext.measurement.gpu.timeline import DeviceMarker
+
 logger = logging.getLogger(__name__)
 
 DRY_RUN_LOG_LIMIT = 1_000_000  # entries kept in dry_run_log; beyond it only dry_run_count grows
+CHANGE_LOG_LIMIT = 100_000  # timestamped clock changes kept for clock-coverage estimates
 JOIN_TIMEOUT_S = 10.0
+MARKER_POLL_S = 0.05  # how often a worker waiting on a marker checks whether it must stop
 
 
 class _Reset:
-    """Queue item: unlock the SM clock."""
+    """Clock target: unlock the SM clock (the driver default)."""
+
+
+@dataclass(frozen=True)
+class _ClockAt:
+    """Queue item: apply `target` (MHz or _RESET) once the device reaches `at` (None: now)."""
+
+    target: Any
+    at: DeviceMarker | None
+
+
+@dataclass(frozen=True)
+class _Observe:
+    """Queue item: note when the device reached `at` and read the energy counter there."""
+
+    tag: Any
+    at: DeviceMarker
 
 
 @dataclass(frozen=True)
 class _PowerLimit:
     watts: float
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the worker saw when the device reached an observed marker."""
+
+    tag: Any
+    device_time_s: float  # when the device reached the marker (GPU.timestamp() clock)
+    noticed_s: float  # when the worker noticed (perf_counter): the notice delay is the difference
+    energy_mj: int | None  # the energy counter read right after noticing (None: no GPU or a failed read)
+
+
+@dataclass(frozen=True)
+class ClockChange:
+    """One clock change as the worker issued it (applied, or recorded in dry-run)."""
+
+    issued_s: float  # when the set call returned (perf_counter, the clock device times align to)
+    mhz: int | None  # None: back to the default clocks
 
 
 @dataclass(frozen=True)
@@ -96,6 +145,7 @@ class FrequencyController:
         self.dry_run_log: list[int] = []
         self.dry_run_count = 0
         self.dry_run_power_limits: list[float] = []
+        self.changes: collections.deque[ClockChange] = collections.deque(maxlen=CHANGE_LOG_LIMIT)
         self.last_error: BaseException | None = None
         self.disabled_reason: str | None = None
         self._logged: set[str] = set()
@@ -106,17 +156,21 @@ class FrequencyController:
         self._initial_power_limit: float | None = None
         self._power_touched = False
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._observations: collections.deque[Observation] = collections.deque()
+        self._stopping = False
         self._worker: threading.Thread | None = None
         self._watchdog: subprocess.Popen[bytes] | None = None
         self.dry_run = self._decide_dry_run(dry_run)
         if not self.dry_run:
             self._initial_power_limit = self._read_power_limit()
+        if self.gpu is not None:
+            # Also in dry-run: the worker still follows the device to time and meter it.
             self._worker = threading.Thread(
                 target=self._work, name="perseus-clock-controller", daemon=True
             )
             self._worker.start()
-            if watchdog:
-                self._start_watchdog()
+        if not self.dry_run and watchdog:
+            self._start_watchdog()
         _register(self, handle_signals)
 
     # ----------------------------------------------------------------- setup
@@ -175,8 +229,9 @@ class FrequencyController:
             self._note_error("watchdog", err, "could not start the clock-restoring watchdog")
 
     # ----------------------------------------------------------------- hook path
-    def set_clock(self, mhz: int) -> None:
-        """Ask for SM clock `mhz` for the next computation; returns at once, never raises."""
+    def set_clock(self, mhz: int, at: DeviceMarker | None = None) -> None:
+        """Ask for SM clock `mhz` from the moment the device reaches `at` (None: as soon as
+        possible); returns at once, never raises."""
         if mhz == self._last_requested:
             return
         self._last_requested = mhz
@@ -186,14 +241,34 @@ class FrequencyController:
                 self.dry_run_log.append(mhz)
         elif self._closed or self.disabled_reason is not None:
             self.dropped_count += 1
-        else:
-            self._queue.put(mhz)
+            return
+        if self._worker is not None and not self._closed:
+            self._queue.put(_ClockAt(mhz, at))
 
-    def reset(self) -> None:
-        """Ask for the default (unlocked) clocks; non-blocking."""
+    def reset(self, at: DeviceMarker | None = None) -> None:
+        """Ask for the default (unlocked) clocks from marker `at` on; non-blocking."""
         self._last_requested = None
-        if not self.dry_run and not self._closed:
-            self._queue.put(_RESET)
+        if self._worker is not None and not self._closed:
+            self._queue.put(_ClockAt(_RESET, at))
+
+    def observe(self, at: DeviceMarker, tag: Any) -> None:
+        """Time and meter the moment the device reaches `at`; collect with `observations()`."""
+        if self._worker is not None and not self._closed:
+            self._queue.put(_Observe(tag, at))
+
+    def observations(self) -> list[Observation]:
+        """Everything observed since the last call, in device order; never blocks."""
+        seen = []
+        while self._observations:
+            seen.append(self._observations.popleft())
+        return seen
+
+    def drain_changes(self) -> list[ClockChange]:
+        """The clock changes issued since the last call, oldest first; never blocks."""
+        drained = []
+        while self.changes:
+            drained.append(self.changes.popleft())
+        return drained
 
     def set_power_limit(self, watts: float) -> None:
         """Ask for a power limit (power-limit mode); non-blocking, restored on close."""
@@ -205,8 +280,9 @@ class FrequencyController:
             self._queue.put(_PowerLimit(float(watts)))
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every change queued so far is applied; False if `timeout` ran out."""
-        if self.dry_run or self._worker is None or not self._worker.is_alive():
+        """Wait until everything queued so far is done (its markers reached); False if
+        `timeout` ran out. Blocks the caller: only for profiling, tests and shutdown."""
+        if self._worker is None or not self._worker.is_alive():
             return True
         barrier = _Barrier(threading.Event())
         self._queue.put(barrier)
@@ -226,31 +302,61 @@ class FrequencyController:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            clock_target: Any = None
-            power_target: _PowerLimit | None = None
-            barriers: list[_Barrier] = []
-            stop = False
-            for item in batch:
-                if isinstance(item, _Barrier):
-                    barriers.append(item)
-                elif isinstance(item, _PowerLimit):
-                    power_target = item
-                elif item is _STOP:
-                    stop = True
-                else:
-                    if clock_target is not None:
-                        self.stale_skipped += 1
-                    clock_target = item
-            if clock_target is not None:
-                self._apply_clock(clock_target)
-            if power_target is not None:
-                self._apply_power_limit(power_target.watts)
-            if stop:
-                self._restore()
-            for barrier in barriers:
-                barrier.done.set()
-            if stop:
+            if self._run_batch(batch):
                 return
+
+    def _run_batch(self, batch: list[Any]) -> bool:
+        """Process queue items in order; True once the worker must end."""
+        for index, item in enumerate(batch):
+            if item is _STOP:
+                self._restore()
+                for rest in batch[index + 1:]:
+                    if isinstance(rest, _Barrier):
+                        rest.done.set()
+                return True
+            if isinstance(item, _Barrier):
+                item.done.set()
+            elif isinstance(item, _PowerLimit):
+                self._apply_power_limit(item.watts)
+            elif isinstance(item, _Observe):
+                if self._reach(item.at):
+                    self._record_observation(item)
+            elif isinstance(item, _ClockAt):
+                if self._superseded(item, batch[index + 1:]):
+                    self.stale_skipped += 1
+                elif self._reach(item.at):
+                    self._apply_clock(item.target)
+        return False
+
+    @staticmethod
+    def _superseded(item: _ClockAt, later: list[Any]) -> bool:
+        """A newer clock target whose marker the device has already passed makes this one stale."""
+        return any(isinstance(other, _ClockAt) and (other.at is None or other.at.query())
+                   for other in later)
+
+    def _reach(self, marker: DeviceMarker | None) -> bool:
+        """Block this worker until the device reaches `marker`; False when stopping first."""
+        if marker is None:
+            return True
+        while not self._stopping:
+            try:
+                if marker.wait(MARKER_POLL_S):
+                    return True
+            except Exception as err:  # a broken event must not kill the worker
+                self._note_error("marker", err, "could not wait for a device marker")
+                return True
+        return False
+
+    def _record_observation(self, item: _Observe) -> None:
+        noticed = time.perf_counter()
+        reached = item.at.device_time_s()
+        energy = None
+        if self.gpu is not None:
+            try:
+                energy = self.gpu.energy_mj()
+            except Exception as err:
+                self._note_error("read", err, "could not read the energy counter")
+        self._observations.append(Observation(item.tag, noticed if reached is None else reached, noticed, energy))
 
     def _apply_clock(self, target: int | _Reset) -> None:
         assert self.gpu is not None
@@ -259,6 +365,10 @@ class FrequencyController:
             return
         mhz = None if target is _RESET else target
         if mhz == self._applied_clock:
+            return
+        if self.dry_run:  # recorded with its device-ordered time, for coverage estimates
+            self._applied_clock = mhz
+            self.changes.append(ClockChange(time.perf_counter(), mhz))
             return
         try:
             if mhz is None:
@@ -271,6 +381,7 @@ class FrequencyController:
             return
         self._applied_clock = mhz
         self.applied_count += 1
+        self.changes.append(ClockChange(time.perf_counter(), mhz))
 
     def _apply_power_limit(self, watts: float) -> None:
         assert self.gpu is not None
@@ -325,6 +436,7 @@ class FrequencyController:
         if self._closed:
             return
         self._closed = True
+        self._stopping = True  # a worker waiting on a marker the device never reaches gives up
         worker = self._worker
         if worker is not None and worker.is_alive():
             if worker is threading.current_thread():

@@ -10,9 +10,10 @@ DeepSpeed:
   `self`, so the class and other engines are untouched) and wraps its `_exec_schedule`: a
   `TrainSchedule` is swapped for `PerseusTrainSchedule`, which emits the same instructions but
   with forward/backward instructions that carry their microbatch id. Their handlers tell the
-  runtime which computation runs next (clock enqueued, never a CUDA synchronize), then run
-  DeepSpeed's own handler. `ReduceTiedGrads`/`ReduceGrads` mark the end of the pipeline's own
-  compute (straggler detection must not count the data-parallel wait).
+  runtime which computation runs next (a device marker recorded and the next clock queued on
+  it, never a CUDA synchronize), then run DeepSpeed's own handler. `ReduceTiedGrads`/`ReduceGrads`
+  mark the end of the pipeline's own compute (straggler detection must not count the
+  data-parallel wait).
 * `autoload()` arranges for `install()` to run as soon as `deepspeed` is imported, for a `.pth`
   file, so user scripts need no perseus import at all.
 
@@ -132,13 +133,6 @@ def attach(engine: Any, config: Any = None) -> Any:
     def compute_end(handler: Any):
         def run(self: Any, **kwargs: Any) -> None:
             runtime.mark_compute_end()
-            runtime.before_communication()
-            handler(self, **kwargs)
-        return run
-
-    def communication(handler: Any):
-        def run(self: Any, **kwargs: Any) -> None:
-            runtime.before_communication()
             handler(self, **kwargs)
         return run
 
@@ -147,8 +141,6 @@ def attach(engine: Any, config: Any = None) -> Any:
     instruction_map[classes["backward"]] = computation(Kind.BACKWARD, stock[ds_schedule.BackwardPass])
     for blocking in (ds_schedule.ReduceTiedGrads, ds_schedule.ReduceGrads):
         instruction_map[blocking] = compute_end(stock[blocking])
-    for receive in (ds_schedule.RecvActivation, ds_schedule.RecvGrad):
-        instruction_map[receive] = communication(stock[receive])
     engine._INSTRUCTION_MAP = instruction_map
 
     original_exec_schedule = engine._exec_schedule

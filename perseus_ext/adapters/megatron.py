@@ -9,8 +9,8 @@ The adapter is thin: all planning, profiling, clock control and straggler handli
   `backward_step` those schedules call, so every computation reports (kind, microbatch, chunk)
   to the runtime right before and after it runs;
 * marks the end of the stage's computations (what follows is the data-parallel gradient sync,
-  which straggler detection must not count) and tells the runtime about blocking p2p receives
-  (`P2PCommunicator.recv_*`), where it may drop to `communication_clock`.
+  which straggler detection must not count). Communication needs no hook: the runtime orders
+  clock changes by device markers at computation boundaries, which is where receives wait.
 
 Why wrap module functions instead of subclassing: megatron-core's schedules are plain functions
 that look `forward_step`/`backward_step` up in their module at call time, and their signatures
@@ -57,18 +57,6 @@ __all__ = ["MegatronPerseus", "add_perseus_args", "chain_extra_args", "config_fr
 _SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
 _WITHOUT_INTERLEAVING = "forward_backward_pipelining_without_interleaving"
 _WITH_INTERLEAVING = "forward_backward_pipelining_with_interleaving"
-_P2P_MODULE = "megatron.core.pipeline_parallel.p2p_communication"
-
-
-def _receiving_methods(communicator: type | None) -> list[str]:
-    """`P2PCommunicator` methods that block on a receive (`recv_forward`,
-    `send_forward_recv_backward`, ...); none on releases without the class."""
-    if communicator is None:
-        return []
-    return sorted(
-        name for name, value in vars(communicator).items()
-        if callable(value) and (name.startswith("recv_") or "_recv_" in name)
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -148,18 +136,11 @@ class MegatronPerseus:
         for name, wrapper in wrappers.items():
             self._originals[name] = getattr(module, name)
             setattr(module, name, wrapper)
-        communicator = getattr(importlib.import_module(_P2P_MODULE), "P2PCommunicator", None)
-        for name in _receiving_methods(communicator):
-            original = getattr(communicator, name)
-            self._originals[f"P2PCommunicator.{name}"] = original
-            setattr(communicator, name, self._wrap_receive(original))
 
     def _unpatch(self) -> None:
         module = importlib.import_module(_SCHEDULES_MODULE)
-        communicator = getattr(importlib.import_module(_P2P_MODULE), "P2PCommunicator", None)
         for name, original in self._originals.items():
-            owner, _, attribute = name.rpartition(".")
-            setattr(communicator if owner else module, attribute, original)
+            setattr(module, name, original)
         self._originals.clear()
 
     # ---- wrappers --------------------------------------------------------------------------
@@ -187,17 +168,6 @@ class MegatronPerseus:
 
         return run_iteration
 
-    def _wrap_receive(self, original: Callable) -> Callable:
-        """Blocking p2p receives: the runtime may drop to its communication clock meanwhile."""
-
-        @functools.wraps(original)
-        def receive(*args: Any, **kwargs: Any) -> Any:
-            if self._iteration is not None:
-                self.runtime.before_communication()
-            return original(*args, **kwargs)
-
-        return receive
-
     def _wrap_step(self, original: Callable, kind: Kind) -> Callable:
         signature = inspect.signature(original)
 
@@ -220,7 +190,6 @@ class MegatronPerseus:
             iteration.observed += 1
             if iteration.observed == iteration.num_computations:
                 self.runtime.mark_compute_end()  # what follows is the data-parallel grad sync
-                self.runtime.before_communication()
             return result
 
         return run_step

@@ -132,16 +132,18 @@ class _VariantRun:
         record: dict[str, Any] = {"time_s": time.perf_counter() - started}
         self.losses.append(float(loss).hex())
         if runtime is not None:
-            logged = runtime.history[-1]
-            record.update(energy_j=logged["energy_j"], phase=logged["phase"], plan=logged["plan"],
-                          factor=logged["factor"], compute_s=logged["compute_s"],
-                          true_energy_j=gpu.true_energy_j - true_before)
+            record["true_energy_j"] = gpu.true_energy_j - true_before
         self.iterations.append(record)
 
     def finish(self) -> dict[str, Any]:
         runtime = self.runtime
+        self.engine.destroy()  # closes the runtime: clocks restored, last device records taken
         summary = runtime.summary() if runtime is not None else None
-        self.engine.destroy()  # closes the runtime: clocks restored
+        if runtime is not None:  # what the runtime recorded from the device, per iteration
+            for logged in runtime.history:
+                self.iterations[logged.iteration].update(
+                    energy_j=logged.energy_j, phase=logged.phase.value, plan=logged.setting.plan,
+                    factor=logged.setting.factor, compute_s=logged.compute_s, coverage=logged.coverage)
         return {
             "variant": self.variant, "rank": self.engine.global_rank, "pipeline": self.pipeline,
             "stage": self.engine.stage_id, "losses": self.losses, "iterations": self.iterations,
@@ -319,6 +321,14 @@ def print_report(scenario: Scenario, comparison: dict[str, Any], results: list[l
             print(f"extrinsic savings (non-stragglers slowed to the straggler): {total - intrinsic:.1f} "
                   f"J/iteration on top ({100 * (total - intrinsic) / slow['baseline_true_energy_j']:.1f}%), "
                   f"{100 * slow['energy_saving']:.1f}% in total")
+    coverage = [r["summary"]["clock_coverage"] for r in pers if r["summary"]]
+    exact = [c["exact"] for c in coverage if c["exact"] is not None]
+    estimated = [c["estimated"] for c in coverage if c["estimated"] is not None]
+    if exact:
+        print(f"clock coverage: {100 * statistics.fmean(exact):.1f}% (share of deployed compute time at its "
+              f"planned clock, exact on the simulated devices; estimated from device markers as on a real "
+              f"GPU: {100 * statistics.fmean(estimated) if estimated else float('nan'):.1f}%; clock-change "
+              f"latency {1000 * coverage[0]['switch_latency_s']:.0f} ms)")
     for pipeline, switches in sorted(straggler_response(scenario, pers).items()):
         steps = ", ".join(f"it {s['iteration']}: plan {s['plan']} (x{s['factor']:.2f})" for s in switches)
         print(f"pipeline {pipeline} plans: {steps}")

@@ -347,7 +347,7 @@ class EnergyEstimator:
             energy = energy - self.idle_power_w * idle
         unknowns = matrix.shape[1]
         if len(usable) < unknowns or np.linalg.matrix_rank(matrix) < unknowns:
-            what = labels + (["idle power"] if estimate_idle else [])
+            what = [str(label) for label in labels] + (["idle power"] if estimate_idle else [])
             raise MeasurementError(
                 f"{len(usable)} usable window(s) cannot separate {', '.join(what)}: record at "
                 f"least {unknowns} windows whose label counts (and idle time, if the idle power "

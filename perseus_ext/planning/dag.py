@@ -27,7 +27,7 @@ class PipelineDAG:
         for order in schedule.orders:
             for before, after in zip(order, order[1:]):
                 stage_pred[after] = before
-        data_pred = {c: self._data_dependency(c) for order in schedule.orders for c in order}
+        data_pred = {c: self.schedule.producer_of(c) for order in schedule.orders for c in order}
 
         # Kahn's algorithm by levels: level = number of edges on the longest path to the node.
         nodes = [c for order in schedule.orders for c in order]
@@ -74,23 +74,6 @@ class PipelineDAG:
             slice(int(a), int(b)) for a, b in zip(np.r_[0, bounds], np.r_[bounds, n])
         ]
 
-    def _data_dependency(self, c: Computation) -> Computation | None:
-        """The computation on another virtual stage whose output `c` consumes."""
-        s = self.schedule
-        v = s.virtual_stage(c)
-        last = s.num_virtual_stages - 1
-        if c.kind is Kind.FORWARD:
-            if v == 0:
-                return None
-            v -= 1
-            kind = Kind.FORWARD
-        elif v == last:
-            kind = Kind.FORWARD  # the loss: backward of the last stage needs its own forward
-        else:
-            v += 1
-            kind = Kind.BACKWARD
-        return Computation(v % s.num_stages, v // s.num_stages, c.microbatch, kind)
-
     def __len__(self) -> int:
         return len(self.computations)
 
@@ -102,6 +85,22 @@ class PipelineDAG:
     def stage_positions(self) -> list[np.ndarray]:
         """Node indices of each stage in that stage's execution order."""
         return [np.array([self.index[c] for c in order]) for order in self.schedule.orders]
+
+    @cached_property
+    def stage_prev(self) -> np.ndarray:
+        """Node run just before each node on its stage (NO_NODE for a stage's first)."""
+        prev = np.full(len(self), NO_NODE, dtype=np.int64)
+        for pos in self.stage_positions:
+            prev[pos[1:]] = pos[:-1]
+        return prev
+
+    @cached_property
+    def stage_next(self) -> np.ndarray:
+        """Node run just after each node on its stage (NO_NODE for a stage's last)."""
+        nxt = np.full(len(self), NO_NODE, dtype=np.int64)
+        for pos in self.stage_positions:
+            nxt[pos[:-1]] = pos[1:]
+        return nxt
 
     def edges(self) -> list[tuple[int, int]]:
         return [(int(p), i) for i in range(len(self)) for p in self.preds[i] if p != NO_NODE]

@@ -5,10 +5,21 @@ the profiled times; its energy is the profiled energy of every computation at it
 P_block x (T - busy time) for every stage, P_block being the GPU's power while it waits on
 communication. Equivalently energy = sum(e_i - P_block t_i) + P_block S T, which is what the
 solver minimises at each T.
+
+Clock changes take effect late (`switch_latency_s`, L). On each stage the runtime requests
+computation k's clock when computation k-1 ends (the first computation's at iteration start,
+t = 0, with the stage's fastest clock in force before it). So computation k, starting at s_k,
+still runs at the previous clock for tau = clamp(e_{k-1} + L - s_k, 0, t_k(prev)) seconds and
+does the rest of its work at its own clock:
+    duration = tau + (1 - tau / t_k(prev)) t_k(own),
+    energy   = tau / t_k(prev) e_k(prev) + (1 - tau / t_k(prev)) e_k(own),
+t_k(c), e_k(c) being computation k's profiled time and energy at clock c. Starts come from the
+same longest-path pass, so a latency-aware replay is still one topological pass.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -22,18 +33,40 @@ from perseus_ext.planning.schedule import PipelineSchedule
 BLOCKING_POWER_W = {"a100": 83.64, "a40": 70.38}  # published, Perseus artifact
 
 
+@dataclass(frozen=True)
+class LatencyTrace:
+    """Per-node result of a latency-aware replay, shaped (N,) or (N, plans)."""
+
+    finish: np.ndarray  # seconds from iteration start
+    durations: np.ndarray  # seconds, switch penalty included
+    node_energies: np.ndarray  # joules
+    carried: np.ndarray  # option (in the node's own table) of the clock still in force at start
+
+
 class CostModel:
     """Per-computation clock options as dense arrays, fastest option first.
 
     Option k of node i has `times[i, k]`, `energies[i, k]`, `frequencies[i, k]`; nodes with
     fewer options are padded with +inf time (never chosen). Choices are option indices.
+    `switch_latency_s` is the effective clock-change latency every replay charges (module doc).
     """
 
-    def __init__(self, schedule: PipelineSchedule, profile: Profile, blocking_power: float):
+    def __init__(
+        self,
+        schedule: PipelineSchedule,
+        profile: Profile,
+        blocking_power: float,
+        switch_latency_s: float = 0.0,
+    ):
         if not np.isfinite(blocking_power) or blocking_power < 0:
             raise ProfileError(
                 f"blocking power must be a non-negative number of watts, got {blocking_power!r}"
             )
+        if not np.isfinite(switch_latency_s) or not 0 <= switch_latency_s <= 10.0:
+            raise ProfileError(
+                f"switch_latency_s must be between 0 and 10 seconds, got {switch_latency_s!r}"
+            )
+        self.switch_latency_s = float(switch_latency_s)
         self.dag = PipelineDAG(schedule)
         self.blocking_power = float(blocking_power)
         chunks = schedule.num_chunks
@@ -84,14 +117,82 @@ class CostModel:
         rows = np.arange(self.num_nodes).reshape((-1,) + (1,) * (choice.ndim - 1))
         return table[rows, choice]
 
-    def replay(self, choice: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(iteration time, energy) of choices shaped (N,) or (N, plans)."""
+    def replay(
+        self, choice: np.ndarray, switch_latency_s: float | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(iteration time, energy) of choices shaped (N,) or (N, plans).
+
+        Charges the model's switch latency unless `switch_latency_s` overrides it (the solver's
+        inner steps plan on the latency-free model and pass 0).
+        """
         choice = np.asarray(choice)
+        latency = self.switch_latency_s if switch_latency_s is None else switch_latency_s
+        if latency > 0:
+            trace = self.latency_trace(choice, latency)
+            makespan = trace.finish.max(axis=0)
+            idle = self.num_stage_gpus * makespan - trace.durations.sum(axis=0)
+            return makespan, trace.node_energies.sum(axis=0) + self.blocking_power * idle
         durations = self._take(self.times, choice)
         makespan = self.dag.makespan(durations)
         compute = self._take(self.energies, choice).sum(axis=0)
         idle = self.num_stage_gpus * makespan - durations.sum(axis=0)
         return makespan, compute + self.blocking_power * idle
+
+    @cached_property
+    def carry_from_prev(self) -> np.ndarray:
+        """(N, width): option of node i nearest in clock to option k of i's stage predecessor
+        (row of zeros for a stage's first node: the fastest clock is in force before it)."""
+        return self._clock_map(self.dag.stage_prev)
+
+    @cached_property
+    def carry_from_next(self) -> np.ndarray:
+        """(N, width): option of node i nearest in clock to option k of i's stage successor."""
+        return self._clock_map(self.dag.stage_next)
+
+    def _clock_map(self, other: np.ndarray) -> np.ndarray:
+        """Nodes of one stage and kind share a clock table: map table pairs, not nodes."""
+        tables, table_of = np.unique(self.frequencies, axis=0, return_inverse=True)
+        table_of = table_of.ravel()
+        width = self.frequencies.shape[1]
+        has_other = other >= 0
+        pair_keys = np.where(has_other, table_of * len(tables) + table_of[other], -1)
+        keys, pair_of = np.unique(pair_keys, return_inverse=True)
+        maps = np.zeros((len(keys), width), dtype=np.int64)
+        for row, key in enumerate(keys):
+            if key < 0:
+                continue
+            own, src = tables[key // len(tables)], tables[key % len(tables)]
+            own = np.where(own > 0, own, -(10**9))  # padding never matches
+            maps[row] = np.abs(own[None, :] - src[:, None]).argmin(axis=1)
+        return maps[pair_of.ravel()]
+
+    def latency_trace(self, choice: np.ndarray, switch_latency_s: float | None = None) -> LatencyTrace:
+        """Latency-aware replay of choices (N,) or (N, plans), node by node (module doc)."""
+        latency = self.switch_latency_s if switch_latency_s is None else switch_latency_s
+        choice = np.asarray(choice)
+        dag = self.dag
+        prev = dag.stage_prev
+        shape = (-1,) + (1,) * (choice.ndim - 1)
+        width = self.times.shape[1]
+        base = (np.arange(self.num_nodes) * width).reshape(shape)
+        prev_choice = np.where((prev >= 0).reshape(shape), choice[prev], 0)
+        carried = np.take(self.carry_from_prev, prev_choice + base)
+        own, old = choice + base, carried + base
+        own_t, old_t = np.take(self.times, own), np.take(self.times, old)
+        # Per second spent at the old clock: duration and energy added to the own-clock
+        # figures (both 0 without a switch, so those nodes replay exactly as without latency).
+        stretch = 1.0 - own_t / old_t
+        extra_energy = (np.take(self.energies, old) - np.take(self.energies, own)) / old_t
+        finish = np.zeros((len(dag) + 1,) + choice.shape[1:])  # row -1: iteration start
+        tau = np.zeros(choice.shape)
+        p0, p1 = dag.preds[:, 0], dag.preds[:, 1]
+        for lv in dag.levels:
+            start = np.maximum(finish[p0[lv]], finish[p1[lv]])
+            tau[lv] = np.clip(finish[prev[lv]] + (latency - start), 0.0, old_t[lv])
+            finish[lv] = start + (own_t[lv] + tau[lv] * stretch[lv])
+        durations = own_t + tau * stretch
+        node_energies = np.take(self.energies, own) + tau * extra_energy
+        return LatencyTrace(finish[:-1], durations, node_energies, carried)
 
     @property
     def num_stage_gpus(self) -> int:

@@ -50,7 +50,8 @@ class Plan:
 
 @dataclass(frozen=True)
 class Frontier:
-    """Pareto-optimal plans ordered by time: each is faster *or* cheaper than every other.
+    """Pareto-optimal plans ordered by time: each is faster *or* cheaper than every other
+    (times strictly increase, energies strictly decrease).
 
     `baseline` is every computation at its fastest clock (what training runs without
     perseus-ext), replayed with the same energy model.

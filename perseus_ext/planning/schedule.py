@@ -61,6 +61,22 @@ class PipelineSchedule:
         """Position of `c`'s model chunk in the whole model (Megatron's layout: chunk-major)."""
         return c.chunk * self.num_stages + c.stage
 
+    def producer_of(self, c: Computation) -> Computation | None:
+        """The computation on another virtual stage whose output `c` consumes (None: the
+        first forward of the model reads the data loader)."""
+        v = self.virtual_stage(c)
+        if c.kind is Kind.FORWARD:
+            if v == 0:
+                return None
+            v -= 1
+            kind = Kind.FORWARD
+        elif v == self.num_virtual_stages - 1:
+            kind = Kind.FORWARD  # the loss: backward of the last stage needs its own forward
+        else:
+            v += 1
+            kind = Kind.BACKWARD
+        return Computation(v % self.num_stages, v // self.num_stages, c.microbatch, kind)
+
     def describe(self) -> dict:
         """JSON-friendly summary (used in frontier files and logs)."""
         return {

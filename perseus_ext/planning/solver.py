@@ -24,8 +24,11 @@ all of them at once with numpy, so there is no per-deadline graph algorithm in P
    moves one computation to any clock, repairs the deadline by speeding up the cheapest critical
    computations and reclaims slack (`polish`).
 
-Every candidate is replayed on the discrete profile (`CostModel.replay`); the Pareto-optimal
-ones (plus gap fillers) form the frontier, so reported times and energies are exact replays.
+Every candidate is replayed on the discrete profile (`CostModel.replay`, latency-aware when the
+clock-change latency is not 0); only the Pareto-optimal ones form the frontier, so reported
+times and energies are exact replays and no plan is dominated. Where the frontier is flat,
+neighbouring plans can be more than `resolution` apart: the plans found inside such a gap were
+all no cheaper than the plan before it.
 """
 
 from __future__ import annotations
@@ -42,12 +45,15 @@ from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
+from perseus_ext.planning.switching import merge_switches, repair_latency
 
 logger = logging.getLogger(__name__)
 
 _EPS = 1e-9
 _GAP_ROUNDS = 6  # stretch rounds; each fills the gaps the previous one opened
 _FILL_BIN = 0.5  # gap-fill bin width as a fraction of the resolution
+_MERGE_FASTEST, _MERGE_SAMPLE = 64, 64  # Pareto plans the latency merge pass works on
+_REPAIR_STRIDE = 2  # the latency repair works on every other grid deadline
 _CHUNK = 2560  # plans processed at once by the batched DAG passes (bounds peak memory)
 
 
@@ -55,7 +61,7 @@ _CHUNK = 2560  # plans processed at once by the batched DAG passes (bounds peak 
 class SolverOptions:
     """Knobs of the solver; the defaults meet the quality/speed targets in the README."""
 
-    resolution: float = 1e-3  # seconds between grid deadlines (upper bound on frontier gaps)
+    resolution: float = 1e-3  # seconds between grid deadlines (and between gap-search deadlines)
     grid_oversampling: int = 1  # grid deadlines per `resolution` (finer grid, denser frontier)
     min_grid_points: int = 500  # short frontiers get a finer grid than `resolution`
     anchors: int = 256  # LP anchors from T_min to all-slowest (the walk stops past min energy)
@@ -319,7 +325,7 @@ def polish(model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: 
     width_k = model.times.shape[1]
     width = n * width_k
     node_of, option_of = np.divmod(np.arange(width), width_k)
-    _, energy = model.replay(choice)
+    _, energy = model.replay(choice, switch_latency_s=0.0)
     active = np.arange(num_plans)
     for _ in range(rounds):
         if not active.size:
@@ -340,7 +346,7 @@ def polish(model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: 
             [reclaim_slack(model, repaired, plan_deadlines, cap, backward_first=b) for b in (False, True)],
             axis=1,
         )
-        times, energies = model.replay(neighbours)
+        times, energies = model.replay(neighbours, switch_latency_s=0.0)
         ok = np.tile(valid, 2) & (times <= np.tile(plan_deadlines, 2) + _EPS)
         energies = np.where(ok, energies, np.inf).reshape(2, active.size, width)
         energies = energies.transpose(1, 0, 2).reshape(active.size, 2 * width)
@@ -360,12 +366,18 @@ def solve_frontier(
     profile: Profile,
     blocking_power: float,
     options: SolverOptions | None = None,
+    switch_latency_s: float = 0.0,
 ) -> Frontier:
-    """Every Pareto-optimal (iteration time, energy) plan from T_min to the min-energy plan."""
+    """Every Pareto-optimal (iteration time, energy) plan from T_min to the min-energy plan.
+
+    `switch_latency_s`: effective latency of a clock change (see `energy.py`); every plan's
+    time and energy are the latency-aware replay of its clocks, and changes that cost more
+    than they save are merged away. 0 plans for instant clock changes.
+    """
     options = options or SolverOptions()
     if options.resolution <= 0 or options.anchors < 2 or options.grid_oversampling < 1:
         raise SolverError("solver options: resolution > 0, anchors >= 2, grid_oversampling >= 1")
-    model = CostModel(schedule, profile, blocking_power)
+    model = CostModel(schedule, profile, blocking_power, switch_latency_s)
     return FrontierSolver(model, options).solve()
 
 
@@ -388,7 +400,13 @@ class FrontierSolver:
         pool = _CandidatePool(model, fastest[:, None])
 
         rounded = round_to_options(model, relaxed)
-        pool.add(reclaim_slack(model, rounded["down"], grid))
+        feasible = reclaim_slack(model, rounded["down"], grid)
+        pool.add(feasible)
+        if model.switch_latency_s > 0:
+            # Latency makes most of these plans late; win their deadlines back (every other
+            # deadline: neighbours differ by little and the pass costs a few replays).
+            stride = slice(None, None, _REPAIR_STRIDE)
+            pool.add(repair_latency(model, feasible[:, stride], grid[stride]))
         overshooting = np.concatenate([rounded["up"], rounded["nearest"]], axis=1)
         pool.add(overshooting)
         # Rounding loses more at some deadlines than at others. Give every deadline a second
@@ -412,7 +430,18 @@ class FrontierSolver:
             keep = pool.frontier(resolution)
             pool.add(polish(model, pool.choices[:, keep], pool.times[keep]))
 
-        keep = pool.frontier(resolution)
+        if model.switch_latency_s > 0:
+            # Merging pays most near T_min, where every switch on the critical path costs
+            # time: all the fastest Pareto plans, then an even sample of the rest.
+            keep = np.array(_pareto(pool.times, pool.energies))
+            rest = keep[_MERGE_FASTEST:]
+            sample = rest[np.linspace(0, len(rest) - 1, min(len(rest), _MERGE_SAMPLE)).astype(int)]
+            keep = np.r_[keep[:_MERGE_FASTEST], sample] if rest.size else keep
+            pool.add(merge_switches(model, pool.choices[:, keep], pool.times[keep]))
+
+        # Only non-dominated plans: a gap filler (slower and no cheaper than a faster plan)
+        # would be read as a frontier point by users and the straggler policy.
+        keep = np.array(_pareto(pool.times, pool.energies))
         plans = tuple(model.make_plans(pool.choices[:, keep], pool.times[keep], pool.energies[keep]))
         frontier = Frontier(model.schedule.describe(), model.blocking_power, plans, model.to_plan(fastest))
         logger.info(
@@ -553,8 +582,12 @@ def _fill_gaps(times: np.ndarray, energies: np.ndarray, keep: list[int], resolut
 
 
 def _pareto(times: np.ndarray, energies: np.ndarray) -> list[int]:
-    """Indices of Pareto-optimal (time, energy) points, by increasing time."""
-    order = np.lexsort((energies, times))
+    """Indices of Pareto-optimal (time, energy) points, by increasing time.
+
+    Times equal to 1e-12 s count as equal: replays of different plans along the same critical
+    path can differ by rounding, and a costlier plan must not win on that.
+    """
+    order = np.lexsort((energies, np.round(times, 12)))
     keep, best = [], np.inf
     for j in order:
         if energies[j] < best - 1e-9:

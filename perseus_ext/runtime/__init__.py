@@ -11,14 +11,19 @@ from typing import TYPE_CHECKING, Any
 from perseus_ext.runtime.config import PerseusConfig, SimulatedWorkload
 
 if TYPE_CHECKING:
-    from perseus_ext.runtime.runtime import Phase, PerseusRuntime
+    from perseus_ext.runtime.phase import Phase
+    from perseus_ext.runtime.runtime import PerseusRuntime
 
 __all__ = ["PerseusConfig", "PerseusRuntime", "Phase", "SimulatedWorkload"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("PerseusRuntime", "Phase"):
-        from perseus_ext.runtime import runtime
+    if name == "PerseusRuntime":
+        from perseus_ext.runtime.runtime import PerseusRuntime
 
-        return getattr(runtime, name)
+        return PerseusRuntime
+    if name == "Phase":
+        from perseus_ext.runtime.phase import Phase
+
+        return Phase
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -70,6 +70,19 @@ class ControlPlane:
     def num_pipelines(self) -> int:
         return len({m.pipeline for m in self.members})
 
+    @property
+    def gpus_per_stage(self) -> int:
+        """Ranks sharing this rank's pipeline and stage (its tensor-parallel peers and itself)."""
+        return sum(1 for m in self.members if m.pipeline == self.pipeline and m.stage == self.stage)
+
+    def broadcast_job(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank of the job (e.g. a job id all ranks must share)."""
+        if self._dist is None:
+            return obj
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=0, group=self._world)
+        return box[0]
+
     def pipeline_leader(self, pipeline: int | None = None) -> int:
         """Global rank that solves (and sends) a pipeline's frontier: its first stage-0 rank."""
         pipeline = self.pipeline if pipeline is None else pipeline

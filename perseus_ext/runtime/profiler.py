@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,18 +32,26 @@ SMOOTH_MIN_CLOCKS = 4  # from this many profiled clocks on, power is fitted as a
 OVERHEAD_PERCENTILE = 20  # of the gaps between computations: framework work without waiting
 
 
-def _label(kind: str, clock: int) -> str:
-    return f"{kind}@{clock}"
-
-
-@dataclass
-class StageMeasurements:
-    """One stage's profile rows plus its blocking power, as exchanged between ranks."""
+@dataclass(frozen=True)
+class ProfileRow:
+    """One measured (stage, instruction, clock); field names are the profile CSV's columns."""
 
     stage: int
-    rows: list[dict[str, object]]
-    blocking_power_w: float
+    instruction: str
+    frequency: int
+    time: float  # seconds
+    energy: float  # joules
+
+
+@dataclass(frozen=True)
+class StageMeasurements:
+    """One rank's profile rows plus its GPU's blocking power, as exchanged between ranks."""
+
+    stage: int
+    rows: tuple[ProfileRow, ...]
+    blocking_power_w: float  # this GPU's power while blocked
     overhead_s: float = 0.0  # framework time per computation, included in the rows' times
+    clocks_mhz: tuple[int, ...] = field(default=())  # the clocks the rows cover
 
 
 def locate_updates(changes: list[tuple[float, float]]) -> list[float]:
@@ -135,7 +143,7 @@ class StageProfiler:
         self.stop_reason = ""
         self.durations: dict[tuple[str, int], list[float]] = {}
         self.reads: list[tuple[float, int | None]] = []
-        self.computations: list[tuple[str, float, float]] = []  # (label, start, end)
+        self.computations: list[tuple[int, float, float]] = []  # (clock, start, end)
         self.block_energy: dict[int, float] = {}  # clock -> estimated J of one forward+backward
         self.gaps: list[float] = []  # time between consecutive computations of an iteration
         self._last_end: float | None = None
@@ -163,7 +171,7 @@ class StageProfiler:
         if self.done:
             return
         self.durations.setdefault((kind, clock), []).append(end - start)
-        self.computations.append((_label(kind, clock), start, end))
+        self.computations.append((clock, start, end))
         if self._last_end is not None:
             self.gaps.append(start - self._last_end)
         self._last_end = end
@@ -237,20 +245,17 @@ class StageProfiler:
         smooth function of the clock, and the fit pools every clock's windows against noise
         (one iteration per clock leaves each clock only a couple of windows).
         """
-        merged = []
-        for record in self.windows:
-            seconds: dict[str, float] = {}
-            for label, busy in record.busy_s.items():
-                clock = label.split("@")[1]
-                seconds[clock] = seconds.get(clock, 0.0) + busy
-            merged.append(WindowRecord(seconds, record.duration_s, record.energy_j, dict(seconds)))
+        seconds_per_clock = [
+            WindowRecord(dict(record.busy_s), record.duration_s, record.energy_j, dict(record.busy_s))
+            for record in self.windows
+        ]
         estimator = EnergyEstimator(self.blocking_power_w)
-        estimator.extend(merged)
+        estimator.extend(seconds_per_clock)
         estimate = estimator.estimate()
-        powers = {int(label): est.energy_j for label, est in estimate.labels.items()}
+        powers = {int(clock): est.energy_j for clock, est in estimate.labels.items()}
         if len(powers) >= SMOOTH_MIN_CLOCKS:
             clocks = np.array(sorted(powers), dtype=float)
-            errors = np.array([estimate.labels[str(int(c))].stderr_j for c in clocks])
+            errors = np.array([estimate.labels[int(c)].stderr_j for c in clocks])
             weights = 1.0 / np.maximum(errors, 1e-3 * np.mean([powers[int(c)] for c in clocks]))
             scale = clocks.max()
             coefficients = np.polyfit(clocks / scale, [powers[int(c)] for c in clocks], 2, w=weights)
@@ -276,18 +281,14 @@ class StageProfiler:
             for clock in clocks if clock in powers
             for kind in ("forward", "backward")
         }
-        rows: list[dict[str, object]] = []
         blocking = max(blocking, 0.0)
         overhead = self.overhead_s
-        for (kind, clock), energy in sorted(energies.items()):
-            rows.append({
-                "stage": self.stage,
-                "instruction": kind,
-                "frequency": clock,
-                "time": self._median_time(kind, clock) + overhead,
-                "energy": max(energy, 1e-9) + overhead * blocking,
-            })
-        return StageMeasurements(self.stage, rows, blocking, overhead)
+        rows = tuple(
+            ProfileRow(self.stage, kind, clock, self._median_time(kind, clock) + overhead,
+                       max(energy, 1e-9) + overhead * blocking)
+            for (kind, clock), energy in sorted(energies.items())
+        )
+        return StageMeasurements(self.stage, rows, blocking, overhead, tuple(sorted({r.frequency for r in rows})))
 
     @property
     def overhead_s(self) -> float:

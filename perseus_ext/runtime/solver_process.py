@@ -4,90 +4,123 @@ Why a fresh interpreter (`python -m perseus_ext.runtime.solver_process`) rather 
 `multiprocessing`: a solver thread competes for the GIL with the training loop's Python (in
 tests it slowed training iterations by half while solving), and `multiprocessing`'s spawn and
 forkserver modes re-import the training script's `__main__`, which would start a second training
-run in scripts without a main guard. The child lowers its own priority, reads a pickled problem
-on stdin and writes the frontier as JSON to a file.
+run in scripts without a main guard.
+
+The child lowers its priority, reads a pickled `SolveProblem` on stdin and writes a pickled
+`SolveOutcome` to stdout, which the parent drains without blocking once per iteration: no
+temporary file can be left behind. On Linux the child asks the kernel to kill it when its
+parent dies (PR_SET_PDEATHSIG), so a dead leader never leaves a solver running.
 """
 
 from __future__ import annotations
 
-import json
+import ctypes
 import os
 import pickle
+import signal
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
-from typing import Any
 
-from perseus_ext.planning.profile import Profile
-from perseus_ext.planning.schedule import PipelineSchedule
+from perseus_ext.runtime.records import SolveOutcome, SolveProblem
 
 NICENESS = 10
+READ_CHUNK_BYTES = 1 << 20
+PR_SET_PDEATHSIG = 1
 
 
-def solve(
-    schedule: PipelineSchedule, profile: Profile, blocking_power: float, options: Any = None
-) -> dict[str, Any]:
-    """{"frontier": Frontier dict} or {"error": message}; never raises.
-
-    options: a `perseus_ext.planning.solver.SolverOptions` or None for the solver's defaults.
-    """
+def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveOutcome:
+    """The frontier, or the error that prevented it; never raises."""
+    started = time.perf_counter()
     try:
         from perseus_ext.planning.solver import solve_frontier
 
-        frontier = solve_frontier(schedule, profile.pareto(), blocking_power, options)
-        return {"frontier": frontier.to_dict()}
+        measured = problem.measured
+        frontier = solve_frontier(
+            problem.schedule, measured.profile.pareto(), measured.blocking_power_per_stage_w,
+            problem.options, switch_latency_s=problem.switch_latency_s,
+        )
+        return SolveOutcome(frontier, None, time.perf_counter() - started, in_background)
     except Exception as err:  # reported to every rank of the pipeline instead
-        return {"error": f"{type(err).__name__}: {err}"}
+        return SolveOutcome(None, f"{type(err).__name__}: {err}", time.perf_counter() - started, in_background)
 
 
 class BackgroundSolve:
     """One frontier solve running in a child process; poll `result()` once per iteration."""
 
-    def __init__(
-        self, schedule: PipelineSchedule, profile: Profile, blocking_power: float, options: Any = None
-    ) -> None:
-        self._result: dict[str, Any] | None = None
-        handle, self._output = tempfile.mkstemp(prefix="perseus-frontier-", suffix=".json")
-        os.close(handle)
+    def __init__(self, problem: SolveProblem) -> None:
+        self._result: SolveOutcome | None = None
+        self._chunks: list[bytes] = []
         package_root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "perseus_ext.runtime.solver_process", self._output],
-            stdin=subprocess.PIPE, env=env,
+            [sys.executable, "-m", "perseus_ext.runtime.solver_process", str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
         )
-        assert self._process.stdin is not None
-        self._process.stdin.write(pickle.dumps((schedule, profile, blocking_power, options)))
+        assert self._process.stdin is not None and self._process.stdout is not None
+        self._process.stdin.write(pickle.dumps(problem))
         self._process.stdin.close()
+        os.set_blocking(self._process.stdout.fileno(), False)
 
-    def result(self) -> dict[str, Any] | None:
-        """The outcome once the child has exited, None while it still runs."""
-        if self._result is None:
-            code = self._process.poll()
-            if code is None:
-                return None
+    def result(self) -> SolveOutcome | None:
+        """The outcome once the child has finished, None while it still runs; never blocks."""
+        if self._result is not None:
+            return self._result
+        if not self._drain():
+            return None
+        code = self._process.wait()
+        self._process.stdout.close()
+        try:
+            outcome = pickle.loads(b"".join(self._chunks)) if code == 0 else None
+        except (pickle.UnpicklingError, EOFError, ValueError) as err:
+            outcome = SolveOutcome(None, f"cannot read the solver's output: {err}", 0.0, True)
+        if not isinstance(outcome, SolveOutcome):
+            outcome = SolveOutcome(None, f"the solver process exited with code {code}", 0.0, True)
+        self._chunks.clear()
+        self._result = outcome
+        return outcome
+
+    def _drain(self) -> bool:
+        """Read what the child wrote so far; True at end of output."""
+        fd = self._process.stdout.fileno()
+        while True:
             try:
-                if code != 0:
-                    self._result = {"error": f"the solver process exited with code {code}"}
-                else:
-                    self._result = json.loads(Path(self._output).read_text())
-            except (OSError, ValueError) as err:
-                self._result = {"error": f"cannot read the solver's output: {err}"}
-            Path(self._output).unlink(missing_ok=True)
-        return self._result
+                chunk = os.read(fd, READ_CHUNK_BYTES)
+            except BlockingIOError:
+                return False
+            if not chunk:
+                return True
+            self._chunks.append(chunk)
 
     def cancel(self) -> None:
         if self._process.poll() is None:
             self._process.kill()
             self._process.wait()
-        Path(self._output).unlink(missing_ok=True)
+        if not self._process.stdout.closed:
+            self._process.stdout.close()
 
 
-def _main(output: str) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this process when its parent dies (elsewhere the parent check remains)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _main(parent_pid: int) -> None:
+    _die_with_parent(parent_pid)
     os.nice(NICENESS)
+    output = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    sys.stdout = sys.stderr  # only the pickled outcome goes to the parent's pipe
     problem = pickle.loads(sys.stdin.buffer.read())
-    Path(output).write_text(json.dumps(solve(*problem)))
+    output.write(pickle.dumps(solve(problem, in_background=True)))
+    output.close()
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    _main(int(sys.argv[1]))

@@ -20,21 +20,38 @@ from perseus_ext.measurement.gpu.common import (
     PERMISSION_HELP,
     SIMULATED_HINT,
 )
+from perseus_ext.measurement.gpu.sim_board import DEFAULT_TRANSFER_S
 from perseus_ext.measurement.gpu.simulated import PRESETS, Preset, SimulatedGPU
+from perseus_ext.measurement.gpu.timeline import (
+    CoverageTally,
+    DeviceMarker,
+    DeviceTimeline,
+    HostOnlyTimeline,
+    SwitchLatency,
+    gpu_switch_latency,
+    open_timeline,
+)
 
 __all__ = [
+    "CoverageTally",
+    "DeviceMarker",
+    "DeviceTimeline",
     "GPU",
     "GPUError",
     "GPUNotSupportedError",
     "GPUPermissionError",
     "GPUUnavailableError",
+    "HostOnlyTimeline",
     "PERMISSION_HELP",
     "PRESETS",
     "SIMULATED_HINT",
     "Preset",
     "SimulatedGPU",
+    "SwitchLatency",
+    "gpu_switch_latency",
     "open_gpu",
     "open_restore_target",
+    "open_timeline",
     "parse_rank_list",
 ]
 
@@ -53,6 +70,10 @@ _SIM_OPTIONS: dict[str, type] = {
     "period": float,
     "noise": float,
     "privileged": bool,
+    "switch_ms": float,
+    "transition_ms": float,
+    "queue_depth": int,
+    "transfer_ms": float,
 }
 
 
@@ -62,7 +83,8 @@ def open_gpu(
     """Open this process's GPU.
 
     spec: ``"nvml"`` or ``"sim:<preset>[?slowdown=1.2&seed=3&pace=0&period=0.1&noise=0.02&
-    state_file=/tmp/gpu{rank}.json&privileged=0]"``; None reads env ``PERSEUS_GPU`` (default nvml).
+    state_file=/tmp/gpu{rank}.json&privileged=0&switch_ms=20&transition_ms=10&queue_depth=2&
+    transfer_ms=0.1]"``; None reads env ``PERSEUS_GPU`` (default nvml).
     local_rank: the CUDA device ordinal this process uses (mapped to NVML through
     CUDA_VISIBLE_DEVICES and UUIDs, never assumed equal to the NVML index).
     rank: global rank for per-rank simulator settings (default env RANK, else local_rank).
@@ -124,7 +146,15 @@ def _open_simulated(spec: str, rest: str, *, rank: int, seed: int) -> SimulatedG
         energy_noise=options.pop("noise", 0.02),
         privileged=options.pop("privileged", True),
         rank=rank,
+        switch_s=_milliseconds(options.pop("switch_ms", None)),
+        transition_s=_milliseconds(options.pop("transition_ms", None)),
+        queue_depth=options.pop("queue_depth", 2),
+        transfer_s=_milliseconds(options.pop("transfer_ms", DEFAULT_TRANSFER_S * 1000.0)),
     )
+
+
+def _milliseconds(value: float | None) -> float | None:
+    return None if value is None else value / 1000.0
 
 
 def parse_rank_list(text: str, field: str = "ranks") -> set[int] | None:

@@ -2,7 +2,8 @@
 
 Why it exists: the whole stack (profiler, controller, straggler handling, demo, emulator) must be
 runnable and testable without a GPU, and measurement code must be exercised against the *real*
-limitations of NVML: a coarse, noisy energy counter and clock changes that cost time.
+limitations of NVML and CUDA: a coarse, noisy energy counter, clock changes that land milliseconds
+after the call, and work that runs asynchronously after the host launched it.
 
 Physics (per preset, fitted to `examples/profiles`, see `docs/device.md`):
 
@@ -13,9 +14,10 @@ Physics (per preset, fitted to `examples/profiles`, see `docs/device.md`):
 so energy = P * t has its minimum well below the max clock, where the voltage floor is reached.
 While no computation runs, the GPU draws its idle/blocking power (the paper's blocking power).
 
-Timeline: with `pace=True` (default) the simulator lives on the wall clock and `run()` sleeps so a
-computation at a low clock really takes longer; with `pace=False` it keeps a virtual clock that only
-`run()` and `wait()` advance, which makes tests fast and exactly reproducible.
+Timeline: work runs on the GPU's asynchronous device (`sim_device.py`), launched through its
+`DeviceTimeline`; `run()` is launch + synchronize. With `pace=True` (default) the device lives on
+the wall clock; with `pace=False` it keeps a virtual clock that only waiting on it advances, which
+makes tests fast and exactly reproducible.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ import json
 import math
 import os
 import random
-import threading
-import time
 import uuid as uuid_lib
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +38,9 @@ from perseus_ext.measurement.gpu.common import (
     PERMISSION_HELP,
     check_clock,
 )
+from perseus_ext.measurement.gpu.sim_board import DEFAULT_TRANSFER_S, Board
+from perseus_ext.measurement.gpu.sim_device import SimDevice, SimulatedTimeline
+from perseus_ext.measurement.gpu.timeline import SwitchLatency
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class Preset:
     default_power_limit_w: float
     power_limit_range_w: tuple[float, float]
     source: str  # where the curve parameters come from
+    switch_latency: SwitchLatency = SwitchLatency(0.020, 0.010)  # see docs/device.md
 
     def supported_clocks(self) -> list[int]:
         return list(range(self.max_clock_mhz, self.min_clock_mhz - 1, -self.clock_step_mhz))
@@ -163,7 +167,14 @@ class SimulatedGPU(GPU):
         energy_noise: float = 0.02,
         privileged: bool = True,
         rank: int = 0,
+        switch_s: float | None = None,
+        transition_s: float | None = None,
+        queue_depth: int = 2,
+        transfer_s: float = DEFAULT_TRANSFER_S,
     ) -> None:
+        """switch_s / transition_s: clock-change latency (None: the preset's; 0: instant);
+        queue_depth: unfinished computations the host may launch before a launch blocks;
+        transfer_s: hand-over latency added to every cross-rank dependency."""
         self.preset = _preset(preset)
         if energy_update_period_s <= 0:
             raise GPUError(
@@ -171,6 +182,16 @@ class SimulatedGPU(GPU):
             )
         if energy_noise < 0:
             raise GPUError(f"energy_noise={energy_noise}; it must be >= 0 (relative std per update)")
+        if transfer_s < 0:
+            raise GPUError(f"transfer_s={transfer_s}; it must be >= 0 seconds")
+        default = self.preset.switch_latency
+        try:
+            self.switch_latency = SwitchLatency(
+                default.switch_s if switch_s is None else switch_s,
+                default.transition_s if transition_s is None else transition_s,
+            )
+        except ValueError as exc:
+            raise GPUError(f"simulated GPU clock-change latency: {exc}") from None
         self.name = self.preset.name
         self.uuid = "GPU-" + str(uuid_lib.uuid5(uuid_lib.NAMESPACE_OID, f"{preset}/{seed}/{rank}"))
         self.seed = seed
@@ -179,35 +200,30 @@ class SimulatedGPU(GPU):
         self.privileged = privileged
         self.energy_update_period_s = energy_update_period_s
         self.energy_noise = energy_noise
+        self.transfer_s = transfer_s
         self.state_file = Path(state_file) if state_file is not None else None
         self.slowdown = slowdown
         self.clock_history: list[int | None] = []  # every applied lock (None = reset), in order
-        self.run_counts: dict[str, int] = {}
+        self.run_counts: dict[str, int] = {}  # launched computations per label
         self._clocks = self.preset.supported_clocks()
-        self._rng = random.Random(seed)
-        self._lock = threading.RLock()
         self._faults: dict[str, tuple[BaseException, int | None]] = {}
         self._locked_clock: int | None = None
         self._power_limit_w = self.preset.default_power_limit_w
         if self.state_file is not None and self.state_file.exists():
-            self._load_state()
-        # Energy timeline: committed energy up to _t_committed, then at most one computation.
-        self._virtual_now = 0.0
-        now = self._now()
-        self._t_committed = now
-        self._e_committed = 0.0
-        self._segment: tuple[float, float, float] | None = None  # start, end, watts
-        self._busy_until = now
-        self._mark: float | None = None
-        # The counter updates at tick times _tick0 + k * period with a seed-dependent phase.
-        self._tick0 = now - self._rng.random() * energy_update_period_s
-        self._tick = 0
-        self._counter_j = 0.0
-        self._counter_true_j = 0.0
+            self._load_state()  # hardware state that outlived its process: in place from the start
+        self.device = SimDevice(
+            self.preset, latency=self.switch_latency, pace=pace, queue_depth=queue_depth,
+            energy_update_period_s=energy_update_period_s, energy_noise=energy_noise,
+            rng=random.Random(seed), initial_clock_mhz=self._locked_clock,
+            initial_cap_mhz=self._power_cap_mhz(),
+        )
+        self._stream = SimulatedTimeline(self.device, kind_counts=self.run_counts,
+                                         slowdown=lambda: self._slowdown)
 
     # ----------------------------------------------------------------- runtime knobs
     @property
     def slowdown(self) -> float:
+        """Straggler factor applied to computations launched from now on."""
         return self._slowdown
 
     @slowdown.setter
@@ -237,103 +253,47 @@ class SimulatedGPU(GPU):
         raise error
 
     # ----------------------------------------------------------------- work and energy
-    def mark(self) -> None:
-        """Note that the next computation started now (its real CPU work counts towards it)."""
-        self._mark = self._now()
+    def open_timeline(
+        self, *, job_id: str | None = None, rank: int | None = None
+    ) -> SimulatedTimeline:
+        """This GPU's compute stream; with a job_id (paced GPUs), joined to that job's
+        cross-rank board so launches can wait for and publish keys of other ranks."""
+        if job_id is None or not self.pace:
+            return self._stream
+        if self.device.board is not None:
+            raise GPUError(
+                f"{self.name}: a timeline on board {self.device.board.job_id!r} is open; close it "
+                "before opening another"
+            )
+        board = Board(job_id, self.rank if rank is None else rank, transfer_s=self.transfer_s)
+        return SimulatedTimeline(self.device, kind_counts=self.run_counts,
+                                 slowdown=lambda: self._slowdown, board=board)
 
     def run(self, seconds_at_max_clock: float, kind: str = "forward") -> float:
-        """Execute a computation that takes `seconds_at_max_clock` at the max clock.
-
-        Returns its simulated duration at the current effective clock, times `slowdown`. With
-        pacing, returns only once that much wall time has passed since the computation started
-        (now, or the last `mark()`).
-        """
-        if not seconds_at_max_clock >= 0:
-            raise GPUError(f"run: seconds_at_max_clock={seconds_at_max_clock!r}; it must be >= 0")
-        with self._lock:
-            self._maybe_fail("run")
-            now = self._now()
-            start = now if self._mark is None else self._mark
-            start = max(start, self._busy_until, self._t_committed)
-            self._mark = None
-            self._update_counter(min(start, now))
-            self._commit(start)
-            clock = self._effective_clock()
-            duration = seconds_at_max_clock * self.preset.time_factor(clock) * self._slowdown
-            end = start + duration
-            self._segment = (start, end, self.preset.compute_power_w(clock))
-            self._busy_until = end
-            self.run_counts[kind] = self.run_counts.get(kind, 0) + 1
-            if not self.pace:
-                self._virtual_now = max(self._virtual_now, end)
-        if self.pace:
-            remaining = end - time.perf_counter()
-            if remaining > 0:
-                time.sleep(remaining)
-        return duration
+        """Launch a computation that takes `seconds_at_max_clock` at the max clock and wait for
+        it (launch + synchronize). Returns its device duration at the clocks it met, times the
+        slowdown; paced, that much wall time has passed on the device when it returns."""
+        self.run_counts[kind] = self.run_counts.get(kind, 0) + 1
+        work = self.device.launch(seconds_at_max_clock, slowdown=self._slowdown)
+        self.device.wait_for(work)
+        return work.end - work.start
 
     def expected(self, seconds_at_max_clock: float, mhz: int | None = None) -> tuple[float, float]:
-        """Exact (seconds, joules) of a computation at `mhz` (default: the current clock)."""
-        clock = self._effective_clock() if mhz is None else mhz
+        """Exact (seconds, joules) of a computation held at `mhz` (default: the current clock)."""
+        clock = self.device.effective_clock() if mhz is None else mhz
         duration = seconds_at_max_clock * self.preset.time_factor(clock) * self._slowdown
         return duration, duration * self.preset.compute_power_w(clock)
 
     @property
     def true_energy_j(self) -> float:
         """Exact integrated energy since creation (what a perfect counter would show)."""
-        with self._lock:
-            return self._true_energy_at(self._now())
+        return self.device.true_energy_j()
 
     def timestamp(self) -> float:
-        return self._now()
+        return self.device.now()
 
     def wait(self, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        if self.pace:
-            time.sleep(seconds)
-        else:
-            with self._lock:
-                self._virtual_now += seconds
-
-    def _now(self) -> float:
-        return time.perf_counter() if self.pace else self._virtual_now
-
-    def _true_energy_at(self, t: float) -> float:
-        idle = self.preset.idle_power_w
-        energy, t0 = self._e_committed, self._t_committed
-        if self._segment is None or t <= self._segment[0]:
-            return energy + idle * max(0.0, t - t0)
-        start, end, watts = self._segment
-        energy += idle * max(0.0, start - t0)
-        if t <= end:
-            return energy + watts * (t - start)
-        return energy + watts * (end - start) + idle * (t - end)
-
-    def _commit(self, t: float) -> None:
-        self._e_committed = self._true_energy_at(t)
-        self._t_committed = t
-        if self._segment is not None:
-            start, end, watts = self._segment
-            if t >= end:
-                self._segment = None
-            elif t > start:
-                self._segment = (t, end, watts)
-
-    def _update_counter(self, now: float) -> None:
-        tick = math.floor((now - self._tick0) / self.energy_update_period_s)
-        if tick <= self._tick:
-            return
-        true_j = self._true_energy_at(self._tick0 + tick * self.energy_update_period_s)
-        increment = true_j - self._counter_true_j
-        error = self.energy_noise * self._rng.gauss(0.0, 1.0) / math.sqrt(tick - self._tick)
-        self._counter_j += max(0.0, increment * (1.0 + error))
-        self._counter_true_j = true_j
-        self._tick = tick
-
-    def _effective_clock(self) -> int:
-        requested = self._locked_clock or self.preset.max_clock_mhz
-        return self.preset.throttled_clock(requested, self._power_limit_w)
+        self.device.idle(seconds)
 
     # ----------------------------------------------------------------- GPU API
     def supported_sm_clocks(self) -> list[int]:
@@ -341,44 +301,41 @@ class SimulatedGPU(GPU):
         return list(self._clocks)
 
     def set_locked_sm_clocks(self, mhz: int) -> None:
-        with self._lock:
+        """Lock the clock; it lands on the device after the switching latency and ramp."""
+        with self.device.cond:
             self._maybe_fail("set_locked_sm_clocks")
             self._check_privilege("lock SM clocks")
             self._locked_clock = check_clock(self, mhz, self._clocks)
+            self.device.request_clock(self._locked_clock)
             self.clock_history.append(self._locked_clock)
             self._save_state()
 
     def reset_locked_sm_clocks(self) -> None:
-        with self._lock:
+        with self.device.cond:
             self._maybe_fail("reset_locked_sm_clocks")
             self._check_privilege("reset locked SM clocks")
             self._locked_clock = None
+            self.device.request_clock(self.preset.max_clock_mhz)
             self.clock_history.append(None)
             self._save_state()
 
     @property
     def locked_clock(self) -> int | None:
-        """The locked SM clock, None when the driver picks (for tests and the demo)."""
+        """The requested locked SM clock, None when the driver picks (it may not have landed)."""
         return self._locked_clock
 
     def energy_mj(self) -> int:
-        with self._lock:
-            self._maybe_fail("energy_mj")
-            self._update_counter(self._now())
-            return int(self._counter_j * 1000.0)
+        self._maybe_fail("energy_mj")
+        return int(self.device.counter_j() * 1000.0)
 
     def power_w(self) -> float:
-        with self._lock:
-            self._maybe_fail("power_w")
-            now = self._now()
-            segment = self._segment
-            if segment is not None and segment[0] <= now < segment[1]:
-                return segment[2]
-            return self.preset.idle_power_w
+        self._maybe_fail("power_w")
+        return self.device.power_w()
 
     def sm_clock(self) -> int:
+        """The clock the device runs at now (a requested change shows once it has landed)."""
         self._maybe_fail("sm_clock")
-        return self._effective_clock()
+        return int(round(self.device.effective_clock()))
 
     def power_limit_w(self) -> float:
         self._maybe_fail("power_limit_w")
@@ -391,7 +348,8 @@ class SimulatedGPU(GPU):
         return self.preset.default_power_limit_w
 
     def set_power_limit_w(self, watts: float) -> None:
-        with self._lock:
+        """Set the power limit; the clock it allows applies immediately (capping is fast)."""
+        with self.device.cond:
             self._maybe_fail("set_power_limit_w")
             self._check_privilege("set the power limit")
             low, high = self.preset.power_limit_range_w
@@ -401,6 +359,7 @@ class SimulatedGPU(GPU):
                     f"{low:g}-{high:g} W"
                 )
             self._power_limit_w = float(watts)
+            self.device.set_power_cap(self._power_cap_mhz())
             self._save_state()
 
     def can_set_clocks(self) -> bool:
@@ -411,6 +370,9 @@ class SimulatedGPU(GPU):
         if self.state_file is None:
             return None  # the state dies with this process: nothing to restore from outside
         return {"backend": "sim", "preset": self.preset.key, "state_file": str(self.state_file)}
+
+    def _power_cap_mhz(self) -> int:
+        return self.preset.throttled_clock(self.preset.max_clock_mhz, self._power_limit_w)
 
     def _check_privilege(self, action: str) -> None:
         if not self.privileged:

@@ -1,0 +1,195 @@
+"""The device timeline: where and when work runs on the GPU, as opposed to when the host asked.
+
+CUDA is asynchronous: the training thread launches kernels and returns; the device executes them
+later, in order. A clock set "before a forward" on the host therefore lands somewhere on the
+device timeline that may be before, during or after that forward. Everything that wants to know
+which clock a computation actually ran at (the runtime, the frequency controller, coverage
+accounting) talks to the compute stream through this module:
+
+* `DeviceMarker`: a point on the stream (a CUDA event), reached once the device has executed all
+  work launched before it; it carries the device time it was reached.
+* `DeviceTimeline`: records markers on the training thread without ever blocking, and (simulated
+  GPUs only) launches simulated work with cross-rank dependencies.
+* `SwitchLatency`: how long a clock change takes to land.
+* `CoverageTally`: how much device compute time ran at its planned clock.
+
+Real GPUs get `CudaTimeline` (torch.cuda events, `cuda_timeline.py`), simulated GPUs their own
+asynchronous device (`sim_device.py`), and anything else `HostOnlyTimeline`.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from perseus_ext.measurement.gpu.common import GPU, GPUNotSupportedError
+
+
+@dataclass(frozen=True)
+class SwitchLatency:
+    """How long a clock change takes to land on the device."""
+
+    switch_s: float  # set call returns -> the clock starts to change
+    transition_s: float  # duration of the ramp from the old to the new clock
+
+    def __post_init__(self) -> None:
+        for name in ("switch_s", "transition_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0 and value < float("inf")):
+                raise ValueError(f"SwitchLatency.{name}={value!r}; it must be a finite number >= 0")
+
+    @property
+    def effective_s(self) -> float:
+        """switch_s + transition_s / 2: the step approximation planners use."""
+        return self.switch_s + self.transition_s / 2.0
+
+
+NO_LATENCY = SwitchLatency(0.0, 0.0)
+
+# Published or conservative defaults for real GPUs, matched in order against the NVML name
+# (see docs/device.md, "Clock-change latency", for where each number comes from).
+NVML_SWITCH_LATENCIES: tuple[tuple[str, SwitchLatency], ...] = (
+    ("GH200", SwitchLatency(0.020, 0.010)),
+    ("H100", SwitchLatency(0.020, 0.010)),
+    ("A100", SwitchLatency(0.020, 0.010)),
+)
+CONSERVATIVE_SWITCH_LATENCY = SwitchLatency(0.050, 0.020)
+
+
+@dataclass
+class CoverageTally:
+    """Device compute time that had a planned clock, and how much ran at exactly that clock."""
+
+    planned_s: float = 0.0  # device compute time that had a planned clock
+    covered_s: float = 0.0  # of which ran at exactly that clock
+
+    @property
+    def coverage(self) -> float | None:
+        """covered / planned, None while nothing was planned."""
+        return self.covered_s / self.planned_s if self.planned_s > 0 else None
+
+    def __add__(self, other: CoverageTally) -> CoverageTally:
+        return CoverageTally(self.planned_s + other.planned_s, self.covered_s + other.covered_s)
+
+    def __sub__(self, other: CoverageTally) -> CoverageTally:
+        return CoverageTally(self.planned_s - other.planned_s, self.covered_s - other.covered_s)
+
+
+class DeviceMarker(abc.ABC):
+    """A point on the compute stream (a CUDA event): reached once the device has executed all work
+    launched before it was recorded."""
+
+    @abc.abstractmethod
+    def query(self) -> bool:
+        """Whether the device has reached the marker; never blocks."""
+
+    @abc.abstractmethod
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block the CALLING thread (the controller's worker) until reached; True if reached."""
+
+    @abc.abstractmethod
+    def device_time_s(self) -> float | None:
+        """When the device reached it, on the clock of `GPU.timestamp()`; None until reached."""
+
+
+class DeviceTimeline(abc.ABC):
+    """The compute stream the training thread launches work on, as perseus-ext sees it."""
+
+    @abc.abstractmethod
+    def record_marker(self) -> DeviceMarker:
+        """Training thread: microseconds, never blocks or synchronises."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Host waits until all launched work is done (used only while profiling)."""
+
+    def launch(self, label: str, seconds_at_max_clock: float, *,
+               planned_clock_mhz: int | None = None, after: Sequence[str] = (),
+               publish: str | None = None) -> None:
+        """Launch simulated work (simulated GPUs only; real frameworks launch their own kernels).
+
+        Returns at once unless the launch queue is full. `after`: keys other ranks' devices
+        publish that this work waits for ON THE DEVICE; `publish`: key published at completion.
+        """
+        raise GPUNotSupportedError(
+            f"{type(self).__name__} cannot launch simulated work: only a simulated GPU "
+            "(PERSEUS_GPU=sim:<preset>) runs work perseus-ext launches; on a real GPU the "
+            "framework launches its own kernels"
+        )
+
+    def exact_coverage(self) -> CoverageTally | None:
+        """Exact coverage tally (simulated devices); None where only an estimate is possible."""
+        return None
+
+    def close(self) -> None:
+        """Release what the timeline holds; markers already recorded stay readable."""
+
+
+class HostMarker(DeviceMarker):
+    """A marker on a timeline without a device: reached the moment it is recorded."""
+
+    def __init__(self, at_s: float) -> None:
+        self._at_s = at_s
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return True
+
+    def device_time_s(self) -> float | None:
+        return self._at_s
+
+
+class HostOnlyTimeline(DeviceTimeline):
+    """No device to wait for (no GPU, or no CUDA): markers are reached when recorded."""
+
+    def record_marker(self) -> DeviceMarker:
+        return HostMarker(time.perf_counter())
+
+    def synchronize(self) -> None:
+        """Nothing runs anywhere but on the host."""
+
+
+def open_timeline(gpu: GPU | None, *, job_id: str, rank: int) -> DeviceTimeline:
+    """The compute stream of this process's GPU.
+
+    A `SimulatedGPU` gets its simulated device, joined to the cross-rank board of `job_id` (all
+    ranks of one job must pass the same job_id, and a job_id must not be reused by a concurrent
+    job); an NVML GPU gets `CudaTimeline` when torch has CUDA, else `HostOnlyTimeline`.
+    """
+    from perseus_ext.measurement.gpu.simulated import SimulatedGPU
+
+    if isinstance(gpu, SimulatedGPU):
+        return gpu.open_timeline(job_id=job_id, rank=rank)
+    if gpu is not None and _cuda_available():
+        from perseus_ext.measurement.gpu.cuda_timeline import CudaTimeline
+
+        return CudaTimeline()
+    return HostOnlyTimeline()
+
+
+def gpu_switch_latency(gpu: GPU | None) -> SwitchLatency:
+    """How long a clock change takes on `gpu`: the simulator's configured latency, else the
+    default for the model (matched by NVML name), else a conservative default."""
+    from perseus_ext.measurement.gpu.simulated import SimulatedGPU
+
+    if gpu is None:
+        return NO_LATENCY
+    if isinstance(gpu, SimulatedGPU):
+        return gpu.switch_latency
+    name = gpu.name.upper()
+    for pattern, latency in NVML_SWITCH_LATENCIES:
+        if pattern in name:
+            return latency
+    return CONSERVATIVE_SWITCH_LATENCY
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())

@@ -1,0 +1,22 @@
+"""The runtime's phases: a bottom module, so every collaborator can name them without importing
+the runtime itself."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Phase(str, enum.Enum):
+    """Where one rank's lifecycle stands; every rank of a job changes phase at the same iteration."""
+
+    WARMUP = "warmup"  # default clocks before profiling
+    PROFILING = "profiling"  # whole iterations at one candidate clock each
+    SOLVING = "solving"  # default clocks while the frontier is solved off the training thread
+    DEPLOYED = "deployed"  # a frontier plan's clocks on every computation
+    POWER_LIMIT = "power_limit"  # policy.mode power_limit: profiling, then holding one GPU power limit
+    OBSERVING = "observing"  # default clocks for the rest of the run (observe mode or fallback)
+
+    @property
+    def at_default_clocks(self) -> bool:
+        """Whether this phase runs the driver's default clocks (what savings are measured against)."""
+        return self in (Phase.WARMUP, Phase.SOLVING, Phase.OBSERVING)

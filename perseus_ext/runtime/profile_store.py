@@ -1,0 +1,106 @@
+"""A measured profile saved beside the job (`perseus.profile_path`), so a restarted job skips
+profiling: the CSV (`stage,instruction,frequency,time,energy`) plus `<path>.json` with what the
+CSV cannot hold -- the blocking power per GPU, the GPUs per stage and the GPU model.
+
+Everything wrong with a saved profile is a ConfigError naming `perseus.profile_path` and the
+fix, found when the runtime is built rather than at deployment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+from perseus_ext.errors import ConfigError, PerseusError
+from perseus_ext.planning.profile import load_profile
+from perseus_ext.planning.schedule import PipelineSchedule
+from perseus_ext.runtime.config import PREFIX
+from perseus_ext.runtime.records import MeasuredProfile
+
+logger = logging.getLogger(__name__)
+
+KEY = f"{PREFIX}.profile_path"
+SIDECAR_LIMIT_BYTES = 1 << 20
+
+
+def sidecar_path(path: str | Path) -> Path:
+    return Path(f"{path}.json")
+
+
+class ProfileStore:
+    """Loads and saves one job's measured profile."""
+
+    def __init__(self, path: str | None, *, gpus_per_stage: int, gpu_name: str | None,
+                 blocking_power_per_gpu_w: float | None) -> None:
+        self.path = Path(path) if path is not None else None
+        self.gpus_per_stage = gpus_per_stage
+        self.gpu_name = gpu_name
+        self.blocking_override_w = blocking_power_per_gpu_w
+
+    def load(self, schedule: PipelineSchedule) -> MeasuredProfile | None:
+        """The saved profile, None when there is none yet; ConfigError when it is unusable."""
+        if self.path is None or not self.path.is_file():
+            return None
+        fix = f"delete {self.path} (and {sidecar_path(self.path)}) to profile again"
+        try:
+            profile = load_profile(self.path)
+        except PerseusError as err:
+            raise ConfigError(f"{KEY} {self.path} is not a usable profile ({err}); {fix}") from None
+        if profile.num_stages != schedule.num_stages:
+            raise ConfigError(f"{KEY} {self.path} profiles {profile.num_stages} stages, this pipeline "
+                              f"has {schedule.num_stages}; {fix}")
+        sidecar = self._read_sidecar(fix)
+        saved_gpu = sidecar.get("gpu")
+        if saved_gpu is not None and self.gpu_name is not None and saved_gpu != self.gpu_name:
+            raise ConfigError(f"{KEY} {self.path} was measured on {saved_gpu}, this job runs on "
+                              f"{self.gpu_name}; {fix}")
+        per_gpu = self.blocking_override_w
+        if per_gpu is None:
+            per_gpu = sidecar.get("blocking_power_per_gpu_w", sidecar.get("blocking_power_w"))
+        if per_gpu is None:
+            raise ConfigError(f"{KEY} {self.path} has no blocking power ({sidecar_path(self.path)} is "
+                              f"missing or lacks it); set {PREFIX}.blocking_power_w or {fix}")
+        if isinstance(per_gpu, bool) or not isinstance(per_gpu, (int, float)) or not math.isfinite(per_gpu) \
+                or per_gpu <= 0:
+            raise ConfigError(f"{sidecar_path(self.path)}: blocking power {per_gpu!r} is not a positive "
+                              f"number of watts; set {PREFIX}.blocking_power_w or {fix}")
+        saved_tp = sidecar.get("gpus_per_stage", self.gpus_per_stage)
+        if saved_tp != self.gpus_per_stage:
+            raise ConfigError(f"{KEY} {self.path} was measured with {saved_tp} GPU(s) per stage, this "
+                              f"job has {self.gpus_per_stage}; {fix}")
+        return MeasuredProfile(profile, float(per_gpu) * self.gpus_per_stage, self.gpus_per_stage,
+                               saved_gpu if saved_gpu is not None else self.gpu_name)
+
+    def _read_sidecar(self, fix: str) -> dict:
+        path = sidecar_path(self.path)
+        if not path.is_file():
+            return {}
+        try:
+            if path.stat().st_size > SIDECAR_LIMIT_BYTES:
+                raise ValueError(f"larger than {SIDECAR_LIMIT_BYTES} bytes")
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:  # UnicodeDecodeError is a ValueError
+            raise ConfigError(f"{path} (beside {KEY}) is unreadable ({err}); {fix}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} (beside {KEY}) must hold a JSON object; {fix}")
+        return data
+
+    def save(self, measured: MeasuredProfile, schedule: PipelineSchedule) -> None:
+        """Write the CSV and its sidecar; a failure is logged (the job goes on without it)."""
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            measured.profile.save(self.path)
+            sidecar_path(self.path).write_text(json.dumps({
+                "blocking_power_per_gpu_w": measured.blocking_power_per_gpu_w,
+                "gpus_per_stage": measured.gpus_per_stage,
+                "gpu": measured.gpu_name,
+                "schedule": schedule.describe(),
+            }))
+        except OSError as err:
+            logger.error("perseus-ext: cannot save the profile to %s: %s", self.path, err)
+            return
+        logger.info("perseus-ext: saved the profile to %s (a restarted job skips profiling)", self.path)

@@ -1,0 +1,132 @@
+"""The profiling phase of one rank, and the pipeline leader's assembly of its stages' profiles.
+
+Profiling iterations are the one place the host waits for the device: each candidate clock is
+put in force before the iteration (the controller is flushed and the switching latency waited
+out), and the device is synchronised around every computation so host timestamps and counter
+reads bracket exactly that computation. Deployed iterations never do either.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Any
+
+from perseus_ext.errors import PerseusError
+from perseus_ext.measurement.gpu.timeline import DeviceTimeline
+from perseus_ext.measurement.windows import EnergyMeter
+from perseus_ext.planning.profile import Profile
+from perseus_ext.runtime.comm import Member
+from perseus_ext.runtime.config import PerseusConfig
+from perseus_ext.runtime.profiler import StageMeasurements, StageProfiler
+from perseus_ext.runtime.rank_setup import RankSetup
+from perseus_ext.runtime.records import MeasuredProfile
+
+logger = logging.getLogger(__name__)
+
+FLUSH_TIMEOUT_S = 5.0
+
+
+class ProfilingRun:
+    """One stage's profiling: candidate clocks, synchronised timing, counter reads."""
+
+    def __init__(self, profiler: StageProfiler, setup: RankSetup, controller: Any, timeline: DeviceTimeline) -> None:
+        self.profiler = profiler
+        self.setup = setup
+        self.controller = controller
+        self.timeline = timeline
+        self.meter = EnergyMeter(setup.gpu)
+        self.iterations = 0
+        self.overhead_s = 0.0
+        self._start_s = 0.0
+
+    @classmethod
+    def create(cls, config: PerseusConfig, stage: int, setup: RankSetup, controller: Any,
+               timeline: DeviceTimeline) -> "ProfilingRun":
+        profiler = StageProfiler(
+            stage, setup.candidate_clocks, iterations_per_clock=config.profiling_iterations_per_clock,
+            early_stop=config.early_stop, patience=config.early_stop_patience,
+            blocking_power_w=config.blocking_power_w,
+        )
+        return cls(profiler, setup, controller, timeline)
+
+    def start_iteration(self) -> None:
+        """Put this iteration's candidate clock in force before its first computation."""
+        clock = self.profiler.current_clock
+        changed = self.controller.current_clock != clock
+        self.controller.set_clock(clock)
+        self.controller.flush(FLUSH_TIMEOUT_S)
+        if changed:
+            latency = self.setup.latency
+            self.setup.gpu.wait(latency.switch_s + latency.transition_s)
+        self.profiler.on_counter(*self.meter.read())
+
+    def before_computation(self) -> None:
+        self.timeline.synchronize()  # the computation's input has arrived: timing starts now
+        self._start_s, energy = self.meter.read()
+        self.profiler.on_counter(self._start_s, energy)
+
+    def after_computation(self, kind: str, clock: int | None) -> None:
+        self.timeline.synchronize()
+        end, energy = self.meter.read()
+        if clock is not None:
+            self.profiler.on_computation(kind, clock, self._start_s, end)
+        self.profiler.on_counter(end, energy)
+
+    def end_iteration(self, fallback_reason: str | None) -> None:
+        profiler = self.profiler
+        if profiler.done or fallback_reason is not None:
+            profiler.stop(fallback_reason or profiler.stop_reason)
+        else:
+            self.iterations += 1
+            profiler.end_iteration()
+
+    def measurements(self, fell_back: bool) -> StageMeasurements | None:
+        """This rank's rows. A rank that fell back cannot vouch for the clocks it was asked to
+        run; its default clock (the maximum) is real, so the planner keeps that stage there."""
+        clocks = self.setup.candidate_clocks[:1] if fell_back else None
+        try:
+            measured = self.profiler.measurements(clocks)
+        except Exception as err:  # this stage's gap is reported by the pipeline leader
+            level = logging.WARNING if fell_back else logging.ERROR
+            logger.log(level, "perseus-ext: stage %d: profiling produced no usable data (%s)",
+                       self.profiler.stage, err)
+            return None
+        self.overhead_s = measured.overhead_s
+        return measured
+
+    @staticmethod
+    def assemble(gathered: list[tuple[Member, StageMeasurements | None]], *, pipeline: int,
+                 blocking_override_w: float | None, gpu_name: str | None) -> MeasuredProfile | None:
+        """One pipeline's profile from its ranks' measurements: tensor-parallel peers of a stage
+        add up their energy and blocking power, the slowest peer sets the time."""
+        by_stage: dict[int, list[StageMeasurements]] = {}
+        for member, measured in gathered:
+            if measured is None:
+                logger.warning("perseus-ext: rank %d (stage %d) has no profile; pipeline %d stays at "
+                               "default clocks", member.rank, member.stage, pipeline)
+                return None
+            by_stage.setdefault(member.stage, []).append(measured)
+        peers_per_stage = {len(peers) for peers in by_stage.values()}
+        if len(peers_per_stage) != 1:
+            logger.error("perseus-ext: pipeline %d has stages with different GPU counts %s",
+                         pipeline, sorted(peers_per_stage))
+            return None
+        gpus_per_stage = peers_per_stage.pop()
+        rows = []
+        stage_blocking_w = []
+        for stage, peers in sorted(by_stage.items()):
+            indexed = [{(r.instruction, r.frequency): r for r in p.rows} for p in peers]
+            for key in sorted(set.intersection(*(set(rows_of) for rows_of in indexed))):
+                matches = [rows_of[key] for rows_of in indexed]
+                rows.append({"stage": stage, "instruction": key[0], "frequency": key[1],
+                             "time": max(r.time for r in matches), "energy": sum(r.energy for r in matches)})
+            stage_blocking_w.append(sum(p.blocking_power_w for p in peers))
+        per_stage_w = (blocking_override_w * gpus_per_stage if blocking_override_w is not None
+                       else statistics.fmean(stage_blocking_w))
+        try:
+            profile = Profile.from_rows(rows, source=f"online profile of pipeline {pipeline}")
+        except PerseusError as err:
+            logger.error("perseus-ext: pipeline %d profile is unusable: %s", pipeline, err)
+            return None
+        return MeasuredProfile(profile, per_stage_w, gpus_per_stage, gpu_name)

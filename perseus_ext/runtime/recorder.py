@@ -1,0 +1,169 @@
+"""One rank's iteration records, from the device's point of view, without waiting for it.
+
+The host finishes launching an iteration long before the GPU finishes running it, so a record
+cannot be written at `iteration_end`. Instead the recorder asks the controller's worker to
+observe the iteration's start, compute-end and end markers (time and energy counter when the
+device reaches them), and turns an iteration into an `IterationRecord` once all three have been
+observed -- usually one iteration later. Records go to the history, the JSONL log (appended, so
+a restarted job keeps its earlier lines) and a concise log line every `log_interval` iterations.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from perseus_ext.actuation.sequencer import IterationTrace
+from perseus_ext.measurement.coverage import estimate_coverage
+from perseus_ext.measurement.gpu.timeline import DeviceMarker, SwitchLatency
+from perseus_ext.runtime.records import IterationRecord, IterationSetting
+
+logger = logging.getLogger(__name__)
+
+START, COMPUTE_END, END = "start", "compute_end", "end"
+WAIT_POLL_S = 0.001
+
+
+@dataclass
+class _Pending:
+    setting: IterationSetting
+    trace: IterationTrace | None = None
+    wall_time: float = 0.0
+    compute_observed: bool = False
+    seen: dict[str, tuple[float, int | None]] = field(default_factory=dict)  # tag -> (device s, mJ)
+
+
+class RunRecorder:
+    """Pending iterations in, finished `IterationRecord`s out, in iteration order."""
+
+    def __init__(self, controller: Any, *, rank: int, pipeline: int, stage: int, latency: SwitchLatency,
+                 log_path: str | None, log_interval: int,
+                 on_record: Callable[[IterationRecord], None] | None = None) -> None:
+        self.controller = controller
+        self.rank, self.pipeline, self.stage = rank, pipeline, stage
+        self.latency = latency
+        self.log_interval = log_interval
+        self.history: list[IterationRecord] = []
+        self._pending: dict[int, _Pending] = {}
+        self._changes: list[tuple[float, int | None]] = []
+        self._clock_before: int | None = None  # the clock in force before self._changes[0]
+        self._on_record = on_record
+        self._log_file = self._open_log(log_path)
+
+    def _open_log(self, template: str | None):
+        if template is None:
+            return None
+        path = Path(template.format(rank=self.rank))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "a", encoding="utf-8")
+
+    # ------------------------------------------------------------------ training thread
+    def begin(self, setting: IterationSetting, start: DeviceMarker) -> None:
+        self._pending[setting.iteration] = _Pending(setting)
+        self.controller.observe(start, (setting.iteration, START))
+
+    def compute_end(self, iteration: int, marker: DeviceMarker) -> None:
+        """The stage's computations end at `marker` (the data-parallel wait follows)."""
+        pending = self._pending.get(iteration)
+        if pending is not None and not pending.compute_observed:
+            pending.compute_observed = True
+            self.controller.observe(marker, (iteration, COMPUTE_END))
+
+    def end(self, iteration: int, marker: DeviceMarker, trace: IterationTrace) -> None:
+        pending = self._pending.get(iteration)
+        if pending is None:
+            return
+        pending.trace = trace
+        pending.wall_time = time.time()
+        self.compute_end(iteration, marker)  # adapters without a compute-end hook
+        self.controller.observe(marker, (iteration, END))
+
+    def collect(self) -> list[IterationRecord]:
+        """Finish every iteration the device has completed; never blocks."""
+        for observation in self.controller.observations():
+            iteration, tag = observation.tag
+            pending = self._pending.get(iteration)
+            if pending is not None:
+                pending.seen[tag] = (observation.device_time_s, observation.energy_mj)
+        self._changes.extend((c.issued_s, c.mhz) for c in self.controller.drain_changes())
+        finished = []
+        for iteration in sorted(self._pending):
+            pending = self._pending[iteration]
+            if len(pending.seen) < 3 or pending.wall_time == 0.0:
+                break  # records come out in iteration order
+            finished.append(self._finish(self._pending.pop(iteration)))
+        return finished
+
+    def wait_for(self, iteration: int, timeout_s: float) -> IterationRecord | None:
+        """Block until `iteration` is recorded (power-limit mode feeds its optimizer one
+        iteration late, which almost never waits); None after `timeout_s`."""
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            self.collect()
+            record = next((r for r in reversed(self.history) if r.iteration == iteration), None)
+            if record is not None or iteration not in self._pending or time.perf_counter() > deadline:
+                return record
+            time.sleep(WAIT_POLL_S)
+
+    # ------------------------------------------------------------------ records
+    def _finish(self, pending: _Pending) -> IterationRecord:
+        (start_s, start_mj), (compute_s, _), (end_s, end_mj) = (
+            pending.seen[START], pending.seen[COMPUTE_END], pending.seen[END])
+        energy = None if start_mj is None or end_mj is None else (end_mj - start_mj) / 1000.0
+        record = IterationRecord(
+            setting=pending.setting, rank=self.rank, pipeline=self.pipeline, stage=self.stage,
+            time_s=end_s - start_s, compute_s=compute_s - start_s, energy_j=energy,
+            coverage=self._coverage(pending), wall_time=pending.wall_time,
+        )
+        self.history.append(record)
+        self._write(record)
+        if self._on_record is not None:
+            self._on_record(record)
+        return record
+
+    def _coverage(self, pending: _Pending) -> float | None:
+        """Estimated from device timestamps and the controller's issue times (what a real GPU
+        allows); only deployed iterations have a plan to cover."""
+        spans = pending.trace.device_spans() if pending.trace is not None else None
+        if pending.setting.plan is None or pending.setting.fell_back or not spans:
+            return None
+        begin = spans[0][0]
+        keep = [i for i, (issued, _) in enumerate(self._changes) if issued >= begin - 1.0]
+        if keep and keep[0] > 0:  # forget changes long before this iteration
+            self._clock_before = self._changes[keep[0] - 1][1]
+            del self._changes[:keep[0]]
+        tally = estimate_coverage(spans, self._changes, self.latency, self._clock_before)
+        return tally.coverage
+
+    def _write(self, record: IterationRecord) -> None:
+        setting = record.setting
+        if self._log_file is not None:
+            row = {
+                "timestamp": record.wall_time, "iteration": record.iteration, "rank": record.rank,
+                "pipeline": record.pipeline, "stage": record.stage, "phase": setting.phase.value,
+                "setting": setting.describe(), "plan": setting.plan,
+                "profiled_clock_mhz": setting.profiled_clock_mhz, "power_limit_w": setting.power_limit_w,
+                "factor": setting.factor, "fell_back": setting.fell_back, "time_s": record.time_s,
+                "compute_s": record.compute_s, "energy_j": record.energy_j, "coverage": record.coverage,
+            }
+            self._log_file.write(json.dumps(row) + "\n")
+            self._log_file.flush()
+        if self.log_interval and record.iteration % self.log_interval == 0:
+            level = logging.INFO if self.rank == 0 else logging.DEBUG
+            energy = f"{record.energy_j:.1f} J" if record.energy_j is not None else "n/a"
+            coverage = f", clock coverage {100 * record.coverage:.1f}%" if record.coverage is not None else ""
+            logger.log(level, "perseus-ext: iteration %d [%s, %s] time %.4f s compute %.4f s energy %s%s "
+                       "(rank %d)", record.iteration, setting.phase.value, setting.describe(), record.time_s,
+                       record.compute_s, energy, coverage, record.rank)
+
+    def close(self, timeout_s: float) -> None:
+        """Record what the device still runs (the controller is flushed first), close the log."""
+        self.controller.flush(timeout_s)
+        self.collect()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None

@@ -1,0 +1,117 @@
+"""Typed objects that cross process and rank boundaries (pickled by gloo or the solver child),
+so no collaborator parses another one's dicts or strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from perseus_ext.planning.frontier import Frontier
+from perseus_ext.planning.profile import Profile
+from perseus_ext.planning.schedule import PipelineSchedule
+from perseus_ext.runtime.phase import Phase
+
+
+@dataclass(frozen=True)
+class MeasuredProfile:
+    """A pipeline's per-stage profile plus what its CSV cannot hold.
+
+    Energies in `profile` are per stage (the sum over the stage's tensor-parallel GPUs), so the
+    blocking power is per stage too: one GPU's blocking power times `gpus_per_stage`.
+    """
+
+    profile: Profile
+    blocking_power_per_stage_w: float
+    gpus_per_stage: int
+    gpu_name: str | None
+
+    @property
+    def blocking_power_per_gpu_w(self) -> float:
+        return self.blocking_power_per_stage_w / self.gpus_per_stage
+
+
+@dataclass(frozen=True)
+class SolveProblem:
+    """What the pipeline leader hands the solver (inline or in the child process)."""
+
+    schedule: PipelineSchedule
+    measured: MeasuredProfile
+    options: object | None  # perseus_ext.planning.solver.SolverOptions, or None for its defaults
+    switch_latency_s: float
+
+
+@dataclass(frozen=True)
+class SolveOutcome:
+    """The frontier, or why there is none; broadcast from the pipeline leader to its stages."""
+
+    frontier: Frontier | None
+    error: str | None
+    solve_s: float
+    in_background: bool
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """The pipeline leader's plan for every stage, and when to evaluate the policy again."""
+
+    index: int
+    reevaluate_in_iterations: int | None
+
+
+@dataclass(frozen=True)
+class PlanSwitch:
+    """A deployed plan change, as reported in the summary."""
+
+    iteration: int
+    plan: int
+    factor: float
+    reason: str
+    plan_time_s: float
+    plan_energy_j: float
+
+
+@dataclass(frozen=True)
+class IterationSetting:
+    """What one iteration ran at, known when the host launches it."""
+
+    iteration: int
+    phase: Phase
+    plan: int | None = None  # frontier plan index (deployed)
+    profiled_clock_mhz: int | None = None  # the candidate clock (profiling)
+    power_limit_w: float | None = None  # the limit in force (power-limit mode)
+    factor: float | None = None  # the slowdown factor planned for (deployed)
+    fell_back: bool = False  # this rank ran default clocks because it fell back
+
+    def describe(self) -> str:
+        if self.fell_back:
+            return "default (fallback)"
+        if self.plan is not None:
+            return f"plan {self.plan}"
+        if self.profiled_clock_mhz is not None:
+            return f"profile {self.profiled_clock_mhz} MHz"
+        if self.power_limit_w is not None:
+            return f"limit {self.power_limit_w:g} W"
+        return "default"
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """One iteration as the device ran it: times from device markers, energy from the counter
+    read when the device reached them."""
+
+    setting: IterationSetting
+    rank: int
+    pipeline: int
+    stage: int
+    time_s: float  # iteration start to end on the device
+    compute_s: float  # iteration start to the end of this stage's computations
+    energy_j: float | None
+    coverage: float | None  # share of planned compute time at its planned clock (estimated)
+    wall_time: float  # Unix time the host finished launching the iteration
+
+    @property
+    def iteration(self) -> int:
+        return self.setting.iteration
+
+    @property
+    def phase(self) -> Phase:
+        return self.setting.phase

@@ -1,0 +1,123 @@
+"""Clock coverage: the simulator's exact tally, and the estimator real GPUs use, against it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from perseus_ext.measurement.coverage import estimate_coverage
+from perseus_ext.measurement.gpu import PRESETS, CoverageTally, SimulatedGPU, SwitchLatency
+
+A100 = PRESETS["a100_sxm"]
+CLOCKS = (1410, 1305, 1200, 1005, 855)
+
+
+def test_exact_tally_when_the_change_lands_late():
+    gpu = SimulatedGPU("a100_sxm", pace=False, switch_s=0.02, transition_s=0.01)
+    timeline = gpu.open_timeline()
+    gpu.set_locked_sm_clocks(1200)  # asked for right before the computation...
+    timeline.launch("forward", 0.05, planned_clock_mhz=1200)
+    done = timeline.record_marker()
+    assert done.wait()
+    tally = timeline.exact_coverage()
+    # ...but 1200 only holds from 30 ms on (20 ms switch + 10 ms ramp)
+    assert tally.planned_s == pytest.approx(done.device_time_s())
+    assert tally.covered_s == pytest.approx(done.device_time_s() - 0.03)
+    assert 0.3 < tally.coverage < 0.6
+
+    # set early enough, the next computation is fully covered; per-iteration differences work
+    gpu.set_locked_sm_clocks(1005)
+    gpu.wait(0.03)
+    timeline.launch("forward", 0.05, planned_clock_mhz=1005)
+    timeline.launch("sync", 0.01)  # no planned clock: not counted
+    timeline.synchronize()
+    second = timeline.exact_coverage() - tally
+    assert second.planned_s == pytest.approx(0.05 * A100.time_factor(1005))
+    assert second.coverage == pytest.approx(1.0)
+    assert (tally + second).planned_s == pytest.approx(timeline.exact_coverage().planned_s)
+
+
+def test_coverage_tally_arithmetic():
+    assert CoverageTally().coverage is None
+    assert CoverageTally(2.0, 1.5).coverage == 0.75
+    assert CoverageTally(2.0, 1.5) - CoverageTally(1.0, 1.0) == CoverageTally(1.0, 0.5)
+
+
+def _simulate(seed: int, latency: SwitchLatency, *, pace: bool = False, steps: int = 40):
+    """A random schedule of computations and clock requests on the simulator; returns its exact
+    tally and what a real GPU would have observed (marker times, set-call times)."""
+    rng = random.Random(seed)
+    gpu = SimulatedGPU("a100_sxm", pace=pace, switch_s=latency.switch_s,
+                       transition_s=latency.transition_s, queue_depth=3)
+    timeline = gpu.open_timeline()
+    computations, changes, pending = [], [], []
+    for _ in range(steps):
+        planned = rng.choice(CLOCKS)
+        if rng.random() < 0.7:  # the controller asks for the planned clock, sometimes late
+            gpu.set_locked_sm_clocks(planned)
+            changes.append((gpu.timestamp(), planned))
+        elif rng.random() < 0.3:
+            gpu.reset_locked_sm_clocks()
+            changes.append((gpu.timestamp(), None))
+        before = timeline.record_marker()
+        timeline.launch("work", rng.uniform(0.002, 0.03), planned_clock_mhz=planned)
+        after = timeline.record_marker()
+        pending.append((before, after, planned))
+        if rng.random() < 0.4:
+            gpu.wait(rng.uniform(0.0, 0.03))  # the host does other things
+    timeline.synchronize()
+    for before, after, planned in pending:
+        computations.append((before.device_time_s(), after.device_time_s(), planned))
+    return timeline.exact_coverage(), computations, changes
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    switch_ms=st.floats(0.0, 40.0),
+    transition_ms=st.floats(0.0, 20.0),
+)
+def test_estimator_agrees_with_the_exact_tally(seed, switch_ms, transition_ms):
+    latency = SwitchLatency(switch_ms / 1000.0, transition_ms / 1000.0)
+    exact, computations, changes = _simulate(seed, latency)
+    estimate = estimate_coverage(computations, changes, latency, initial_clock_mhz=None,
+                                 default_clock_mhz=A100.max_clock_mhz)
+    assert estimate.planned_s == pytest.approx(exact.planned_s, rel=1e-6)
+    assert estimate.coverage == pytest.approx(exact.coverage, abs=0.01)
+
+
+def test_estimator_agrees_on_the_paced_simulator():
+    # wall clock, engine thread, markers resolved asynchronously: what a real run looks like
+    latency = SwitchLatency(0.02, 0.01)
+    exact, computations, changes = _simulate(11, latency, pace=True, steps=25)
+    estimate = estimate_coverage(computations, changes, latency, initial_clock_mhz=None,
+                                 default_clock_mhz=A100.max_clock_mhz)
+    assert 0.05 < exact.coverage < 0.95
+    assert estimate.coverage == pytest.approx(exact.coverage, abs=0.02)
+
+
+def test_estimator_with_a_wrong_latency_disagrees():
+    # the estimate is only as good as the latency it is given: assuming instant changes
+    # overstates coverage when the clocks really land late
+    latency = SwitchLatency(0.02, 0.01)
+    exact, computations, changes = _simulate(3, latency)
+    naive = estimate_coverage(computations, changes, SwitchLatency(0.0, 0.0), None,
+                              default_clock_mhz=A100.max_clock_mhz)
+    assert naive.coverage > exact.coverage + 0.05
+
+
+def test_estimator_never_counts_an_unknown_default_clock():
+    latency = SwitchLatency(0.01, 0.0)
+    computations = [(0.0, 0.1, 1410), (0.2, 0.3, 1200), (0.3, 0.4, None)]
+    changes = [(0.1, 1200), (0.25, None)]
+    unknown = estimate_coverage(computations, changes, latency, initial_clock_mhz=None)
+    assert unknown.planned_s == pytest.approx(0.2)
+    assert unknown.covered_s == pytest.approx(0.06)  # 1200 from 0.11 to 0.26
+    known = estimate_coverage(computations, changes, latency, initial_clock_mhz=None,
+                              default_clock_mhz=1410)
+    assert known.covered_s == pytest.approx(0.16)
+    with pytest.raises(ValueError, match="ends before it starts"):
+        estimate_coverage([(1.0, 0.5, 1200)], [], latency, 1200)
