@@ -27,7 +27,6 @@ from perseus_ext.runtime.config import (
     PerseusConfig,
     SimulatedWorkload,
     key_table_markdown,
-    profile_sidecar,
 )
 from perseus_ext.schema import Section, dataclass_section, field_rule
 
@@ -285,19 +284,12 @@ def test_only_the_gpu_questions_are_left_for_later():
     assert config.candidate_clocks == (1234, 5) and config.communication_clock == 5
 
 
-# --------------------------------------------------------------------------- saved profiles
-def test_saved_profile_needs_its_blocking_power(tmp_path):
+# --------------------------------------------------------------------------- profile path
+def test_existing_profile_must_be_a_file_and_a_new_one_creatable(tmp_path):
     profile = tmp_path / "profile.csv"
     profile.write_text("stage,instruction,frequency,time,energy\n")
-    assert "profile.csv.json is missing" in error_of({"profile_path": str(profile)})
-    assert PerseusConfig.from_dict({"profile_path": str(profile), "blocking_power_w": 80}).saved_blocking_power_w is None
-    profile_sidecar(profile).write_text(json.dumps({"blocking_power_w": 0}))
-    assert "not a positive number of watts" in error_of({"profile_path": str(profile)})
-    profile_sidecar(profile).write_text("{")
-    assert "cannot read the blocking power" in error_of({"profile_path": str(profile)})
-    profile_sidecar(profile).write_text(json.dumps({"blocking_power_w": 83.64, "gpu": "A100"}))
-    config = PerseusConfig.from_dict({"profile_path": str(profile)})
-    assert config.saved_blocking_power_w == 83.64 and config.blocking_power_w is None
+    assert PerseusConfig.from_dict({"profile_path": str(profile)}).profile_path == str(profile)
+    assert PerseusConfig.from_dict({"profile_path": str(tmp_path / "new" / "p.csv")}).profile_path
     assert "is not a file" in error_of({"profile_path": str(tmp_path)})
 
 

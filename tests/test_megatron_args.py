@@ -189,23 +189,20 @@ def test_importing_the_adapter_does_not_import_megatron_or_torch(module):
 
 def test_install_hooks_megatron_core_schedules_and_close_restores_them():
     pytest.importorskip("megatron.core", reason="megatron-core is the optional 'megatron' extra")
-    from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.pipeline_parallel import schedules
 
     names = ["forward_step", "backward_step", "forward_backward_pipelining_without_interleaving",
              "forward_backward_pipelining_with_interleaving"]
     before = {name: getattr(schedules, name) for name in names}
-    receive = p2p_communication.P2PCommunicator.recv_forward
     perseus = install(parse("--perseus"))
     try:
         for name in names:
             hooked = getattr(schedules, name)
             assert hooked is not before[name] and hooked.__wrapped__ is before[name]
-        assert p2p_communication.P2PCommunicator.recv_forward.__wrapped__ is receive
         with pytest.raises(ConfigError, match="already installed"):
             install(parse("--perseus"))
     finally:
         summary = perseus.close()
     assert {name: getattr(schedules, name) for name in names} == before
-    assert p2p_communication.P2PCommunicator.recv_forward is receive
     assert summary["megatron"] == {"stage": None, "schedule": None}  # never trained
     assert perseus.close()["megatron"]["stage"] is None  # idempotent
