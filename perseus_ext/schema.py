@@ -43,7 +43,7 @@ VALUE_ERROR = "perseus_value"  # ctx["text"] completes "<key> ..."
 KEYS_ERROR = "perseus_keys"  # ctx: unknown and known keys, or missing keys and why they are needed
 STATEMENT_ERROR = "perseus_statement"  # ctx["text"] is a whole sentence naming its keys
 OWN_ERRORS = frozenset({VALUE_ERROR, KEYS_ERROR, STATEMENT_ERROR})
-STRICT = ConfigDict(strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True)
+STRICT = ConfigDict(strict=True, extra="forbid", frozen=True)
 _SHOWN_CHARS = 80
 
 
@@ -240,7 +240,9 @@ def require_writable(path_text: str, shown: str | None = None) -> None:
     """A value error (inside validation) unless a file can be written at `path_text`."""
     reason = unwritable_reason(Path(path_text))
     if reason is not None:
-        raise value_error(f"{shown or show(path_text)} {reason}; use a path in a directory this process can write to")
+        raise value_error(
+            f"{shown or show(path_text)} {reason}; use a path in a directory this process can write to"
+        )
 
 
 def _writable_path(path_text: str) -> str:
@@ -250,7 +252,9 @@ def _writable_path(path_text: str) -> str:
 
 def output_path(*, example: str) -> Any:
     """A file this process will create: its directory must exist or be creatable, writable."""
-    return Annotated[str, Rule("a non-empty path", example, lambda s: bool(s.strip())), AfterValidator(_writable_path)]
+    return Annotated[
+        str, Rule("a non-empty path", example, lambda s: bool(s.strip())), AfterValidator(_writable_path)
+    ]
 
 
 _RANK_SPEC = re.compile(r"0?\d{0,2}d?")  # "{rank}", "{rank:03d}": bounded width, nothing else
@@ -328,7 +332,9 @@ def keyed(typed_dict: type, *, example: Mapping[str, Any], why_required: str = "
     typed_dict.__pydantic_config__ = STRICT  # type: ignore[attr-defined]
     hints = typing_extensions.get_type_hints(typed_dict, include_extras=True)
     # Read from the hints: under `from __future__ import annotations`, __required_keys__ is empty.
-    required = sorted(k for k, hint in hints.items() if typing_extensions.get_origin(hint) is typing_extensions.Required)
+    required = sorted(
+        key for key, hint in hints.items() if typing_extensions.get_origin(hint) is typing_extensions.Required
+    )
 
     def check(data: Any) -> dict:
         return section_keys(data, hints, example=example, required=required, why_required=why_required)

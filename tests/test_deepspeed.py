@@ -213,7 +213,7 @@ def test_initialize_rejects_a_bad_perseus_section():
     from perseus_ext.errors import ConfigError
 
     for section, message in (
-        ({"enabled": True, "profiling_iterations_per_clock": 0}, "perseus.profiling_iterations_per_clock must be >= 1"),
+        ({"enabled": True, "profiling_iterations_per_clock": 0}, "perseus.profiling_iterations_per_clock must be an integer >= 1"),
         ({"enabled": True, "warmup": 3}, "unknown key(s) perseus.warmup"),
         ({"enabled": False, "clock_stride": "2"}, "perseus.clock_stride must be an integer"),
         ({"enabled": True}, "build the model as a deepspeed.pipe.PipelineModule"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from perseus_ext.errors import ConfigError, PerseusError
 from perseus_ext.measurement.windows import EnergyMeter
 from perseus_ext.planning.schedule import Kind, build_schedule
-from perseus_ext.runtime import PerseusConfig, PerseusRuntime, Phase
+from perseus_ext.runtime import PerseusRuntime, Phase
 from perseus_ext.runtime.profiler import StageProfiler, build_windows, locate_updates
 from perseus_ext.runtime.straggler import SlowdownTracker
 
@@ -28,46 +27,7 @@ def schedule():
     return build_schedule("1f1b", 1, 4)
 
 
-# --------------------------------------------------------------------------- config
-def test_config_round_trip_and_defaults():
-    config = make_config(candidate_clocks=[1200, 1410], policy={"name": "perseus"})
-    assert config.candidate_clocks == (1410, 1200)  # sorted fastest first
-    assert PerseusConfig.from_dict(config.to_dict()) == config
-    assert PerseusConfig.from_dict(None).enabled is False
-
-
-def test_config_imports_without_torch_or_numpy():
-    import subprocess
-
-    code = ("import sys; from perseus_ext.runtime import PerseusConfig; "
-            "PerseusConfig.from_dict({'enabled': True}); "
-            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
-@pytest.mark.parametrize("section, key", [
-    ({"profiling_iterations_per_clock": 0}, "perseus.profiling_iterations_per_clock must be >= 1"),
-    ({"bogus": 1}, "perseus.bogus"),
-    ({"enabled": "yes"}, "perseus.enabled must be true or false"),
-    ({"warmup_iterations": 1.5}, "perseus.warmup_iterations must be an integer"),
-    ({"candidate_clocks": [1410, "fast"]}, "perseus.candidate_clocks[1]"),
-    ({"candidate_clocks": [1410, 1410]}, "perseus.candidate_clocks lists a clock twice"),
-    ({"straggler_threshold": 0}, "perseus.straggler_threshold must be > 0"),
-    ({"straggler_threshold": 0.02, "straggler_hysteresis": 0.05}, "perseus.straggler_hysteresis"),
-    ({"mode": "turbo"}, "perseus.mode must be one of"),
-    ({"communication_clock": "max"}, "perseus.communication_clock"),
-    ({"blocking_power_w": -3}, "perseus.blocking_power_w must be > 0"),
-    ({"simulated_workload": {"forward_seconds": 0.01}}, "perseus.simulated_workload.backward_seconds"),
-    ({"simulated_workload": {"forward_seconds": 0.01, "backward_seconds": [0.02, 0]}},
-     "perseus.simulated_workload.backward_seconds[1] must be > 0"),
-    ({"policy": "zeus"}, "perseus.policy must be an object"),
-])
-def test_config_errors_name_the_key(section, key):
-    with pytest.raises(ConfigError) as error:
-        PerseusConfig.from_dict(section)
-    assert key in str(error.value)
-
-
+# --------------------------------------------------------------------------- config (the section itself: tests/test_config.py)
 def test_runtime_rejects_clocks_the_gpu_does_not_support(schedule):
     with pytest.raises(ConfigError, match=r"perseus.candidate_clocks: 1234 MHz is not supported .*nearest 1230"):
         PerseusRuntime(make_config(candidate_clocks=[1410, 1234]), schedule=schedule, stage=0, gpu=sim_gpu())

@@ -103,28 +103,36 @@ GramsPerKWh = number(example=400, unit="gCO2/kWh", above=0)
 _CALLABLE_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
+def _import_callable(path: str) -> Callable[..., float]:
+    """The function a "package.module:function" string names, or a ConfigError saying why not
+    (any failure while importing the user's module is a mistake in the config)."""
+    module_name, _, attribute = path.partition(":")
+    try:
+        target = getattr(importlib.import_module(module_name), attribute)
+    except Exception as err:  # noqa: BLE001 - ImportError, AttributeError, or the module's own error
+        raise ConfigError(f"cannot import {path!r} ({type(err).__name__}: {err})") from None
+    if not callable(target):
+        raise ConfigError(f"{path!r} is not callable")
+    return target
+
+
 def resolve_callable(value: object, where: str) -> Callable[..., float]:
     """A callable, or the function a "package.module:function" string names."""
     if callable(value):
         return value
-    module_name, _, attribute = str(value).partition(":")
     try:
-        target = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"{where} cannot import {value!r} ({err})") from None
-    if not callable(target):
-        raise ConfigError(f"{where}: {value!r} is not callable")
-    return target
+        return _import_callable(str(value))
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
 
 
 def _importable(value: Any) -> Any:
-    """Checked at the door (the import is cheap and a typo should not wait for the job)."""
-    if callable(value):
-        return value
-    try:
-        resolve_callable(value, "")
-    except ConfigError as err:
-        raise value_error(str(err).strip(": ")) from None
+    """Imported at the door: the import is cheap and a typo should not wait for the job."""
+    if not callable(value):
+        try:
+            _import_callable(value)
+        except ConfigError as err:
+            raise value_error(str(err)) from None
     return value
 
 
@@ -142,7 +150,7 @@ HttpURL = Annotated[
     Rule(
         "an http(s) URL",
         "https://api.example.org/carbon-intensity",
-        lambda v: urllib.parse.urlparse(v).scheme in ("http", "https") and bool(urllib.parse.urlparse(v).netloc),
+        lambda v: (parsed := urllib.parse.urlparse(v)).scheme in ("http", "https") and bool(parsed.netloc),
     ),
 ]
 
@@ -171,19 +179,16 @@ class CallbackCarbonSource(_CarbonCommon, total=False):
 
 CarbonSource = CSVCarbonSource | URLCarbonSource | CallbackCarbonSource
 _CARBON_EXAMPLE = {"csv": "grid/caiso-2024-05.csv"}
-_CARBON_SOURCES = {
-    CarbonSourceKind.CSV: keyed(CSVCarbonSource, example=_CARBON_EXAMPLE),
-    CarbonSourceKind.URL: keyed(URLCarbonSource, example={"url": "https://api.example.org/carbon"}),
-    CarbonSourceKind.CALLBACK: keyed(CallbackCarbonSource, example={"callback": "time:time"}),
+_CARBON_ADAPTERS = {
+    CarbonSourceKind.CSV: TypeAdapter(keyed(CSVCarbonSource, example=_CARBON_EXAMPLE)),
+    CarbonSourceKind.URL: TypeAdapter(keyed(URLCarbonSource, example={"url": "https://api.example.org/carbon"})),
+    CarbonSourceKind.CALLBACK: TypeAdapter(keyed(CallbackCarbonSource, example={"callback": "time:time"})),
 }
 
 
 def carbon_source_kind(carbon: Mapping[str, Any]) -> CarbonSourceKind:
     """The source a validated `carbon` sub-section names."""
     return next(kind for kind in CarbonSourceKind if kind.value in carbon)
-
-
-_CARBON_ADAPTERS = {kind: TypeAdapter(annotation) for kind, annotation in _CARBON_SOURCES.items()}
 
 
 def _one_carbon_source(data: Any) -> dict:
@@ -220,7 +225,9 @@ def _default_among_candidates(options: dict) -> dict:
 class BatchSizeOptions(TypedDict, total=False):
     db: Required[output_path(example="state/batch_size.db")]
     job_id: Required[text(example="gpt3-nightly")]
-    batch_sizes: Required[listing(integer(1, example=32), what="positive integers", example=[32, 64], distinct=True)]
+    batch_sizes: Required[
+        listing(integer(1, example=32), what="positive integers", example=[32, 64], distinct=True)
+    ]
     default_batch_size: Required[integer(1, example=32)]
     beta: number(example=DEFAULT_BETA, above=1)
     pruning_rounds: integer(1, example=DEFAULT_PRUNING_ROUNDS)
@@ -254,7 +261,11 @@ class PolicyConfig(Section):
         DEFAULT_PERIOD_S
     )
     carbon: Annotated[
-        Annotated[CarbonSource, PlainValidator(_one_carbon_source), Rule("an object with one carbon source", _CARBON_EXAMPLE)]
+        Annotated[
+            CarbonSource,
+            PlainValidator(_one_carbon_source),
+            Rule("an object with one carbon source", _CARBON_EXAMPLE),
+        ]
         | None,
         Field(description="Chase's carbon-intensity source: exactly one of csv, url, callback"),
     ] = None
