@@ -70,6 +70,14 @@ def statement_error(text: str) -> PydanticCustomError:
     return PydanticCustomError(STATEMENT_ERROR, "{text}", {"text": text})
 
 
+class StrChoice(str, enum.Enum):
+    """A str-valued enum: members equal, print and serialise as their value (`mode == "observe"`,
+    f"{mode}", json.dumps(mode)) on every supported Python (enum.StrEnum needs 3.11)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
 # --------------------------------------------------------------------------------- rules
 def _is_union(schema: Mapping[str, Any]) -> bool:
     while schema.get("type") == "nullable":

@@ -14,7 +14,6 @@ as TypedDicts: only the keys given, defaults below), so a config round-trips unc
 
 from __future__ import annotations
 
-import enum
 import importlib
 import re
 import time
@@ -41,6 +40,7 @@ from perseus_ext.policies.zeus import ZeusPolicy
 from perseus_ext.schema import (
     Rule,
     Section,
+    StrChoice,
     choice,
     integer,
     keyed,
@@ -66,7 +66,7 @@ DEFAULT_BETA = 2.0
 DEFAULT_PRUNING_ROUNDS = 2
 
 
-class PolicyType(enum.StrEnum):
+class PolicyType(StrChoice):
     """Which cost picks the operating point (str-valued: `config.type == "zeus"` holds)."""
 
     PERSEUS = "perseus"
@@ -74,14 +74,14 @@ class PolicyType(enum.StrEnum):
     CHASE = "chase"
 
 
-class PolicyMode(enum.StrEnum):
+class PolicyMode(StrChoice):
     """Frontier plans, or Zeus' one global GPU power limit."""
 
     FRONTIER = "frontier"
     POWER_LIMIT = "power_limit"
 
 
-class CarbonSourceKind(enum.StrEnum):
+class CarbonSourceKind(StrChoice):
     """Where Chase reads the grid's carbon intensity; the key that names the source."""
 
     CSV = "csv"
@@ -89,7 +89,7 @@ class CarbonSourceKind(enum.StrEnum):
     CALLBACK = "callback"
 
 
-class TraceAlignment(enum.StrEnum):
+class TraceAlignment(StrChoice):
     """How a CSV trace's time axis meets the job: its first row at start, or wall-clock time."""
 
     START = "start"

@@ -15,7 +15,6 @@ The same model generates the Megatron `--perseus-<key>` flags
 
 from __future__ import annotations
 
-import enum
 import importlib
 import json
 from pathlib import Path
@@ -28,6 +27,7 @@ from perseus_ext.policies.config import PolicyConfig
 from perseus_ext.schema import (
     Rule,
     Section,
+    StrChoice,
     choice,
     dataclass_section,
     field_rule,
@@ -53,7 +53,7 @@ CONTROL_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # a second .. a week
 MAX_COMPUTATION_S = 3600.0  # a simulated microbatch forward/backward longer than an hour is a typo
 
 
-class Mode(enum.StrEnum):
+class Mode(StrChoice):
     """`optimize` plans and sets clocks; `observe` only measures (the baseline)."""
 
     OPTIMIZE = "optimize"
