@@ -102,6 +102,12 @@ class Rule:
             f"must be {requirement or self.requirement}, got {show(value)}; e.g. {show(self.example, None)}"
         )
 
+    def _passes(self, value: Any) -> bool:
+        try:
+            return bool(self.check(value))
+        except (ValueError, TypeError, ArithmeticError):  # e.g. urlparse("http://[") raises
+            return False
+
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
         inner = handler(source)
         replace_inner = _is_union(inner)  # union members' errors would name pydantic's tags
@@ -113,7 +119,7 @@ class Rule:
                 if not replace_inner and all(e["type"] in OWN_ERRORS for e in err.errors()):
                     raise
                 raise self.error(value) from None
-            if self.check is not None and not self.check(result):
+            if self.check is not None and not self._passes(result):
                 raise self.error(value, self.out_of_range)
             return result
 
@@ -226,6 +232,8 @@ def listing(item: Any, *, what: str, example: list, distinct: bool = False) -> A
 # --------------------------------------------------------------------------------- paths
 def unwritable_reason(path: Path) -> str | None:
     """Why a file could not be written at `path` (None: it can, creating missing directories)."""
+    if "\0" in str(path):  # pathlib answers False for such paths; open() would raise
+        return "is not a usable path (it contains a NUL character)"
     try:
         path = path.absolute()
         if path.is_dir():

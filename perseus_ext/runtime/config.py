@@ -136,12 +136,14 @@ class SimulatedWorkload(Section):
 def _profile_path(path: str) -> str:
     """An existing profile is read (must be a file; its content and `<path>.json` are checked
     against the pipeline and GPU by the runtime's profile store); a missing one is written."""
-    candidate = Path(path)
-    if candidate.exists():
-        if not candidate.is_file():
-            raise value_error(f"{show(path)} is not a file; give a profile CSV or a path the job may create")
-        return path
-    require_writable(path)
+    try:
+        exists, is_file = Path(path).exists(), Path(path).is_file()
+    except OSError:  # e.g. no permission to look: require_writable names the problem
+        exists = is_file = False
+    if exists and not is_file:
+        raise value_error(f"{show(path)} is not a file; give a profile CSV or a path the job may create")
+    if not exists:
+        require_writable(path)
     return path
 
 
