@@ -255,7 +255,9 @@ def test_board_dependencies_wait_on_the_device_across_processes():
     # exact even when the key is seen late (a loaded machine wakes engines late): the waiting
     # device keeps the recent past open and starts at publish time + transfer
     assert a_end == pytest.approx(b_end + 0.001 + 0.01, abs=1e-6)
-    assert not board_directory(job_id).exists()  # the last rank to leave removed the board
+    board = board_directory(job_id)
+    assert not board.exists()  # the last rank to leave removed the board and its lock file
+    assert not board.with_name(board.name + ".lock").exists()
 
 
 # ----------------------------------------------------------------------------- CUDA events

@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import random
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ import pytest
 from perseus_ext.commands import batch_size as batch_size_command
 from perseus_ext.errors import ConfigError
 from perseus_ext.policies import BatchSizeOptimizer, PolicyConfig
-from perseus_ext.policies.batch_size import read_states
+from perseus_ext.policies.batch_size import RunOutcome, read_states
 
 MAX_POWER_W = 300.0
 # Synthetic recurring job: mean cost to reach the target per batch size; 512 never converges.
@@ -41,7 +44,10 @@ def run_job(
         if limit is not None and cost > limit:
             cost, reached = limit, False
     reported = optimizer.report(
-        suggestion.run_id, time_s=cost / MAX_POWER_W, energy_j=cost, reached_target=reached
+        suggestion.run_id,
+        time_s=cost / MAX_POWER_W,
+        energy_j=cost,
+        outcome=RunOutcome.REACHED if reached else RunOutcome.STOPPED,
     )
     assert reported == pytest.approx(cost)
     return suggestion.batch_size, reached
@@ -243,5 +249,30 @@ def test_cli_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has no job 'other'"):
         run_command([str(tmp_path / "bso.db"), "--job", "other"])
     (tmp_path / "junk.db").write_text("not sqlite at all, definitely not" * 10)
-    with pytest.raises(ConfigError, match="is not a perseus-ext batch-size database"):
+    with pytest.raises(ConfigError, match="is not a perseus-ext batch-size store"):
         run_command([str(tmp_path / "junk.db")])
+
+
+def test_cli_json_into_a_closed_pipe_is_not_an_error(tmp_path: Path) -> None:
+    """`perseus-ext batch-size STORE --json | head` ends quietly when head stops reading."""
+    path = tmp_path / "bso.db"
+    optimizer = make_optimizer(path)
+    rng = random.Random(0)
+    for _ in range(40):
+        run_job(optimizer, EASY, rng)
+    with sqlite3.connect(path) as db:  # a long history, so the JSON outgrows the pipe buffer
+        db.executemany(
+            "INSERT INTO runs (job_id, batch_size, phase, status, started, finished, time_s, "
+            "energy_j, num_gpus, cost, heartbeat, lease_s) VALUES "
+            "('nightly-gpt', 64, 'thompson', 'reached', 0, 1, 1, 1, 1, ?, 0, 600)",
+            [(1.0e6 + i,) for i in range(20_000)],
+        )
+    done = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {sys.executable} -m perseus_ext batch-size {path} "
+         f"--json | head -c 100"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert done.returncode == 0 and done.stderr == "" and len(done.stdout) == 100

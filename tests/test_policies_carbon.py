@@ -374,3 +374,128 @@ def test_chase_over_http_end_to_end(server: IntensityServer) -> None:
         assert index(frontier, policy.select(frontier, None)) == A
     finally:
         policy.close()
+
+
+# ------------------------------------------------------------- a good network citizen
+
+
+class RoutingServer:
+    """Endpoints for the fetch's network behaviour; records the headers of every request."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict[str, str]]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                outer.requests.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
+                port = outer.server.server_address[1]
+                if self.path == "/to-other-host":
+                    self._redirect(f"http://localhost:{port}/value")
+                elif self.path == "/to-same-origin":
+                    self._redirect("/value")
+                elif self.path == "/loop":
+                    self._redirect("/loop")
+                elif self.path == "/huge":
+                    self.send_response(200)
+                    self.end_headers()  # no Content-Length: read until the server closes
+                    self._write(b"[" + b"0," * (1 << 20) + b"0]")
+                elif self.path == "/drip":
+                    self.send_response(200)
+                    self.end_headers()
+                    for _ in range(100):
+                        if not self._write(b" "):
+                            return
+                        time.sleep(0.05)
+                else:
+                    self.send_response(200)
+                    self.end_headers()
+                    self._write(b'{"carbonIntensity": 100}')
+
+            def _redirect(self, location: str) -> None:
+                self.send_response(302)
+                self.send_header("Location", location)
+                self.end_headers()
+
+            def _write(self, data: bytes) -> bool:
+                try:
+                    self.wfile.write(data)
+                    self.wfile.flush()
+                    return True
+                except (BrokenPipeError, ConnectionResetError):
+                    return False
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def routes() -> Iterator[RoutingServer]:
+    srv = RoutingServer()
+    yield srv
+    srv.stop()
+
+
+def one_fetch(url: str, **kwargs) -> HTTPCarbonSignal:
+    signal = HTTPCarbonSignal(url, start=False, headers={"auth-token": "secret"}, **kwargs)
+    signal.fetch()
+    return signal
+
+
+def test_tokens_never_follow_a_redirect_to_another_host(routes: RoutingServer) -> None:
+    assert one_fetch(f"{routes.base}/to-other-host").intensity(0) == 100.0
+    (first, first_headers), (second, second_headers) = routes.requests
+    assert first == "/to-other-host" and first_headers["auth-token"] == "secret"
+    assert second == "/value" and "auth-token" not in second_headers
+    assert second_headers["host"].startswith("localhost:")
+    routes.requests.clear()
+    assert one_fetch(f"{routes.base}/to-same-origin").intensity(0) == 100.0
+    assert [h.get("auth-token") for _, h in routes.requests] == ["secret", "secret"]
+    looping = one_fetch(f"{routes.base}/loop")
+    assert looping.intensity(0) is None and looping.failures == 1
+
+
+def test_response_size_is_capped(routes: RoutingServer, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        signal = one_fetch(f"{routes.base}/huge", max_response_bytes=4096)
+    assert signal.failures == 1 and signal.intensity(0) is None
+    assert "exceeds the 4096-byte cap" in caplog.text
+
+
+def test_the_timeout_bounds_the_whole_fetch(routes: RoutingServer, caplog: pytest.LogCaptureFixture) -> None:
+    """The server sends a byte every 50 ms for 5 s: no single read times out, the fetch does."""
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        signal = one_fetch(f"{routes.base}/drip", timeout_s=0.5)
+    elapsed = time.monotonic() - started
+    assert signal.failures == 1 and 0.5 <= elapsed < 1.5
+    assert "timed out after 0.5 s" in caplog.text
+
+
+def test_one_poller_per_job_other_ranks_are_fed() -> None:
+    """Rank 0 polls and broadcasts; the others feed the broadcast value to an ExternalSignal,
+    and their policy then decides exactly as rank 0's does."""
+    from perseus_ext.policies.carbon import ExternalSignal
+
+    frontier = make_frontier(POINTS)
+    clock = FakeClock()
+    fed = ExternalSignal()
+    policy = ChasePolicy(CarbonCost(0.8, 60, fed, max_carbon=400, period_s=1.0, clock=clock))
+    assert policy.select(frontier, None) == frontier.fastest  # nothing fed yet: full speed
+    for value, expected in ((400.0, C), (20.0, A)):
+        fed.feed(value)
+        clock.now += 1.0
+        assert index(frontier, policy.select(frontier, None)) == expected
+    fed.feed(None)  # the poller has nothing new: keep the last value
+    assert fed.intensity(0.0) == 20.0
+    with pytest.raises(CarbonSignalError, match="must be a finite number >= 0"):
+        fed.feed(-1.0)

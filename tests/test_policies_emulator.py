@@ -87,3 +87,32 @@ def test_carbon_high_and_low_move_the_deployed_plan_both_ways(emulator) -> None:
     dirty, clean, dirty_again = deployed
     assert clean.time < dirty.time and clean.energy > dirty.energy
     assert dirty_again == dirty
+
+
+def test_power_budget_beats_one_power_limit_and_one_clock_at_equal_power(emulator) -> None:
+    """Budgets 60-100 % of the all-max-clock power: perseus-ext's budget policy fits every
+    budget and is at least as fast as both baselines; in the middle it is clearly faster."""
+    from perseus_ext.emulator.power_budget import (
+        BUDGET_POLICY,
+        GLOBAL_CLOCK,
+        POWER_LIMIT,
+        PowerBudgetComparison,
+        budget_table,
+    )
+
+    comparison = PowerBudgetComparison(emulator)
+    rows = comparison.sweep()
+    assert [row.fraction for row in rows][0] == 0.6 and rows[-1].fraction == 1.0
+    batch = LAYOUT.global_batch
+    for row in rows:
+        ours = row.outcomes[BUDGET_POLICY]
+        assert ours.fits and ours.power_w <= row.budget_w * (1 + 1e-9)
+        for baseline in (POWER_LIMIT, GLOBAL_CLOCK):
+            assert ours.throughput(batch) >= row.outcomes[baseline].throughput(batch) * (1 - 1e-12)
+    top = rows[-1].outcomes
+    assert top[BUDGET_POLICY].time_s == pytest.approx(comparison.max_clock[0])
+    assert top[POWER_LIMIT].time_s == pytest.approx(comparison.max_clock[0])
+    middle = {row.fraction: row for row in rows}[0.8].outcomes
+    assert middle[BUDGET_POLICY].throughput(batch) > 1.03 * middle[POWER_LIMIT].throughput(batch)
+    table = budget_table(comparison, rows)
+    assert "global power limit" in table and len(table.splitlines()) == 2 + len(rows)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import sys
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from perseus_ext.errors import ConfigError, PerseusError
 from perseus_ext.measurement.windows import EnergyMeter
 from perseus_ext.planning.schedule import Kind, build_schedule
-from perseus_ext.runtime import PerseusRuntime, Phase
+from perseus_ext.runtime import PerseusConfig, PerseusRuntime, Phase
 from perseus_ext.runtime.profiler import StageProfiler, build_windows, locate_updates
 from perseus_ext.runtime.straggler import SlowdownTracker
 
@@ -27,7 +28,23 @@ def schedule():
     return build_schedule("1f1b", 1, 4)
 
 
-# --------------------------------------------------------------------------- config (the section itself: tests/test_config.py)
+# --------------------------------------------------------------------------- config
+def test_config_round_trip_and_defaults():
+    config = make_config(candidate_clocks=[1200, 1410], policy={"type": "zeus", "eta": 0.5})
+    assert config.candidate_clocks == (1410, 1200)  # sorted fastest first
+    assert PerseusConfig.from_dict(config.to_dict()) == config
+    assert PerseusConfig.from_dict(None).enabled is False
+
+
+def test_config_imports_without_torch():
+    import subprocess
+
+    code = ("import sys; from perseus_ext.runtime import PerseusConfig; "
+            "PerseusConfig.from_dict({'enabled': True}); "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_runtime_rejects_clocks_the_gpu_does_not_support(schedule):
     with pytest.raises(ConfigError, match=r"perseus.candidate_clocks: 1234 MHz is not supported .*nearest 1230"):
         PerseusRuntime(make_config(candidate_clocks=[1410, 1234]), schedule=schedule, stage=0, gpu=sim_gpu())
@@ -153,7 +170,7 @@ def test_lifecycle_profiles_solves_deploys_and_restores_clocks(schedule, tmp_pat
     assert "profiling finished after" in caplog.text
 
     # A restarted job loads the saved profile and skips profiling.
-    restarted = PerseusRuntime(config, schedule=schedule, stage=0, gpu=sim_gpu())
+    restarted = PerseusRuntime(PerseusConfig.from_dict(config.to_dict()), schedule=schedule, stage=0, gpu=sim_gpu())
     train(restarted, 5)
     assert restarted.phase is Phase.DEPLOYED and restarted.profiling_iterations == 0
     restarted.close()
@@ -274,7 +291,7 @@ def test_policy_section_selects_a_cost_policy(schedule):
     with pytest.raises(ConfigError, match="perseus.policy.mode 'power_limit' picks a power limit"):
         PerseusRuntime(make_config(policy={"type": "zeus", "mode": "power_limit"}), schedule=schedule, stage=0,
                        gpu=sim_gpu(), policy=StragglerPolicy())
-    with pytest.raises(ConfigError, match=r"limits_w: \[50\] W outside"):
+    with pytest.raises(ConfigError, match=r"limits_w: \[50(\.0)?\] W outside"):
         PerseusRuntime(make_config(policy={"type": "zeus", "mode": "power_limit", "power_limit": {"limits_w": [500, 50]}}),
                        schedule=schedule, stage=0, gpu=sim_gpu())
     with pytest.raises(ConfigError, match="perseus.policy.eta"):

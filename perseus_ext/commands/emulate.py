@@ -59,6 +59,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     which.add_argument("--sweep", type=float, nargs="*", default=None, metavar="F",
                        help="one steady straggler per factor (default factors 1.0, 1.05, ..., 1.5)")
 
+    budget = parser.add_argument_group("power budget")
+    budget.add_argument("--power-budget", type=float, nargs="*", default=None, metavar="FRACTION",
+                        help="also print throughput at equal average power: perseus-ext's budget "
+                             "policy vs one global power limit vs one global clock, at these "
+                             "fractions of the all-max-clock power (default 0.6, 0.65, ..., 1.0)")
+
     out = parser.add_argument_group("output")
     out.add_argument("--output", default=None, metavar="PATH",
                      help="write every strategy's numbers to PATH (.csv or .json)")
@@ -135,7 +141,27 @@ def run(args: argparse.Namespace) -> int:
             for emulator, emulation in zip(emulators, results):
                 for path in report.plot_emulation(emulator, emulation, plot_dir, args.plot_format):
                     print(f"wrote {path}")
+    if args.power_budget is not None:
+        _print_power_budget(emulators, args, scenario)
     if args.output:
         report.write_records(results, args.output)
         print(f"wrote {args.output}")
     return 0
+
+
+def _print_power_budget(emulators: list, args: argparse.Namespace, scenario: object) -> None:
+    """The equal-average-power table, per job size; under the run's steady straggler if any."""
+    from perseus_ext.emulator.power_budget import DEFAULT_FRACTIONS, PowerBudgetComparison, budget_table
+
+    fractions = args.power_budget or list(DEFAULT_FRACTIONS)
+    steady = getattr(scenario, "is_steady", False)
+    factor = scenario.factors[0] if steady else 1.0  # type: ignore[attr-defined]
+    for emulator in emulators:
+        comparison = PowerBudgetComparison(emulator, factor)
+        layout = emulator.layout
+        print(
+            f"\nThroughput at equal average power, {layout.microbatches} microbatches, "
+            f"{layout.num_gpus:,} GPUs, T'/T = {factor:g} (all-max-clock: "
+            f"{comparison.max_clock_power_w / 1e6:.3f} MW, samples/s and % of its throughput):"
+        )
+        print(budget_table(comparison, comparison.sweep(fractions), markdown=args.markdown))

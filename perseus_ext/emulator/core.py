@@ -283,6 +283,17 @@ class Emulator:
         return None if factor <= 1.0 else factor * self.reference_time
 
     # ------------------------------------------------------------ accounting
+    def plans_from_choices(self, choices: np.ndarray) -> list[Plan]:
+        """Plans of a batch of option choices shaped (nodes, plans), replayed at once and
+        remembered for `iteration` (which would otherwise replay each plan again)."""
+        model = self.model
+        times, energies = model.replay(choices)
+        computation = np.take_along_axis(model.energies, choices, axis=1).sum(axis=0)
+        plans = model.make_plans(choices, times, energies)
+        for plan, time, energy, compute in zip(plans, times, energies, computation):
+            self._costs[plan] = _PipelineCost(float(time), float(compute), float(energy - compute))
+        return plans
+
     def _cost(self, plan: Plan) -> _PipelineCost:
         cost = self._costs.get(plan)
         if cost is None:

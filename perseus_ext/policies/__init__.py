@@ -11,21 +11,30 @@ from perseus_ext.policies.base import (
     StragglerPolicy,
     min_cost_plan,
 )
-from perseus_ext.policies.batch_size import BatchSizeOptimizer, Suggestion
+from perseus_ext.policies.batch_size import BatchSizeOptimizer, RunOutcome, Suggestion
 from perseus_ext.policies.carbon import (
     CallbackCarbonSignal,
     CarbonSignal,
     CarbonSignalError,
     CSVCarbonTrace,
+    ExternalSignal,
     HTTPCarbonSignal,
 )
 from perseus_ext.policies.chase import CarbonCost, CarbonLedger, CarbonReport, ChasePolicy
 from perseus_ext.policies.config import PolicyConfig, build_policy
 from perseus_ext.policies.cost import CostWeights, EnergyTimeCost, ZeusCost
 from perseus_ext.policies.power_limit import PowerLimitOptimizer
+from perseus_ext.policies.recurring_job import (
+    BatchSizeDecision,
+    PerseusEarlyStop,
+    RecurringJob,
+    RunReport,
+    TargetMetric,
+)
 from perseus_ext.policies.zeus import ZeusPolicy
 
 __all__ = [
+    "BatchSizeDecision",
     "BatchSizeOptimizer",
     "CallbackCarbonSignal",
     "CarbonCost",
@@ -38,12 +47,18 @@ __all__ = [
     "CostWeights",
     "CSVCarbonTrace",
     "EnergyTimeCost",
+    "ExternalSignal",
     "HTTPCarbonSignal",
     "OperatingPointPolicy",
+    "PerseusEarlyStop",
     "PolicyConfig",
     "PowerLimitOptimizer",
+    "RecurringJob",
+    "RunOutcome",
+    "RunReport",
     "StragglerPolicy",
     "Suggestion",
+    "TargetMetric",
     "ZeusCost",
     "ZeusPolicy",
     "build_policy",

@@ -1,4 +1,4 @@
-"""Zeus' batch-size optimizer for recurring jobs, with its state in a local SQLite file.
+"""Zeus' batch-size optimizer for recurring jobs, with its state in a SQL store (bso_store.py).
 
 Each run of a recurring job asks `suggest()` for a batch size and reports the run's time and
 energy at the end. The cost of a run is Zeus' ``eta * Energy + (1 - eta) * n_gpus * MaxPower * Time``
@@ -6,67 +6,55 @@ energy at the end. The cost of a run is Zeus' ``eta * Energy + (1 - eta) * n_gpu
 
 1. Pruning (`pruning_rounds` rounds, default 2): try the default batch size, then smaller ones
    in decreasing order, then larger ones in increasing order; a batch size that fails to reach
-   the target (or is stopped early) ends exploration in its direction and everything beyond
-   it is pruned.
+   the target (stopped early, or ended without reaching it) ends exploration in its direction
+   and everything beyond it is pruned. Running runs count as tries, so concurrent runs of the
+   job explore different sizes.
 2. Gaussian Thompson sampling over the surviving batch sizes: sample each one's mean cost from
    its posterior N(mean, variance / n) and run the cheapest sample.
 
-Early stopping: every suggestion carries ``cost_limit = beta x best cost so far``; the runtime
-stops a run whose cost passes it and reports it with ``reached_target=False``.
+Early stopping: every suggestion carries ``cost_limit = beta x best cost so far``; a run whose
+cost passes it stops and is reported as stopped (`recurring_job.RecurringJob` does this).
 
-Several jobs may share one file: every read-modify-write is one ``BEGIN IMMEDIATE`` transaction
-in WAL mode, with a busy timeout, so concurrent processes serialise instead of failing.
+Crashed runs: a run holds a lease of `lease_s` seconds that its heartbeats renew; a run whose
+lease ran out is marked expired by the next write. Expired runs count neither as tries nor as
+observations. A late report of an expired run is still accepted (it was alive after all).
 """
 
 from __future__ import annotations
 
-import contextlib
+import enum
 import json
 import math
-import os
-import sqlite3
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
+from sqlalchemy import Connection, or_, select
 
 from perseus_ext.errors import ConfigError
+from perseus_ext.policies.bso_store import Store, StoreError, jobs_table, runs_table
 from perseus_ext.policies.cost import ZeusCost, check_positive
 
 #: Relative cost noise assumed while no batch size has two observations to estimate it from.
 DEFAULT_RELATIVE_STD = 0.1
+#: A run that has not sent a heartbeat for this long is taken for crashed (seconds).
+DEFAULT_LEASE_S = 600.0
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT PRIMARY KEY,
-    batch_sizes TEXT NOT NULL,
-    default_batch_size INTEGER NOT NULL,
-    eta REAL NOT NULL,
-    max_power_w REAL NOT NULL,
-    beta REAL NOT NULL,
-    created REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS runs (
-    run_id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id TEXT NOT NULL REFERENCES jobs(job_id),
-    batch_size INTEGER NOT NULL,
-    phase TEXT NOT NULL,
-    status TEXT NOT NULL,
-    started REAL NOT NULL,
-    finished REAL,
-    time_s REAL,
-    energy_j REAL,
-    num_gpus INTEGER,
-    cost REAL
-);
-CREATE INDEX IF NOT EXISTS runs_by_job ON runs(job_id, batch_size);
-"""
-
-RUNNING, REACHED, STOPPED = "running", "reached", "stopped"
 BATCH_SIZE_KEY = "perseus.policy.batch_size"
+RUNNING, EXPIRED = "running", "expired"
+
+
+class RunOutcome(str, enum.Enum):
+    """How a run ended. Only REACHED counts as a success; the other two prune their size."""
+
+    REACHED = "reached"  # reached the job's target
+    STOPPED = "stopped"  # early-stopped: its cost passed the cost limit
+    NOT_REACHED = "not_reached"  # ended normally without reaching the target
+
+
+FAILED = (RunOutcome.STOPPED.value, RunOutcome.NOT_REACHED.value)
 
 
 @dataclass(frozen=True)
@@ -78,6 +66,7 @@ class Suggestion:
     batch_size: int
     phase: str  # "prune" or "thompson"
     cost_limit: float | None  # stop the run once its cost exceeds this; None = no limit yet
+    lease_s: float  # send a heartbeat well within this, or the run is taken for crashed
 
 
 @dataclass
@@ -85,11 +74,17 @@ class ArmState:
     """Everything known about one candidate batch size."""
 
     batch_size: int
-    costs: list[float] = field(default_factory=list)  # finished runs, reached or stopped
+    costs: list[float] = field(default_factory=list)  # finished runs: reached or failed
     reached: int = 0
     stopped: int = 0
+    not_reached: int = 0
     running: int = 0
+    expired: int = 0
     pruned: bool = False
+
+    @property
+    def failed(self) -> int:
+        return self.stopped + self.not_reached
 
     @property
     def mean_cost(self) -> float | None:
@@ -141,7 +136,7 @@ class JobState:
             failed = False
             for batch_size in walk:
                 arm = self.arms[batch_size]
-                arm.pruned = failed or (arm.stopped > 0 and arm.reached == 0)
+                arm.pruned = failed or (arm.failed > 0 and arm.reached == 0)
                 failed = arm.pruned
 
     def next_to_explore(self, rounds: int) -> int | None:
@@ -168,7 +163,7 @@ def check_batch_sizes(batch_sizes: Sequence[int], default_batch_size: int) -> li
             f"got {sizes!r}"
         )
     if len(set(sizes)) != len(sizes):
-        raise ConfigError(f"perseus.policy.batch_size.batch_sizes has duplicates: {sizes!r}")
+        raise ConfigError(f"{BATCH_SIZE_KEY}.batch_sizes has duplicates: {sizes!r}")
     if default_batch_size not in sizes:
         raise ConfigError(
             f"{BATCH_SIZE_KEY}.default_batch_size {default_batch_size!r} must be one of "
@@ -177,12 +172,19 @@ def check_batch_sizes(batch_sizes: Sequence[int], default_batch_size: int) -> li
     return sorted(sizes)
 
 
+def _check_number(value: object, key: str, low: float, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < math.inf:
+        raise ConfigError(f"{BATCH_SIZE_KEY}.{key} must be a number > {low:g} ({what}), got {value!r}")
+    return float(value)
+
+
 class BatchSizeOptimizer:
-    """Suggests batch sizes for one recurring job (`job_id`) stored in `path`."""
+    """Suggests batch sizes for one recurring job (`job_id`) kept in the store at `store`
+    (a path, ``sqlite:///path`` or ``postgresql://...``; see bso_store.py)."""
 
     def __init__(
         self,
-        path: str | Path,
+        store: str | Path | Store,
         job_id: str,
         batch_sizes: Sequence[int],
         default_batch_size: int,
@@ -192,27 +194,17 @@ class BatchSizeOptimizer:
         beta: float = 2.0,
         pruning_rounds: int = 2,
         seed: int | None = None,
+        lease_s: float = DEFAULT_LEASE_S,
         busy_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.time,
     ):
         if not job_id or not isinstance(job_id, str):
-            raise ConfigError(
-                f"perseus.policy.batch_size.job_id must be a non-empty string, got {job_id!r}"
-            )
-        self.path = Path(path)
+            raise ConfigError(f"{BATCH_SIZE_KEY}.job_id must be a non-empty string, got {job_id!r}")
         self.job_id = job_id
         self.batch_sizes = check_batch_sizes(batch_sizes, default_batch_size)
         self.default_batch_size = default_batch_size
         self.cost = ZeusCost(eta, max_power_w)
-        if (
-            isinstance(beta, bool)
-            or not isinstance(beta, (int, float))
-            or not 1.0 < beta < math.inf
-        ):
-            raise ConfigError(
-                f"{BATCH_SIZE_KEY}.beta must be a number > 1 (stop runs costing beta x the "
-                f"best), got {beta!r}"
-            )
-        self.beta = float(beta)
+        self.beta = _check_number(beta, "beta", 1.0, "stop runs costing beta x the best")
         if (
             isinstance(pruning_rounds, bool)
             or not isinstance(pruning_rounds, int)
@@ -223,65 +215,20 @@ class BatchSizeOptimizer:
             )
         self.pruning_rounds = pruning_rounds
         self.seed = seed
-        self.busy_timeout_s = busy_timeout_s
-        self._lock = threading.Lock()
-        self._db: sqlite3.Connection | None = None
-        self._db_pid = 0
-        with self._transaction() as db:
-            self._register(db)
+        self.lease_s = _check_number(lease_s, "lease_s", 0.0, "seconds without a heartbeat")
+        self.clock = clock
+        self.store = (
+            store if isinstance(store, Store) else Store(store, busy_timeout_s=busy_timeout_s)
+        )
+        self._register()
 
-    def _connection(self) -> sqlite3.Connection:
-        """This process's connection, opened on first use (and again after a fork). Keeping it
-        open avoids a WAL checkpoint per call when the last connection closes."""
-        if self._db is None or self._db_pid != os.getpid():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(
-                self.path,
-                timeout=self.busy_timeout_s,
-                isolation_level=None,
-                check_same_thread=False,
-            )
-            self._enable_wal(db)
-            db.execute("PRAGMA synchronous=NORMAL")  # WAL stays consistent; only skips fsyncs
-            self._db, self._db_pid = db, os.getpid()
-        return self._db
-
-    def _enable_wal(self, db: sqlite3.Connection) -> None:
-        """Switch the file to WAL mode. SQLite answers "database is locked" at once, without
-        calling the busy handler, when another process is creating the file or switching it
-        at the same moment, so retry until the busy timeout."""
-        deadline = time.monotonic() + self.busy_timeout_s
-        while True:
-            try:
-                db.execute("PRAGMA journal_mode=WAL")
-                return
-            except sqlite3.OperationalError as err:
-                if "locked" not in str(err) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction: BEGIN IMMEDIATE takes the write lock up front, so two
-        processes never both read stale state and then write; others wait up to the busy timeout."""
-        with self._lock:
-            db = self._connection()
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                for statement in SCHEMA.split(";"):
-                    if statement.strip():
-                        db.execute(statement)
-                yield db
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
+    @property
+    def location(self) -> str:
+        return self.store.name
 
     def close(self) -> None:
-        """Close this process's connection (it reopens on the next call)."""
-        if self._db is not None and self._db_pid == os.getpid():
-            self._db.close()
-        self._db = None
+        """Close this process's connections (they reopen on the next call)."""
+        self.store.close()
 
     def __enter__(self) -> "BatchSizeOptimizer":
         return self
@@ -289,48 +236,76 @@ class BatchSizeOptimizer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _register(self, db: sqlite3.Connection) -> None:
-        row = db.execute(
-            "SELECT batch_sizes, default_batch_size, eta, max_power_w, beta FROM jobs WHERE job_id = ?",
-            (self.job_id,),
-        ).fetchone()
-        mine = (
-            self.batch_sizes,
-            self.default_batch_size,
-            self.cost.eta,
-            self.cost.max_power_w,
-            self.beta,
-        )
-        if row is None:
-            db.execute(
-                "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (self.job_id, json.dumps(self.batch_sizes), *mine[1:], time.time()),
-            )
-            return
+    def _settings(self) -> tuple:
+        return (self.batch_sizes, self.default_batch_size, self.cost.eta, self.cost.max_power_w, self.beta)
+
+    def _register(self) -> None:
+        """Insert the job, or check that its stored settings are ours (else costs would not be
+        comparable). Insert-if-absent is atomic on both backends, so racing first runs agree."""
+        with self.store.transaction() as db:
+            jobs = jobs_table.c
+            found = db.execute(select(jobs.job_id).where(jobs.job_id == self.job_id)).first()
+            if found is None:
+                insert = self.store.insert(jobs_table).values(
+                    job_id=self.job_id,
+                    batch_sizes=json.dumps(self.batch_sizes),
+                    default_batch_size=self.default_batch_size,
+                    eta=self.cost.eta,
+                    max_power_w=self.cost.max_power_w,
+                    beta=self.beta,
+                    created=self.clock(),
+                )
+                db.execute(insert.on_conflict_do_nothing(index_elements=["job_id"]))
+            row = db.execute(
+                select(jobs.batch_sizes, jobs.default_batch_size, jobs.eta, jobs.max_power_w, jobs.beta)
+                .where(jobs.job_id == self.job_id)
+            ).one()
         stored = (json.loads(row[0]), *row[1:])
-        if stored != mine:
+        if stored != self._settings():
             raise ConfigError(
-                f"job {self.job_id!r} in {self.path} was registered with batch_sizes, default, eta, "
-                f"max_power_w, beta = {stored}, not {mine}; costs would not be comparable, so use "
-                f"a new perseus.policy.batch_size.job_id or the original settings"
+                f"job {self.job_id!r} in {self.location} was registered with batch_sizes, default, "
+                f"eta, max_power_w, beta = {stored}, not {self._settings()}; costs would not be "
+                f"comparable, so use a new {BATCH_SIZE_KEY}.job_id or the original settings"
             )
 
+    def _expire(self, db: Connection, now: float) -> None:
+        """Mark this job's runs whose lease ran out as expired (their process is gone)."""
+        runs = runs_table.c
+        db.execute(
+            runs_table.update()
+            .where(
+                runs.job_id == self.job_id,
+                runs.status == RUNNING,
+                runs.heartbeat + runs.lease_s < now,
+            )
+            .values(status=EXPIRED, finished=now)
+        )
+
     def suggest(self) -> Suggestion:
-        """Pick the next run's batch size and record the run as started."""
-        with self._transaction() as db:
+        """Pick the next run's batch size and record the run as started (lease from now)."""
+        now = self.clock()
+        with self.store.transaction(self.job_id) as db:
+            self._expire(db, now)
             state = load_job(db, self.job_id)
             batch_size = state.next_to_explore(self.pruning_rounds)
             phase = "prune"
             if batch_size is None:
                 phase = "thompson"
                 batch_size = self._thompson(state)
-            cursor = db.execute(
-                "INSERT INTO runs (job_id, batch_size, phase, status, started) VALUES (?, ?, ?, ?, ?)",
-                (self.job_id, batch_size, phase, RUNNING, time.time()),
-            )
-            return Suggestion(
-                int(cursor.lastrowid), self.job_id, batch_size, phase, state.cost_limit
-            )
+            run_id = db.execute(
+                runs_table.insert()
+                .values(
+                    job_id=self.job_id,
+                    batch_size=batch_size,
+                    phase=phase,
+                    status=RUNNING,
+                    started=now,
+                    heartbeat=now,
+                    lease_s=self.lease_s,
+                )
+                .returning(runs_table.c.run_id)
+            ).scalar_one()
+        return Suggestion(int(run_id), self.job_id, batch_size, phase, state.cost_limit, self.lease_s)
 
     def _thompson(self, state: JobState) -> int:
         arms = [a for a in state.arms.values() if a.costs and not a.pruned]
@@ -341,6 +316,42 @@ class BatchSizeOptimizer:
         samples = [rng.normal(a.mean_cost, math.sqrt(variance / len(a.costs))) for a in arms]
         return arms[int(np.argmin(samples))].batch_size
 
+    def _status(self, db: Connection, run_id: int) -> str:
+        row = db.execute(
+            select(runs_table.c.job_id, runs_table.c.status).where(runs_table.c.run_id == run_id)
+        ).first()
+        if row is None or row[0] != self.job_id:
+            raise ConfigError(f"run {run_id} is not a run of job {self.job_id!r} in {self.location}")
+        return str(row[1])
+
+    def heartbeat(self, run_id: int) -> None:
+        """Renew a run's lease. A run already expired comes back to running (it was slow, not
+        dead); a finished run is an error."""
+        now = self.clock()
+        runs = runs_table.c
+        with self.store.transaction(self.job_id) as db:
+            updated = db.execute(
+                runs_table.update()
+                .where(runs.run_id == run_id, runs.job_id == self.job_id, runs.status.in_((RUNNING, EXPIRED)))
+                .values(status=RUNNING, heartbeat=now, finished=None)
+            ).rowcount
+            if updated != 1:
+                raise ConfigError(
+                    f"run {run_id} of job {self.job_id!r} was already reported "
+                    f"({self._status(db, run_id)}); it needs no heartbeat"
+                )
+
+    def abandon(self, run_id: int) -> None:
+        """Expire a running run at once (its process is failing); it counts for nothing."""
+        now = self.clock()
+        runs = runs_table.c
+        with self.store.transaction(self.job_id) as db:
+            db.execute(
+                runs_table.update()
+                .where(runs.run_id == run_id, runs.job_id == self.job_id, runs.status == RUNNING)
+                .values(status=EXPIRED, finished=now)
+            )
+
     def report(
         self,
         run_id: int,
@@ -348,43 +359,47 @@ class BatchSizeOptimizer:
         energy_j: float,
         *,
         num_gpus: int = 1,
-        reached_target: bool = True,
+        outcome: RunOutcome = RunOutcome.REACHED,
     ) -> float:
-        """Finish a run: its time and total energy (all GPUs) up to the target or to the early
-        stop. Returns the run's cost."""
+        """Finish a run: its time and total energy (all GPUs) up to the target, the early stop
+        or the end. Exactly one report per run is accepted. Returns the run's cost."""
         check_positive(time_s, "time_s", "seconds")
-        if energy_j < 0 or not math.isfinite(energy_j):
+        if isinstance(energy_j, bool) or not isinstance(energy_j, (int, float)) or not (
+            0 <= energy_j < math.inf
+        ):
             raise ConfigError(f"energy_j must be a finite number of joules >= 0, got {energy_j!r}")
+        if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1:
+            raise ConfigError(f"num_gpus must be a positive integer, got {num_gpus!r}")
+        outcome = RunOutcome(outcome)
         cost = self.cost.weights().cost(time_s, energy_j, num_gpus)
-        with self._transaction() as db:
-            row = db.execute(
-                "SELECT job_id, status FROM runs WHERE run_id = ?", (run_id,)
-            ).fetchone()
-            if row is None or row[0] != self.job_id:
-                raise ConfigError(
-                    f"run {run_id} is not a run of job {self.job_id!r} in {self.path}"
+        runs = runs_table.c
+        with self.store.transaction(self.job_id) as db:
+            updated = db.execute(
+                runs_table.update()
+                .where(
+                    runs.run_id == run_id,
+                    runs.job_id == self.job_id,
+                    or_(runs.status == RUNNING, runs.status == EXPIRED),
                 )
-            if row[1] != RUNNING:
-                raise ConfigError(
-                    f"run {run_id} of job {self.job_id!r} was already reported ({row[1]})"
+                .values(
+                    status=outcome.value,
+                    finished=self.clock(),
+                    time_s=float(time_s),
+                    energy_j=float(energy_j),
+                    num_gpus=num_gpus,
+                    cost=cost,
                 )
-            db.execute(
-                "UPDATE runs SET status = ?, finished = ?, time_s = ?, energy_j = ?, num_gpus = ?, "
-                "cost = ? WHERE run_id = ?",
-                (
-                    REACHED if reached_target else STOPPED,
-                    time.time(),
-                    time_s,
-                    energy_j,
-                    num_gpus,
-                    cost,
-                    run_id,
-                ),
-            )
+            ).rowcount
+            if updated != 1:
+                raise ConfigError(
+                    f"run {run_id} of job {self.job_id!r} was already reported "
+                    f"({self._status(db, run_id)})"
+                )
         return cost
 
     def state(self) -> JobState:
-        with self._transaction() as db:
+        with self.store.transaction(self.job_id) as db:
+            self._expire(db, self.clock())
             return load_job(db, self.job_id)
 
 
@@ -399,31 +414,43 @@ def _pooled_variance(arms: Sequence[ArmState]) -> float:
     return (DEFAULT_RELATIVE_STD * scale) ** 2 or 1.0
 
 
-def load_job(db: sqlite3.Connection, job_id: str) -> JobState:
+def load_job(db: Connection, job_id: str, now: float | None = None) -> JobState:
+    """A job's state from its runs. With `now`, a running run whose lease ran out is counted as
+    expired without writing (read-only inspection)."""
+    jobs, runs = jobs_table.c, runs_table.c
     row = db.execute(
-        "SELECT batch_sizes, default_batch_size, eta, max_power_w, beta FROM jobs WHERE job_id = ?",
-        (job_id,),
-    ).fetchone()
+        select(jobs.batch_sizes, jobs.default_batch_size, jobs.eta, jobs.max_power_w, jobs.beta)
+        .where(jobs.job_id == job_id)
+    ).first()
     if row is None:
-        raise ConfigError(f"no batch-size job {job_id!r} in this database")
+        raise ConfigError(f"no batch-size job {job_id!r} in this store")
     sizes = json.loads(row[0])
     arms = {b: ArmState(b) for b in sizes}
     num_runs = 0
-    for batch_size, status, cost in db.execute(
-        "SELECT batch_size, status, cost FROM runs WHERE job_id = ? ORDER BY run_id", (job_id,)
-    ):
+    query = (
+        select(runs.batch_size, runs.status, runs.cost, runs.heartbeat, runs.lease_s)
+        .where(runs.job_id == job_id)
+        .order_by(runs.run_id)
+    )
+    for batch_size, status, cost, heartbeat, lease_s in db.execute(query):
         num_runs += 1
         arm = arms.get(batch_size)
         if arm is None:
             continue
+        if status == RUNNING and now is not None and heartbeat + lease_s < now:
+            status = EXPIRED
         if status == RUNNING:
             arm.running += 1
-            continue
-        arm.costs.append(float(cost))
-        if status == REACHED:
-            arm.reached += 1
+        elif status == EXPIRED:
+            arm.expired += 1
         else:
-            arm.stopped += 1
+            arm.costs.append(float(cost))
+            if status == RunOutcome.REACHED.value:
+                arm.reached += 1
+            elif status == RunOutcome.STOPPED.value:
+                arm.stopped += 1
+            else:
+                arm.not_reached += 1
     state = JobState(
         job_id, sizes, int(row[1]), float(row[2]), float(row[3]), float(row[4]), arms, num_runs
     )
@@ -431,23 +458,20 @@ def load_job(db: sqlite3.Connection, job_id: str) -> JobState:
     return state
 
 
-def read_states(path: str | Path, job_id: str | None = None) -> list[JobState]:
-    """Every job's state in `path` (or one job's), opened read-only for inspection."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(
-            f"batch-size database {path} does not exist; check perseus.policy.batch_size.db"
-        )
-    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=10.0)
+def read_states(
+    location: str | Path, job_id: str | None = None, *, migrate: bool = False
+) -> list[JobState]:
+    """Every job's state in a store (or one job's). Read-only unless `migrate` (which first
+    upgrades an older store's schema); safe while runs are writing."""
+    store = Store(location, read_only=not migrate)
     try:
-        try:
-            ids = [r[0] for r in db.execute("SELECT job_id FROM jobs ORDER BY job_id")]
-        except sqlite3.DatabaseError as err:
-            raise ConfigError(f"{path} is not a perseus-ext batch-size database ({err})") from None
-        if job_id is not None:
-            if job_id not in ids:
-                raise ConfigError(f"{path} has no job {job_id!r}; jobs: {ids}")
-            ids = [job_id]
-        return [load_job(db, j) for j in ids]
+        with store.transaction() as db:
+            ids = list(db.execute(select(jobs_table.c.job_id).order_by(jobs_table.c.job_id)).scalars())
+            if job_id is not None:
+                if job_id not in ids:
+                    raise StoreError(f"{store.name} has no job {job_id!r}; jobs: {ids}")
+                ids = [job_id]
+            now = time.time()
+            return [load_job(db, j, now) for j in ids]
     finally:
-        db.close()
+        store.close()

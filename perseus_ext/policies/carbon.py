@@ -1,21 +1,31 @@
-"""Carbon-intensity signals (gCO2/kWh) for the Chase policy: a CSV trace, a user callback, or an
-HTTP JSON endpoint.
+"""Time-varying signals for the policies: Chase's carbon intensity (gCO2/kWh) and the power
+budget (watts) of `power_budget.py`. Sources: a CSV trace, a user callback, an HTTP JSON
+endpoint, or a value fed from outside (`ExternalSignal`).
 
 A signal must never stall or crash training: the HTTP endpoint is polled on a background thread
-and a failing fetch or callback keeps the last good value (and logs why).
+and a failing fetch or callback keeps the last good value (and logs why). The endpoint is
+fetched as a good network citizen: the timeout bounds the whole fetch (connect, redirects and
+every read), the body is capped, and configured headers (tokens) never follow a redirect to
+another origin.
+
+One poller per job: the rank that polls (say global rank 0) broadcasts each value; every other
+rank holds an `ExternalSignal` and `feed()`s it the broadcast value, so the policy code is the
+same on every rank and only one process talks to the endpoint.
 """
 
 from __future__ import annotations
 
 import abc
 import csv
+import http.client
 import json
 import logging
 import math
+import socket
 import threading
-import urllib.error
+import time
 import urllib.parse
-import urllib.request
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Mapping
@@ -28,36 +38,60 @@ logger = logging.getLogger(__name__)
 
 TIME_COLUMNS = ("timestamp", "time", "datetime")
 INTENSITY_COLUMNS = ("carbon_intensity", "intensity", "gco2_per_kwh")
+#: Largest HTTP response body read (bytes); a carbon or budget reading is a few hundred.
+DEFAULT_MAX_RESPONSE_BYTES = 1 << 20
+MAX_REDIRECTS = 5
+_REDIRECT_STATUSES = (301, 302, 303, 307, 308)
+_READ_CHUNK_BYTES = 65536
+
+
+@dataclass(frozen=True)
+class SignalQuantity:
+    """What a signal measures: names for messages, its unit, its config key, its CSV columns."""
+
+    label: str  # short, in log lines: "carbon"
+    value_name: str  # in errors: "carbon intensity"
+    unit: str
+    key: str  # config section, in errors
+    columns: tuple[str, ...]  # accepted CSV value columns, first match wins
+
+
+CARBON = SignalQuantity(
+    "carbon", "carbon intensity", "gCO2/kWh", "perseus.policy.carbon", INTENSITY_COLUMNS
+)
 
 
 class CarbonSignalError(ConfigError):
-    """A carbon-intensity source is unusable as configured (bad file, bad URL, ...)."""
+    """A signal source is unusable as configured (bad file, bad URL, ...)."""
 
 
-def _check_intensity(value: object, where: str) -> float:
-    """A finite, non-negative intensity, or CarbonSignalError saying where it came from."""
+def check_value(value: object, where: str, quantity: SignalQuantity = CARBON) -> float:
+    """A finite, non-negative reading, or CarbonSignalError saying where it came from."""
     try:
         number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise CarbonSignalError(
-            f"{where}: carbon intensity {value!r} is not a number (gCO2/kWh)"
+            f"{where}: {quantity.value_name} {value!r} is not a number ({quantity.unit})"
         ) from None
     if isinstance(value, bool) or not math.isfinite(number) or number < 0:
         raise CarbonSignalError(
-            f"{where}: carbon intensity must be a finite number >= 0 gCO2/kWh, got {value!r}"
+            f"{where}: {quantity.value_name} must be a finite number >= 0 {quantity.unit}, "
+            f"got {value!r}"
         )
     return number
 
 
 class CarbonSignal(abc.ABC):
-    """Grid carbon intensity over time; `now` is a POSIX timestamp (seconds)."""
+    """A quantity over time (carbon intensity unless `quantity` says otherwise); `now` is a
+    POSIX timestamp (seconds)."""
 
-    #: A known upper bound of the intensity (a trace's maximum), used as Chase's MaxCarbon.
+    quantity: SignalQuantity = CARBON
+    #: A known upper bound of the value (a trace's maximum), used as Chase's MaxCarbon.
     max_intensity: float | None = None
 
     @abc.abstractmethod
     def intensity(self, now: float) -> float | None:
-        """The intensity at `now`, the last good value if the source failed, None if none yet."""
+        """The value at `now`, the last good value if the source failed, None if none yet."""
 
     def mean_intensity(self, start: float, end: float) -> float | None:
         """Forecast of the mean intensity over [start, end]. Sources that cannot look ahead use
@@ -96,20 +130,19 @@ class CSVCarbonTrace(CarbonSignal):
     time (a real grid trace or forecast for today). The trace also serves as its own forecast.
     """
 
-    def __init__(self, path: str | Path, align: str = "start"):
+    def __init__(self, path: str | Path, align: str = "start", quantity: SignalQuantity = CARBON):
         if align not in ("start", "clock"):
-            raise CarbonSignalError(
-                f"perseus.policy.carbon.align must be 'start' or 'clock', got {align!r}"
-            )
+            raise CarbonSignalError(f"{quantity.key}.align must be 'start' or 'clock', got {align!r}")
         self.path = Path(path)
         self.align = align
-        self.times, self.values = self._read(self.path)
+        self.quantity = quantity
+        self.times, self.values = self._read(self.path, quantity)
         self.max_intensity = float(self.values.max())
         self._offset: float | None = 0.0 if align == "clock" else None
         self._warned_past_end = False
 
     @staticmethod
-    def _read(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    def _read(path: Path, quantity: SignalQuantity) -> tuple[np.ndarray, np.ndarray]:
         try:
             with path.open(newline="", encoding="utf-8") as handle:
                 reader = csv.DictReader(handle)
@@ -117,25 +150,27 @@ class CSVCarbonTrace(CarbonSignal):
                 rows = list(reader)
         except OSError as err:
             raise CarbonSignalError(
-                f"cannot read carbon trace {path}: {err.strerror or err}"
+                f"cannot read {quantity.label} trace {path}: {err.strerror or err}"
             ) from None
         time_col = next((c for c in TIME_COLUMNS if c in header), None)
-        value_col = next((c for c in INTENSITY_COLUMNS if c in header), None)
+        value_col = next((c for c in quantity.columns if c in header), None)
         if time_col is None or value_col is None:
             raise CarbonSignalError(
-                f"{path}: header {header} needs a time column ({'/'.join(TIME_COLUMNS)}) and an "
-                f"intensity column ({'/'.join(INTENSITY_COLUMNS)}), e.g. 'timestamp,carbon_intensity'"
+                f"{path}: header {header} needs a time column ({'/'.join(TIME_COLUMNS)}) and a "
+                f"{quantity.value_name} column ({'/'.join(quantity.columns)}), e.g. "
+                f"'timestamp,{quantity.columns[0]}'"
             )
         if not rows:
             raise CarbonSignalError(
-                f"{path}: carbon trace is empty; add at least one '{time_col},{value_col}' row"
+                f"{path}: {quantity.label} trace is empty; add at least one "
+                f"'{time_col},{value_col}' row"
             )
         times, values = [], []
         for number, row in enumerate(rows, start=2):
             norm = {str(k).strip().lower(): v for k, v in row.items()}
             where = f"{path}, line {number}"
             times.append(_parse_time(norm.get(time_col) or "", where))
-            values.append(_check_intensity((norm.get(value_col) or "").strip(), where))
+            values.append(check_value((norm.get(value_col) or "").strip(), where, quantity))
             if len(times) > 1 and times[-1] <= times[-2]:
                 raise CarbonSignalError(
                     f"{where}: timestamps must increase strictly; sort the trace by time"
@@ -156,9 +191,11 @@ class CSVCarbonTrace(CarbonSignal):
         if at > self.times[-1] and not self._warned_past_end and len(self.times) > 1:
             self._warned_past_end = True
             logger.warning(
-                "carbon trace %s ended; holding its last value %.1f gCO2/kWh",
+                "%s trace %s ended; holding its last value %.1f %s",
+                self.quantity.label,
                 self.path,
                 self.values[-1],
+                self.quantity.unit,
             )
         return float(self._value_at(np.array([at]))[0])
 
@@ -181,9 +218,11 @@ class CallbackCarbonSignal(CarbonSignal):
         fn: Callable[[float], float],
         forecast_fn: Callable[[float, float], float] | None = None,
         max_intensity: float | None = None,
+        quantity: SignalQuantity = CARBON,
     ):
         if not callable(fn):
-            raise CarbonSignalError(f"perseus.policy.carbon.callback must be callable, got {fn!r}")
+            raise CarbonSignalError(f"{quantity.key}.callback must be callable, got {fn!r}")
+        self.quantity = quantity
         self.fn = fn
         self.forecast_fn = forecast_fn
         self.max_intensity = max_intensity
@@ -191,12 +230,13 @@ class CallbackCarbonSignal(CarbonSignal):
 
     def _call(self, what: str, fn: Callable[..., float], *args: float) -> float | None:
         try:
-            self._last = _check_intensity(
-                fn(*args), f"carbon {what} {getattr(fn, '__name__', fn)!r}"
+            self._last = check_value(
+                fn(*args), f"{self.quantity.label} {what} {getattr(fn, '__name__', fn)!r}", self.quantity
             )
         except Exception as err:  # a user callback must never take training down
             logger.warning(
-                "carbon %s failed (%s); keeping last value %s gCO2/kWh", what, err, self._last
+                "%s %s failed (%s); keeping last value %s %s",
+                self.quantity.label, what, err, self._last, self.quantity.unit,
             )
         return self._last
 
@@ -227,12 +267,105 @@ def extract_field(document: object, field: str | None) -> object:
     return value
 
 
+class FetchError(Exception):
+    """One fetch of an endpoint failed (the poller logs it and keeps the last value)."""
+
+
+def _origin(url: urllib.parse.SplitResult) -> tuple[str, str, int]:
+    default_port = 443 if url.scheme == "https" else 80
+    return url.scheme, (url.hostname or "").lower(), url.port or default_port
+
+
+def fetch_json(
+    url: str,
+    *,
+    timeout_s: float,
+    headers: Mapping[str, str],
+    max_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+) -> object:
+    """GET `url` and parse its JSON body, within `timeout_s` for everything.
+
+    Follows up to MAX_REDIRECTS redirects; `headers` go only to the configured origin (scheme,
+    host, port), never to another one a redirect points at. A body over `max_bytes` is refused.
+    The deadline is enforced by shutting the socket down when it passes, so a server that
+    drips bytes slowly cannot stretch the fetch beyond it.
+    """
+    deadline = time.monotonic() + timeout_s
+    origin = _origin(urllib.parse.urlsplit(url))
+    for _ in range(MAX_REDIRECTS + 1):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise FetchError(f"redirected to a non-http(s) URL {url!r}")
+        sent = {"Accept": "application/json", "Connection": "close"}
+        if _origin(parts) == origin:
+            sent.update(headers)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise FetchError(f"timed out after {timeout_s:g} s")
+        connection_class = (
+            http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        )
+        connection = connection_class(parts.hostname or "", parts.port, timeout=remaining)
+        watchdog: threading.Timer | None = None
+        try:
+            connection.connect()  # bounded by its own timeout, the time left
+            # http.client drops connection.sock once a response will close the connection, so
+            # the watchdog holds the socket itself.
+            watchdog = threading.Timer(
+                max(0.0, deadline - time.monotonic()), _shut_down, args=(connection.sock,)
+            )
+            watchdog.daemon = True
+            watchdog.start()
+            target = parts.path or "/"
+            connection.request("GET", f"{target}?{parts.query}" if parts.query else target, headers=sent)
+            response = connection.getresponse()
+            if response.status in _REDIRECT_STATUSES and response.getheader("Location"):
+                url = urllib.parse.urljoin(url, response.getheader("Location", ""))
+                continue
+            if response.status != 200:
+                raise FetchError(f"HTTP {response.status} {response.reason}")
+            body = _read_capped(response, max_bytes)
+            if time.monotonic() >= deadline:  # the watchdog cut the body short
+                raise FetchError(f"timed out after {timeout_s:g} s")
+            return json.loads(body.decode("utf-8"))
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise FetchError(f"timed out after {timeout_s:g} s") from None
+            raise FetchError(str(err) or type(err).__name__) from None
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            connection.close()
+    raise FetchError(f"more than {MAX_REDIRECTS} redirects")
+
+
+def _shut_down(sock: socket.socket) -> None:
+    """Unblock a read in progress: the fetch's deadline has passed."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed: nothing is blocked on it
+        pass
+
+
+def _read_capped(response: http.client.HTTPResponse, max_bytes: int) -> bytes:
+    declared = response.getheader("Content-Length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise FetchError(f"response of {declared} bytes exceeds the {max_bytes}-byte cap")
+    body = bytearray()
+    while chunk := response.read1(_READ_CHUNK_BYTES):
+        body += chunk
+        if len(body) > max_bytes:
+            raise FetchError(f"response exceeds the {max_bytes}-byte cap")
+    return bytes(body)
+
+
 class HTTPCarbonSignal(CarbonSignal):
     """Polls a JSON endpoint on a daemon thread every `refresh_s`; `intensity()` never blocks.
 
     The response is a bare number or an object holding the value at the dotted path `field`
     (default ``carbonIntensity``, the Electricity Maps name). Timeouts, HTTP errors and bad
     payloads are logged and keep the last good value; before the first success it is None.
+    `timeout_s` bounds each whole fetch; see `fetch_json` for redirects and the size cap.
     """
 
     def __init__(
@@ -244,18 +377,20 @@ class HTTPCarbonSignal(CarbonSignal):
         headers: Mapping[str, str] | None = None,
         max_intensity: float | None = None,
         start: bool = True,
+        quantity: SignalQuantity = CARBON,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     ):
         scheme = urllib.parse.urlparse(url).scheme
         if scheme not in ("http", "https"):
-            raise CarbonSignalError(
-                f"perseus.policy.carbon.url must be an http(s) URL, got {url!r}"
-            )
+            raise CarbonSignalError(f"{quantity.key}.url must be an http(s) URL, got {url!r}")
         self.url = url
         self.field = field
         self.timeout_s = timeout_s
         self.refresh_s = refresh_s
         self.headers = dict(headers or {})
         self.max_intensity = max_intensity
+        self.quantity = quantity
+        self.max_response_bytes = max_response_bytes
         self.failures = 0
         self._last: float | None = None
         self._lock = threading.Lock()
@@ -263,28 +398,27 @@ class HTTPCarbonSignal(CarbonSignal):
         self._thread: threading.Thread | None = None
         if start:
             self._thread = threading.Thread(
-                target=self._poll, name="perseus-carbon-http", daemon=True
+                target=self._poll, name=f"perseus-{quantity.label}-http", daemon=True
             )
             self._thread.start()
 
     def fetch(self) -> float | None:
         """One synchronous fetch (what the poller runs); returns the value now held."""
-        request = urllib.request.Request(
-            self.url, headers={"Accept": "application/json", **self.headers}
-        )
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                document = json.loads(response.read().decode("utf-8"))
-            value = _check_intensity(extract_field(document, self.field), self.url)
+            document = fetch_json(
+                self.url,
+                timeout_s=self.timeout_s,
+                headers=self.headers,
+                max_bytes=self.max_response_bytes,
+            )
+            value = check_value(extract_field(document, self.field), self.url, self.quantity)
         except Exception as err:  # timeouts, refused connections, bad JSON: never fatal
             with self._lock:
                 self.failures += 1
                 last = self._last
             logger.warning(
-                "carbon endpoint %s failed (%s); keeping last value %s gCO2/kWh",
-                self.url,
-                err,
-                last,
+                "%s endpoint %s failed (%s); keeping last value %s %s",
+                self.quantity.label, self.url, err, last, self.quantity.unit,
             )
             return last
         with self._lock:
@@ -304,3 +438,27 @@ class HTTPCarbonSignal(CarbonSignal):
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.timeout_s + 1.0)
+
+
+class ExternalSignal(CarbonSignal):
+    """A value fed from outside: the ranks that do not poll hold one and `feed()` it what the
+    polling rank broadcast. Before the first value it reads None (policies then fall back to
+    full speed, as for any source without a reading)."""
+
+    def __init__(self, quantity: SignalQuantity = CARBON, max_intensity: float | None = None):
+        self.quantity = quantity
+        self.max_intensity = max_intensity
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def feed(self, value: float | None) -> None:
+        """The latest value (None: the poller has none yet, keep ours)."""
+        if value is None:
+            return
+        checked = check_value(value, f"{self.quantity.label} value fed", self.quantity)
+        with self._lock:
+            self._last = checked
+
+    def intensity(self, now: float) -> float | None:
+        with self._lock:
+            return self._last

@@ -97,8 +97,9 @@ class PowerLimitMode:
         return self.optimizer.limit_w
 
     def step(self, iteration: int, record: IterationRecord | None) -> None:
-        """Feed one iteration (collective while profiling: every rank calls it every iteration;
-        None -- no device record in time -- is fed as NaN so the all-reduce still matches)."""
+        """At the end of `iteration`, feed the previous iteration's device record (collective
+        while profiling: every rank calls it every iteration; None -- no record in time -- is fed
+        as NaN so the all-reduce still matches). A new limit applies from `iteration + 1`."""
         optimizer = self.optimizer
         was_profiling, before = optimizer.profiling, optimizer.limit_w
         time_s = record.time_s if record is not None else math.nan
@@ -118,7 +119,7 @@ class PowerLimitMode:
 
     @property
     def chosen_at(self) -> int | None:
-        """The iteration whose record first ran at the chosen limit."""
+        """The iteration at whose end the limit was chosen (later ones ran at it)."""
         return next((s["iteration"] for s in self.switches if s["reason"] == "chosen"), None)
 
     def close(self) -> None:

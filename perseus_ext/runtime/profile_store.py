@@ -1,32 +1,28 @@
 """A measured profile saved beside the job (`perseus.profile_path`), so a restarted job skips
 profiling: the CSV (`stage,instruction,frequency,time,energy`) plus `<path>.json` with what the
-CSV cannot hold -- the blocking power per GPU, the GPUs per stage and the GPU model.
+CSV cannot hold -- the blocking power per GPU (read and checked at the door by `PerseusConfig`),
+the GPUs per stage and the GPU model.
 
 Everything wrong with a saved profile is a ConfigError naming `perseus.profile_path` and the
-fix, found when the runtime is built rather than at deployment.
+fix, found when the runtime is built (the GPU model needs the GPU) rather than at deployment.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 
 from perseus_ext.errors import ConfigError, PerseusError
 from perseus_ext.planning.profile import load_profile
 from perseus_ext.planning.schedule import PipelineSchedule
-from perseus_ext.runtime.config import PREFIX
+from perseus_ext.runtime.config import PREFIX, profile_sidecar as sidecar_path
 from perseus_ext.runtime.records import MeasuredProfile
 
 logger = logging.getLogger(__name__)
 
 KEY = f"{PREFIX}.profile_path"
 SIDECAR_LIMIT_BYTES = 1 << 20
-
-
-def sidecar_path(path: str | Path) -> Path:
-    return Path(f"{path}.json")
 
 
 class ProfileStore:
@@ -57,15 +53,8 @@ class ProfileStore:
             raise ConfigError(f"{KEY} {self.path} was measured on {saved_gpu}, this job runs on "
                               f"{self.gpu_name}; {fix}")
         per_gpu = self.blocking_override_w
-        if per_gpu is None:
-            per_gpu = sidecar.get("blocking_power_per_gpu_w", sidecar.get("blocking_power_w"))
-        if per_gpu is None:
-            raise ConfigError(f"{KEY} {self.path} has no blocking power ({sidecar_path(self.path)} is "
-                              f"missing or lacks it); set {PREFIX}.blocking_power_w or {fix}")
-        if isinstance(per_gpu, bool) or not isinstance(per_gpu, (int, float)) or not math.isfinite(per_gpu) \
-                or per_gpu <= 0:
-            raise ConfigError(f"{sidecar_path(self.path)}: blocking power {per_gpu!r} is not a positive "
-                              f"number of watts; set {PREFIX}.blocking_power_w or {fix}")
+        if per_gpu is None:  # PerseusConfig checked it at the door
+            raise ConfigError(f"{KEY} {self.path} has no blocking power; set {PREFIX}.blocking_power_w or {fix}")
         saved_tp = sidecar.get("gpus_per_stage", self.gpus_per_stage)
         if saved_tp != self.gpus_per_stage:
             raise ConfigError(f"{KEY} {self.path} was measured with {saved_tp} GPU(s) per stage, this "
@@ -95,7 +84,7 @@ class ProfileStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             measured.profile.save(self.path)
             sidecar_path(self.path).write_text(json.dumps({
-                "blocking_power_per_gpu_w": measured.blocking_power_per_gpu_w,
+                "blocking_power_w": measured.blocking_power_per_gpu_w,
                 "gpus_per_stage": measured.gpus_per_stage,
                 "gpu": measured.gpu_name,
                 "schedule": schedule.describe(),

@@ -91,7 +91,7 @@ class PerseusRuntime:
                                         communication_clock=self.setup.communication_clock)
         self.store = ProfileStore(config.profile_path, gpus_per_stage=self.comm.gpus_per_stage,
                                   gpu_name=self.gpu.name if self.gpu is not None else None,
-                                  blocking_power_per_gpu_w=config.blocking_power_w)
+                                  blocking_power_per_gpu_w=config.blocking_power_w or config.saved_blocking_power_w)
         self.saved_profile = self.store.load(schedule)
         self.emissions = EmissionsAccount(self.policy)
         self.recorder = RunRecorder(self.controller, rank=self.comm.rank, pipeline=self.comm.pipeline,
@@ -267,9 +267,8 @@ class PerseusRuntime:
         elif self.phase is Phase.DEPLOYED:
             self.deployment.on_iteration(self.iteration, records, self._announced)
         elif self.phase is Phase.POWER_LIMIT:
-            previous = self.recorder.wait_for(self.iteration - 1, RECORD_WAIT_S) if self._phase_iterations > 1 else None
-            if self._phase_iterations > 1:
-                self.power_limit.step(self.iteration - 1, previous)
+            if self._phase_iterations > 1:  # fed one iteration late: its device record is in by now
+                self.power_limit.step(self.iteration, self.recorder.wait_for(self.iteration - 1, RECORD_WAIT_S))
 
     def _end_warmup(self) -> None:
         if self.setup.power_limit_mode:

@@ -82,22 +82,27 @@ class Board:
         if self._closed:
             return
         self._closed = True
-        with self._membership_lock():
+        with self._membership_lock() as lock_path:
             self._member_file.unlink(missing_ok=True)
             if not self._live_members():
                 shutil.rmtree(self.directory, ignore_errors=True)
+                lock_path.unlink(missing_ok=True)  # waiters notice and retry on a fresh file
 
     @contextlib.contextmanager
-    def _membership_lock(self) -> Iterator[None]:
+    def _membership_lock(self) -> Iterator[Path]:
         """Joining and leaving are serialised across processes, so that a rank joining while the
-        last one leaves (or while a stale board is cleared) never loses its directory."""
+        last one leaves (or while a stale board is cleared) never loses its directory. The last
+        to leave removes the lock file too; whoever then holds the removed file retries."""
         lock_path = self.directory.with_name(self.directory.name + ".lock")
-        with open(lock_path, "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        while True:
+            with open(lock_path, "a") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                try:
+                    if _same_file(handle.fileno(), lock_path):
+                        yield lock_path
+                        return
+                finally:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
 
     def _key_file(self, key: str) -> Path:
         return self._keys / hashlib.sha1(key.encode()).hexdigest()
@@ -114,6 +119,14 @@ class Board:
         published: remove it when none of its members is alive any more."""
         if self.directory.exists() and not self._live_members():
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _same_file(descriptor: int, path: Path) -> bool:
+    """Whether the open lock file is still the one at `path` (not removed by a leaver)."""
+    try:
+        return os.fstat(descriptor).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
 
 
 def _pid_alive(text: str) -> bool:
