@@ -27,6 +27,7 @@ from perseus_ext.runtime.config import (
     PerseusConfig,
     SimulatedWorkload,
     key_table_markdown,
+    profile_sidecar,
 )
 from perseus_ext.schema import Section, dataclass_section, field_rule
 
@@ -286,13 +287,24 @@ def test_only_the_gpu_questions_are_left_for_later():
     assert config.candidate_clocks == (1234, 5) and config.communication_clock == 5
 
 
-# --------------------------------------------------------------------------- profile path
-def test_existing_profile_must_be_a_file_and_a_new_one_creatable(tmp_path):
+# --------------------------------------------------------------------------- saved profiles
+def test_saved_profile_needs_its_blocking_power(tmp_path):
     profile = tmp_path / "profile.csv"
     profile.write_text("stage,instruction,frequency,time,energy\n")
-    assert PerseusConfig.from_dict({"profile_path": str(profile)}).profile_path == str(profile)
-    assert PerseusConfig.from_dict({"profile_path": str(tmp_path / "new" / "p.csv")}).profile_path
+    assert "profile.csv.json is missing" in error_of({"profile_path": str(profile)})
+    given = PerseusConfig.from_dict({"profile_path": str(profile), "blocking_power_w": 80})
+    assert given.saved_blocking_power_w is None and given.blocking_power_w == 80.0
+    profile_sidecar(profile).write_text(json.dumps({"blocking_power_w": 0}))
+    assert "not a positive number of watts" in error_of({"profile_path": str(profile)})
+    profile_sidecar(profile).write_text("{")
+    assert "cannot read the blocking power" in error_of({"profile_path": str(profile)})
+    profile_sidecar(profile).write_text(json.dumps({"blocking_power_w": 83.64, "gpu": "A100"}))
+    config = PerseusConfig.from_dict({"profile_path": str(profile)})
+    assert config.saved_blocking_power_w == 83.64 and config.blocking_power_w is None
+    assert PerseusConfig.from_dict(config.to_dict()) == config
     assert "is not a file" in error_of({"profile_path": str(tmp_path)})
+    new = PerseusConfig.from_dict({"profile_path": str(tmp_path / "new" / "p.csv")})
+    assert new.saved_blocking_power_w is None  # the job profiles and saves there
 
 
 # --------------------------------------------------------------------------- policy section alone

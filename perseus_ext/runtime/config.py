@@ -5,8 +5,9 @@ every mistake knowable without a GPU must fail at `deepspeed.initialize` / Megat
 with a message naming `perseus.<key>` (nested: `perseus.policy.eta`,
 `perseus.solver.min_grid_points`) and the fix, not hours later inside a training step. The
 `policy` and `solver` sub-sections come out typed (`PolicyConfig`, `SolverOptions`), output
-paths are checked to be writable. What needs the GPU or the pipeline (are the candidate clocks
-supported? which clock is "min"? does a saved profile fit this pipeline?) is the runtime's.
+paths are checked to be writable, and a saved profile's blocking power is read here. What needs
+the GPU or the pipeline (are the candidate clocks supported? which clock is "min"? does a saved
+profile fit this pipeline and GPU?) is the runtime's.
 
 The same model generates the Megatron `--perseus-<key>` flags
 (`perseus_ext.adapters.megatron_args`) and the key table of README.md and docs/deepspeed.md
@@ -17,10 +18,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, Field, PlainValidator, TypeAdapter, model_validator
+from pydantic import AfterValidator, Field, PlainValidator, PrivateAttr, TypeAdapter, model_validator
 
 from perseus_ext.errors import ConfigError, SolverError
 from perseus_ext.policies.config import PolicyConfig
@@ -128,11 +130,49 @@ class SimulatedWorkload(Section):
                     f"pipeline has {num_stages} stages; give one number or one per stage"
                 )
 
+    @property
+    def saved_blocking_power_w(self) -> float | None:
+        """The blocking power saved next to an existing `profile_path` (read at the door), for
+        when `blocking_power_w` is null."""
+        return self._saved_blocking_power_w
+
     def to_dict(self) -> dict[str, Any]:
         return {"forward_seconds": list(self.forward_seconds), "backward_seconds": list(self.backward_seconds)}
 
 
-# ------------------------------------------------------------------------------ paths
+# ------------------------------------------------------------------------------ saved profiles
+SIDECAR_LIMIT_BYTES = 1 << 20  # a sidecar is a few hundred bytes; anything huge is not ours
+
+
+def profile_sidecar(path: str | Path) -> Path:
+    """Where the blocking power measured with a saved profile is kept (the CSV has no column)."""
+    return Path(f"{path}.json")
+
+
+def _saved_blocking_power_w(profile_path: str) -> float:
+    """The blocking power saved next to an existing profile, or a ConfigError saying how to fix."""
+    sidecar = profile_sidecar(profile_path)
+    fix = f"set {PREFIX}.blocking_power_w, or delete {profile_path} so the job profiles again"
+    try:
+        if sidecar.stat().st_size > SIDECAR_LIMIT_BYTES:
+            raise ValueError(f"larger than {SIDECAR_LIMIT_BYTES} bytes")
+        value = json.loads(sidecar.read_text(encoding="utf-8"))["blocking_power_w"]
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{PREFIX}.profile_path {profile_path} has no blocking power ({sidecar} is missing); {fix}"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as err:  # UnicodeDecodeError is a ValueError
+        raise ConfigError(
+            f"{PREFIX}.profile_path: cannot read the blocking power from {sidecar} ({err!r}); {fix}"
+        ) from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(
+            f"{PREFIX}.profile_path: {sidecar} holds blocking_power_w {show(value)}, not a positive number "
+            f"of watts; {fix}"
+        )
+    return float(value)
+
+
 def _profile_path(path: str) -> str:
     """An existing profile is read (must be a file; its content and `<path>.json` are checked
     against the pipeline and GPU by the runtime's profile store); a missing one is written."""
@@ -195,8 +235,8 @@ class PerseusConfig(Section):
         description="How many profiled clocks below the most efficient one must cost more before "
                     "stopping.")] = 2
     blocking_power_w: Annotated[number(example=83.6, unit="watts", above=0) | None, Field(
-        description="GPU power while blocked on communication. `null`: estimated while profiling (or read "
-                    "from a saved profile's `<path>.json`).")] = None
+        description="GPU power while blocked on communication. `null`: estimated while profiling, or read "
+                    "from an existing `profile_path`'s `<path>.json`.")] = None
     profile_path: Annotated[
         Annotated[text(example="profiles/job.csv", what="a non-empty path"), AfterValidator(_profile_path)] | None,
         Field(description="Profile CSV (`stage,instruction,frequency,time,energy`) plus `<path>.json` (blocking "
@@ -262,6 +302,8 @@ class PerseusConfig(Section):
                           "{\"csv\": ...}}`). `\"mode\": \"power_limit\"` instead keeps default clocks and picks "
                           "one global GPU power limit (Zeus). Keys: docs/policies.md.")] = None
 
+    _saved_blocking_power_w: float | None = PrivateAttr(default=None)
+
     @model_validator(mode="after")
     def _keys_agree(self) -> PerseusConfig:
         if self.straggler_hysteresis >= self.straggler_threshold:
@@ -270,6 +312,11 @@ class PerseusConfig(Section):
                 f"{PREFIX}.straggler_threshold ({self.straggler_threshold:g}), or plans would never return "
                 f"after a straggler recovers; e.g. 0.02 and 0.05"
             )
+        if self.profile_path is not None and self.blocking_power_w is None and Path(self.profile_path).is_file():
+            try:
+                self._saved_blocking_power_w = _saved_blocking_power_w(self.profile_path)
+            except ConfigError as err:
+                raise statement_error(str(err)) from None
         return self
 
     @classmethod
