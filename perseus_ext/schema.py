@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import math
 import os
@@ -29,9 +30,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    PlainValidator,
     TypeAdapter,
     ValidationError,
-    WrapValidator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError, core_schema
@@ -42,7 +43,7 @@ VALUE_ERROR = "perseus_value"  # ctx["text"] completes "<key> ..."
 KEYS_ERROR = "perseus_keys"  # ctx: unknown and known keys, or missing keys and why they are needed
 STATEMENT_ERROR = "perseus_statement"  # ctx["text"] is a whole sentence naming its keys
 OWN_ERRORS = frozenset({VALUE_ERROR, KEYS_ERROR, STATEMENT_ERROR})
-STRICT = ConfigDict(strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True)
+STRICT = ConfigDict(strict=True, extra="forbid", frozen=True)
 _SHOWN_CHARS = 80
 
 
@@ -69,6 +70,14 @@ def statement_error(text: str) -> PydanticCustomError:
     return PydanticCustomError(STATEMENT_ERROR, "{text}", {"text": text})
 
 
+class StrChoice(str, enum.Enum):
+    """A str-valued enum: members equal, print and serialise as their value (`mode == "observe"`,
+    f"{mode}", json.dumps(mode)) on every supported Python (enum.StrEnum needs 3.11)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
 # --------------------------------------------------------------------------------- rules
 def _is_union(schema: Mapping[str, Any]) -> bool:
     while schema.get("type") == "nullable":
@@ -93,6 +102,12 @@ class Rule:
             f"must be {requirement or self.requirement}, got {show(value)}; e.g. {show(self.example, None)}"
         )
 
+    def _passes(self, value: Any) -> bool:
+        try:
+            return bool(self.check(value))
+        except (ValueError, TypeError, ArithmeticError):  # e.g. urlparse("http://[") raises
+            return False
+
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
         inner = handler(source)
         replace_inner = _is_union(inner)  # union members' errors would name pydantic's tags
@@ -104,7 +119,7 @@ class Rule:
                 if not replace_inner and all(e["type"] in OWN_ERRORS for e in err.errors()):
                     raise
                 raise self.error(value) from None
-            if self.check is not None and not self.check(result):
+            if self.check is not None and not self._passes(result):
                 raise self.error(value, self.out_of_range)
             return result
 
@@ -217,6 +232,8 @@ def listing(item: Any, *, what: str, example: list, distinct: bool = False) -> A
 # --------------------------------------------------------------------------------- paths
 def unwritable_reason(path: Path) -> str | None:
     """Why a file could not be written at `path` (None: it can, creating missing directories)."""
+    if "\0" in str(path):  # pathlib answers False for such paths; open() would raise
+        return "is not a usable path (it contains a NUL character)"
     try:
         path = path.absolute()
         if path.is_dir():
@@ -239,7 +256,9 @@ def require_writable(path_text: str, shown: str | None = None) -> None:
     """A value error (inside validation) unless a file can be written at `path_text`."""
     reason = unwritable_reason(Path(path_text))
     if reason is not None:
-        raise value_error(f"{shown or show(path_text)} {reason}; use a path in a directory this process can write to")
+        raise value_error(
+            f"{shown or show(path_text)} {reason}; use a path in a directory this process can write to"
+        )
 
 
 def _writable_path(path_text: str) -> str:
@@ -249,7 +268,9 @@ def _writable_path(path_text: str) -> str:
 
 def output_path(*, example: str) -> Any:
     """A file this process will create: its directory must exist or be creatable, writable."""
-    return Annotated[str, Rule("a non-empty path", example, lambda s: bool(s.strip())), AfterValidator(_writable_path)]
+    return Annotated[
+        str, Rule("a non-empty path", example, lambda s: bool(s.strip())), AfterValidator(_writable_path)
+    ]
 
 
 _RANK_SPEC = re.compile(r"0?\d{0,2}d?")  # "{rank}", "{rank:03d}": bounded width, nothing else
@@ -327,7 +348,9 @@ def keyed(typed_dict: type, *, example: Mapping[str, Any], why_required: str = "
     typed_dict.__pydantic_config__ = STRICT  # type: ignore[attr-defined]
     hints = typing_extensions.get_type_hints(typed_dict, include_extras=True)
     # Read from the hints: under `from __future__ import annotations`, __required_keys__ is empty.
-    required = sorted(k for k, hint in hints.items() if typing_extensions.get_origin(hint) is typing_extensions.Required)
+    required = sorted(
+        key for key, hint in hints.items() if typing_extensions.get_origin(hint) is typing_extensions.Required
+    )
 
     def check(data: Any) -> dict:
         return section_keys(data, hints, example=example, required=required, why_required=why_required)
@@ -336,7 +359,7 @@ def keyed(typed_dict: type, *, example: Mapping[str, Any], why_required: str = "
 
 
 def dataclass_section(
-    cls: type,
+    load: Callable[[], type],
     bounds: Mapping[str, Any],
     *,
     where: str,
@@ -345,25 +368,34 @@ def dataclass_section(
 ) -> Any:
     """A plain dataclass (kept free of pydantic) validated at the door: keys are its fields,
     values are checked against `bounds` (a typed annotation per field), then the dataclass is
-    built; an error its constructor raises (from `errors`) names the keys its message mentions."""
-    hints = typing.get_type_hints(cls)
-    fields = [f.name for f in dataclasses.fields(cls) if f.init]
-    entries = typing_extensions.TypedDict(f"{cls.__name__}Section", {n: bounds.get(n, hints[n]) for n in fields}, total=False)
-    adapter = TypeAdapter(keyed(entries, example=example))
+    built; an error its constructor raises (from `errors`) names the keys its message mentions.
+    `load` imports the dataclass on first use, so a config without this section never pays
+    for its module (the solver's pulls in scipy and HiGHS)."""
 
-    def build(data: Any, handler: Callable[[Any], Any]) -> Any:
+    @functools.cache
+    def entries_of(cls: type) -> tuple[list[str], TypeAdapter]:
+        hints = typing.get_type_hints(cls)
+        fields = [f.name for f in dataclasses.fields(cls) if f.init]
+        entries = typing_extensions.TypedDict(
+            f"{cls.__name__}Section", {n: bounds.get(n, hints[n]) for n in fields}, total=False
+        )
+        return fields, TypeAdapter(keyed(entries, example=example))
+
+    def build(data: Any) -> Any:
         if data is None:
-            return handler(data)
+            return None
+        cls = load()
+        fields, adapter = entries_of(cls)
         if isinstance(data, cls):  # built in Python: its values meet the same bounds
             data = {name: getattr(data, name) for name in fields}
         values = adapter.validate_python(data)
         try:
-            return handler(cls(**values))
+            return cls(**values)
         except errors as err:
             keys = [f"{where}.{name}" for name in fields if name in str(err)] or [where]
             raise statement_error(f"{', '.join(keys)}: {err}") from None
 
-    return WrapValidator(build)
+    return PlainValidator(build)
 
 
 # --------------------------------------------------------------------------------- parsing

@@ -132,6 +132,7 @@ VALUES = SAFE_TEXT.filter(lambda text: not text.startswith("-")) | st.builds(
                              | st.dictionaries(SAFE_TEXT, children, max_size=3), max_leaves=8))
 
 
+@pytest.mark.timeout(120)  # the whole run: a hang fails instead of blocking CI
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(st.lists(st.tuples(st.sampled_from(FLAGS), st.lists(VALUES, min_size=1, max_size=3)), max_size=5))
 def test_any_flag_values_give_a_config_or_one_config_error(pairs):

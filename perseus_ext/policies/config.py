@@ -14,7 +14,6 @@ as TypedDicts: only the keys given, defaults below), so a config round-trips unc
 
 from __future__ import annotations
 
-import enum
 import importlib
 import math
 import re
@@ -49,6 +48,7 @@ from perseus_ext.policies.zeus import ZeusPolicy
 from perseus_ext.schema import (
     Rule,
     Section,
+    StrChoice,
     choice,
     flag,
     integer,
@@ -75,7 +75,7 @@ DEFAULT_BETA = 2.0
 DEFAULT_PRUNING_ROUNDS = 2
 
 
-class PolicyType(enum.StrEnum):
+class PolicyType(StrChoice):
     """Which cost picks the operating point (str-valued: `config.type == "zeus"` holds)."""
 
     PERSEUS = "perseus"
@@ -84,14 +84,14 @@ class PolicyType(enum.StrEnum):
     POWER_BUDGET = "power_budget"
 
 
-class PolicyMode(enum.StrEnum):
+class PolicyMode(StrChoice):
     """Frontier plans, or Zeus' one global GPU power limit."""
 
     FRONTIER = "frontier"
     POWER_LIMIT = "power_limit"
 
 
-class CarbonSourceKind(enum.StrEnum):
+class CarbonSourceKind(StrChoice):
     """Where Chase reads the grid's carbon intensity; the key that names the source."""
 
     CSV = "csv"
@@ -99,7 +99,7 @@ class CarbonSourceKind(enum.StrEnum):
     CALLBACK = "callback"
 
 
-class TraceAlignment(enum.StrEnum):
+class TraceAlignment(StrChoice):
     """How a CSV trace's time axis meets the job: its first row at start, or wall-clock time."""
 
     START = "start"
@@ -113,28 +113,36 @@ GramsPerKWh = number(example=400, unit="gCO2/kWh", above=0)
 _CALLABLE_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
+def _import_callable(path: str) -> Callable[..., float]:
+    """The function a "package.module:function" string names, or a ConfigError saying why not
+    (any failure while importing the user's module is a mistake in the config)."""
+    module_name, _, attribute = path.partition(":")
+    try:
+        target = getattr(importlib.import_module(module_name), attribute)
+    except Exception as err:  # noqa: BLE001 - ImportError, AttributeError, or the module's own error
+        raise ConfigError(f"cannot import {path!r} ({type(err).__name__}: {err})") from None
+    if not callable(target):
+        raise ConfigError(f"{path!r} is not callable")
+    return target
+
+
 def resolve_callable(value: object, where: str) -> Callable[..., float]:
     """A callable, or the function a "package.module:function" string names."""
     if callable(value):
         return value
-    module_name, _, attribute = str(value).partition(":")
     try:
-        target = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"{where} cannot import {value!r} ({err})") from None
-    if not callable(target):
-        raise ConfigError(f"{where}: {value!r} is not callable")
-    return target
+        return _import_callable(str(value))
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err}") from None
 
 
 def _importable(value: Any) -> Any:
-    """Checked at the door (the import is cheap and a typo should not wait for the job)."""
-    if callable(value):
-        return value
-    try:
-        resolve_callable(value, "")
-    except ConfigError as err:
-        raise value_error(str(err).strip(": ")) from None
+    """Imported at the door: the import is cheap and a typo should not wait for the job."""
+    if not callable(value):
+        try:
+            _import_callable(value)
+        except ConfigError as err:
+            raise value_error(str(err)) from None
     return value
 
 
@@ -152,7 +160,7 @@ HttpURL = Annotated[
     Rule(
         "an http(s) URL",
         "https://api.example.org/carbon-intensity",
-        lambda v: urllib.parse.urlparse(v).scheme in ("http", "https") and bool(urllib.parse.urlparse(v).netloc),
+        lambda v: (parsed := urllib.parse.urlparse(v)).scheme in ("http", "https") and bool(parsed.netloc),
     ),
 ]
 
@@ -305,7 +313,9 @@ class BatchSizeOptions(TypedDict, total=False):
     store: StoreLocation
     db: StoreLocation  # the key's first name, kept as an alias of `store`
     job_id: Required[text(example="gpt3-nightly")]
-    batch_sizes: Required[listing(integer(1, example=32), what="positive integers", example=[32, 64], distinct=True)]
+    batch_sizes: Required[
+        listing(integer(1, example=32), what="positive integers", example=[32, 64], distinct=True)
+    ]
     default_batch_size: Required[integer(1, example=32)]
     beta: number(example=DEFAULT_BETA, above=1)
     pruning_rounds: integer(1, example=DEFAULT_PRUNING_ROUNDS)
@@ -341,7 +351,11 @@ class PolicyConfig(Section):
         DEFAULT_PERIOD_S
     )
     carbon: Annotated[
-        Annotated[CarbonSource, PlainValidator(_one_carbon_source), Rule("an object with one carbon source", _CARBON_EXAMPLE)]
+        Annotated[
+            CarbonSource,
+            PlainValidator(_one_carbon_source),
+            Rule("an object with one carbon source", _CARBON_EXAMPLE),
+        ]
         | None,
         Field(description="Chase's carbon-intensity source: exactly one of csv, url, callback"),
     ] = None

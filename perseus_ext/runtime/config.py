@@ -5,8 +5,9 @@ every mistake knowable without a GPU must fail at `deepspeed.initialize` / Megat
 with a message naming `perseus.<key>` (nested: `perseus.policy.eta`,
 `perseus.solver.min_grid_points`) and the fix, not hours later inside a training step. The
 `policy` and `solver` sub-sections come out typed (`PolicyConfig`, `SolverOptions`), output
-paths are checked to be writable, and a saved profile's blocking power is read here. What
-needs the GPU (are the candidate clocks supported? which clock is "min"?) is the runtime's.
+paths are checked to be writable, and a saved profile's blocking power is read here. What needs
+the GPU or the pipeline (are the candidate clocks supported? which clock is "min"? does a saved
+profile fit this pipeline and GPU?) is the runtime's.
 
 The same model generates the Megatron `--perseus-<key>` flags
 (`perseus_ext.adapters.megatron_args`) and the key table of README.md and docs/deepspeed.md
@@ -16,22 +17,22 @@ The same model generates the Megatron `--perseus-<key>` flags
 from __future__ import annotations
 
 import dataclasses
-
 import enum
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, PlainValidator, PrivateAttr, TypeAdapter, model_validator
 
 from perseus_ext.errors import ConfigError, SolverError
 from perseus_ext.planning.options import BOUNDS as SOLVER_OPTION_BOUNDS
-from perseus_ext.planning.solver import SolverOptions
+from perseus_ext.planning.options import SolverOptions
 from perseus_ext.policies.config import PolicyConfig
 from perseus_ext.schema import (
     Rule,
     Section,
+    StrChoice,
     choice,
     dataclass_section,
     field_rule,
@@ -49,12 +50,13 @@ from perseus_ext.schema import (
     value_error,
 )
 
+
 PREFIX = "perseus"
 CONTROL_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # a second .. a week
 MAX_COMPUTATION_S = 3600.0  # a simulated microbatch forward/backward longer than an hour is a typo
 
 
-class Mode(enum.StrEnum):
+class Mode(StrChoice):
     """`optimize` plans and sets clocks; `observe` only measures (the baseline)."""
 
     OPTIMIZE = "optimize"
@@ -131,11 +133,20 @@ class SimulatedWorkload(Section):
                     f"pipeline has {num_stages} stages; give one number or one per stage"
                 )
 
+    @property
+    def saved_blocking_power_w(self) -> float | None:
+        """The blocking power saved next to an existing `profile_path` (read at the door), for
+        when `blocking_power_w` is null."""
+        return self._saved_blocking_power_w
+
     def to_dict(self) -> dict[str, Any]:
         return {"forward_seconds": list(self.forward_seconds), "backward_seconds": list(self.backward_seconds)}
 
 
 # ------------------------------------------------------------------------------ saved profiles
+SIDECAR_LIMIT_BYTES = 1 << 20  # a sidecar is a few hundred bytes; anything huge is not ours
+
+
 def profile_sidecar(path: str | Path) -> Path:
     """Where the blocking power measured with a saved profile is kept (the CSV has no column)."""
     return Path(f"{path}.json")
@@ -146,24 +157,36 @@ def _saved_blocking_power_w(profile_path: str) -> float:
     sidecar = profile_sidecar(profile_path)
     fix = f"set {PREFIX}.blocking_power_w, or delete {profile_path} so the job profiles again"
     try:
+        if sidecar.stat().st_size > SIDECAR_LIMIT_BYTES:
+            raise ValueError(f"larger than {SIDECAR_LIMIT_BYTES} bytes")
         value = json.loads(sidecar.read_text(encoding="utf-8"))["blocking_power_w"]
     except FileNotFoundError:
-        raise ConfigError(f"{PREFIX}.profile_path {profile_path} has no blocking power ({sidecar} is missing); {fix}") from None
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"{PREFIX}.profile_path: cannot read the blocking power from {sidecar} ({err}); {fix}") from None
+        raise ConfigError(
+            f"{PREFIX}.profile_path {profile_path} has no blocking power ({sidecar} is missing); {fix}"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as err:  # UnicodeDecodeError is a ValueError
+        raise ConfigError(
+            f"{PREFIX}.profile_path: cannot read the blocking power from {sidecar} ({err!r}); {fix}"
+        ) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{PREFIX}.profile_path: {sidecar} holds blocking_power_w {show(value)}, not a positive number of watts; {fix}")
+        raise ConfigError(
+            f"{PREFIX}.profile_path: {sidecar} holds blocking_power_w {show(value)}, not a positive number "
+            f"of watts; {fix}"
+        )
     return float(value)
 
 
 def _profile_path(path: str) -> str:
-    """An existing profile is read (must be a file); a missing one is written by the job."""
-    candidate = Path(path)
-    if candidate.exists():
-        if not candidate.is_file():
-            raise value_error(f"{show(path)} is not a file; give a profile CSV or a path the job may create")
-        return path
-    require_writable(path)
+    """An existing profile is read (must be a file; its content and `<path>.json` are checked
+    against the pipeline and GPU by the runtime's profile store); a missing one is written."""
+    try:
+        exists, is_file = Path(path).exists(), Path(path).is_file()
+    except OSError:  # e.g. no permission to look: require_writable names the problem
+        exists = is_file = False
+    if exists and not is_file:
+        raise value_error(f"{show(path)} is not a file; give a profile CSV or a path the job may create")
+    if not exists:
+        require_writable(path)
     return path
 
 
@@ -230,14 +253,17 @@ class PerseusConfig(Section):
     solve_in_background: Annotated[flag(example=False), Field(
         description="Solve the frontier in a child process while training continues; `false` solves inline "
                     "(blocks one iteration).")] = True
-    solver: Annotated[
-        SolverOptions | None,
-        dataclass_section(SolverOptions, SOLVER_BOUNDS, where=f"{PREFIX}.solver", example=_SOLVER_EXAMPLE,
-                          errors=(SolverError,)),
-        Rule("an object of frontier-solver options", _SOLVER_EXAMPLE),
-        Field(description="Options of the frontier solver, the fields of "
-                          "`perseus_ext.planning.solver.SolverOptions` (e.g. `{\"min_grid_points\": 300}` for a "
-                          "faster, coarser frontier); bounds in docs/deepspeed.md.")] = None
+    if TYPE_CHECKING:
+        solver: SolverOptions | None
+    else:
+        solver: Annotated[
+            Any,
+            dataclass_section(lambda: SolverOptions, SOLVER_BOUNDS, where=f"{PREFIX}.solver",
+                              example=_SOLVER_EXAMPLE, errors=(SolverError,)),
+            Rule("an object of frontier-solver options", _SOLVER_EXAMPLE),
+            Field(description="Options of the frontier solver, the fields of "
+                              "`perseus_ext.planning.solver.SolverOptions` (e.g. `{\"min_grid_points\": 300}` for "
+                              "a faster, coarser frontier); bounds in docs/deepspeed.md.")] = None
     control_timeout_s: Annotated[
         number(example=1800, unit="seconds", at_least=CONTROL_TIMEOUT_RANGE_S[0], at_most=CONTROL_TIMEOUT_RANGE_S[1]),
         Field(description="Timeout of perseus-ext's own gloo collectives; after it a rank falls back to default "
