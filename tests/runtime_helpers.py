@@ -51,10 +51,12 @@ def sim_gpu(seed: int = 3, **options: str):
     return open_gpu(f"sim:a100_sxm?{query}", seed=seed)
 
 
-def train(runtime: PerseusRuntime, iterations: int, seed: int = 0, sleep_s: float = 0.0) -> None:
+def train(runtime: PerseusRuntime, iterations: int, seed: int = 0, sleep_s: float = 0.0,
+          after_iteration=None) -> None:
     """What an adapter does for one stage, with random blocking waits between computations
     (a real pipeline blocks on its neighbours). `sleep_s` adds wall time per iteration, for
-    policies that follow the real clock (carbon traces)."""
+    policies that follow the real clock (carbon traces); `after_iteration()` runs after each
+    iteration's end, as an adapter's metrics writer does."""
     rng = np.random.default_rng(seed)
     for _ in range(iterations):
         runtime.iteration_start()
@@ -65,6 +67,8 @@ def train(runtime: PerseusRuntime, iterations: int, seed: int = 0, sleep_s: floa
         runtime.mark_compute_end()
         runtime.gpu.wait(0.005)  # optimizer step, data-parallel all-reduce
         runtime.iteration_end()
+        if after_iteration is not None:
+            after_iteration()
         if sleep_s:
             time.sleep(sleep_s)
 

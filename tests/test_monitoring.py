@@ -5,26 +5,13 @@ from __future__ import annotations
 
 import csv
 
-import numpy as np
 import pytest
 
 from perseus_ext.monitoring import IterationMetrics, megatron_sinks, tensorboard_sink
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.runtime import PerseusRuntime
 
-from runtime_helpers import make_config, sim_gpu  # noqa: E402
-
-
-def drive(runtime: PerseusRuntime, metrics: IterationMetrics, iterations: int) -> None:
-    rng = np.random.default_rng(0)
-    for _ in range(iterations):
-        runtime.iteration_start()
-        for computation in runtime.order:
-            runtime.gpu.wait(float(rng.uniform(0.0, 0.004)))
-            runtime.before_computation(computation.kind, computation.microbatch)
-            runtime.after_computation(computation.kind, computation.microbatch)
-        runtime.iteration_end()
-        metrics.write()
+from runtime_helpers import make_config, sim_gpu, train  # noqa: E402
 
 
 def test_metrics_reach_a_tensorboard_event_file(tmp_path):
@@ -34,7 +21,8 @@ def test_metrics_reach_a_tensorboard_event_file(tmp_path):
     writer = tensorboard.SummaryWriter(log_dir=str(tmp_path))
     runtime = PerseusRuntime(make_config(baseline_fraction=0.5, straggler_check_interval=2),
                              schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=sim_gpu())
-    drive(runtime, IterationMetrics(runtime, megatron_sinks(tensorboard_writer=writer)), 40)
+    metrics = IterationMetrics(runtime, megatron_sinks(tensorboard_writer=writer))
+    train(runtime, 40, after_iteration=metrics.write)
     runtime.close()
     writer.close()
     events = EventAccumulator(str(tmp_path))
@@ -55,7 +43,7 @@ def test_a_failing_writer_is_dropped_without_breaking_training():
 
     runtime = PerseusRuntime(make_config(), schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=sim_gpu())
     metrics = IterationMetrics(runtime, [tensorboard_sink(Broken())])
-    drive(runtime, metrics, 4)
+    train(runtime, 4, after_iteration=metrics.write)
     runtime.close()
     assert metrics.sinks == [] and runtime.fallback_reason is None
 
