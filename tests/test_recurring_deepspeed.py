@@ -50,7 +50,7 @@ def postgres() -> Iterator[PostgresServer]:
 
 
 def _free_port() -> int:
-    from perseus_ext.commands.demo import _free_port
+    from runtime_helpers import free_port as _free_port
 
     return _free_port()
 

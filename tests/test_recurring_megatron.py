@@ -56,7 +56,7 @@ def test_store_sets_the_global_batch_size_of_each_run(tmp_path):
     runs_file.write_text(json.dumps(entries))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.pop("PERSEUS_GPU", None)
-    from perseus_ext.commands.demo import _free_port
+    from runtime_helpers import free_port as _free_port
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
                "127.0.0.1", "--master-port", str(_free_port()), str(LAUNCHER), "--runs", str(runs_file), str(SCRIPT)]

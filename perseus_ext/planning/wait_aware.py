@@ -75,17 +75,14 @@ def extend_frontier(
     options: SolverOptions | None = None,
     switch_latency_s: float = 0.0,
 ) -> Frontier:
-    """`frontier` extended with the wait-aware solve: `frontier`'s own plans first, unchanged
-    (Pareto in time and energy, up to the minimum-energy plan T*: what runs when the iteration
-    ends when the pipeline does), then every other plan that is cheapest for some deadline the
-    iteration is held to, by time (mostly past T*).
+    """`frontier` merged with the wait-aware solve: the ordinary plans (Pareto in time and
+    energy, up to the minimum-energy plan T*) first, then every other plan that is cheapest for
+    some deadline the iteration is held to, by time (mostly past T*).
 
     `profile` is the pipeline's unfiltered profile and `blocking_power` the one `frontier` was
-    solved with (per stage). Wait-useful clocks can also undercut ordinary plans below T* (a
-    clock whose extra energy is less than the blocking energy it replaces inside the iteration);
-    such plans join the extension, used only when a deadline holds the iteration, because they
-    reach for extreme clocks on slack computations and many more clock changes, which the online
-    profile prices too well (on the demo they cost 6 points of clock coverage and 3 % of time).
+    solved with (per stage). Wait-useful clocks can also make ordinary plans cheaper (a clock
+    whose extra energy is less than the blocking energy it replaces inside the iteration), so
+    the ordinary part is the Pareto set of both solves' plans.
     """
     from perseus_ext.planning.solver import solve_frontier
 
@@ -97,8 +94,8 @@ def extend_frontier(
     true_model = CostModel(schedule, useful, blocking_power, switch_latency_s)
     choices = np.stack([true_model.choice_of(p) for p in transformed.plans], axis=1)
     times, energies = true_model.replay(choices)
-    ordinary = list(frontier.ordinary_plans)
-    candidates = _distinct([*ordinary, *true_model.make_plans(choices, times, energies)])
+    candidates = _distinct([*frontier.ordinary_plans, *true_model.make_plans(choices, times, energies)])
+    ordinary = _pareto(candidates, 0.0)
     chosen = {id(p) for p in ordinary}
     slope = len(frontier.fastest.frequencies) * frontier.blocking_power
     extension = [p for p in _pareto(candidates, slope) if id(p) not in chosen]
