@@ -73,11 +73,14 @@ def test_a_tensor_parallel_stage_is_planned_as_one_stage_of_two_gpus(tmp_path):
     idle_w = 83.64  # the simulated A100's blocking power per GPU
     for summary in summaries:
         assert summary["gpus_per_stage"] == 2 and summary["final_phase"] == "deployed"
-        # One stage of two GPUs blocks at about twice one GPU's power (estimated while profiling).
-        assert summary["frontier_blocking_power_w"] == pytest.approx(2 * idle_w, rel=0.3)
+        # One stage of two GPUs blocks at about twice one GPU's power. It is estimated while
+        # profiling (a few noisy counter windows per clock), so only its scale is checked here;
+        # the exact sum is test_assembly_adds_up_the_gpus_of_a_stage's.
+        assert 1.2 * idle_w < summary["frontier_blocking_power_w"] < 3 * idle_w
     sidecar = json.loads((tmp_path / "profile.csv.json").read_text())
     assert sidecar["gpus_per_stage"] == 2
-    assert sidecar["blocking_power_w"] == pytest.approx(idle_w, rel=0.3)  # saved per GPU
+    stage_w = summaries[0]["frontier_blocking_power_w"]
+    assert sidecar["blocking_power_w"] == pytest.approx(stage_w / 2)  # saved per GPU
 
 
 if __name__ == "__main__":
