@@ -24,3 +24,17 @@ def pytest_configure(config: pytest.Config) -> None:
         and not config.getini("timeout")
     ):
         config.option.timeout = DEFAULT_TEST_TIMEOUT_S
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A real PostgreSQL server on a loopback port for the module's tests (started as the
+    unprivileged `postgres` user); the tests skip, saying why, where it cannot start."""
+    from postgres_server import ServerUnavailable, start_server
+
+    try:
+        server = start_server()
+    except ServerUnavailable as err:
+        pytest.skip(f"PostgreSQL server could not start here: {err}")
+    yield server
+    server.stop()

@@ -21,7 +21,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 from sqlalchemy import create_engine, event, text
@@ -30,7 +30,7 @@ from perseus_ext.commands import batch_size as batch_size_command
 from perseus_ext.errors import ConfigError
 from perseus_ext.policies.batch_size import BatchSizeOptimizer, RunOutcome, read_states
 from perseus_ext.policies.bso_store import SCHEMA_VERSION, Store, StoreError, store_url
-from postgres_server import PostgresServer, ServerUnavailable, start_server
+from postgres_server import PostgresServer
 
 JOB = "nightly-gpt"
 SIZES = [8, 16, 32, 64, 128, 256, 512]
@@ -39,16 +39,6 @@ MAX_POWER_W = 300.0
 WRITERS = 8
 KILLS = 8
 STATEMENT_DELAY_S = 0.002  # widens every transaction so that kills land inside one
-
-
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[PostgresServer]:
-    try:
-        server = start_server()
-    except ServerUnavailable as err:
-        pytest.skip(f"PostgreSQL server could not start here: {err}")
-    yield server
-    server.stop()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

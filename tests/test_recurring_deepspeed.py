@@ -19,11 +19,10 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from postgres_server import PostgresServer, ServerUnavailable, start_server
+from runtime_helpers import free_port
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is an optional dependency"
@@ -37,22 +36,6 @@ DEFAULT = 16
 STEPS_TO_TARGET = {"4": 400, "8": 8, "16": 10, "32": 4}
 RUNS = 7
 PRUNING_ORDER = [16, 8, 4, 32, 16, 8, 32]
-
-
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[PostgresServer]:
-    try:
-        server = start_server()
-    except ServerUnavailable as err:
-        pytest.skip(f"PostgreSQL server could not start here: {err}")
-    yield server
-    server.stop()
-
-
-def _free_port() -> int:
-    from runtime_helpers import free_port as _free_port
-
-    return _free_port()
 
 
 def launch(out_dir: Path, store: str) -> list[list[dict]]:
@@ -87,7 +70,7 @@ def launch(out_dir: Path, store: str) -> list[list[dict]]:
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")])))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), str(REPO / "tests" / "recurring_worker.py"), str(spec_path)]
+               "--master_port", str(free_port()), str(REPO / "tests" / "recurring_worker.py"), str(spec_path)]
     log_path = out_dir / "torchrun.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
