@@ -44,7 +44,7 @@ def run(ordering: str, work_s: float, *, iterations: int, computations: int, gap
     gpu = SimulatedGPU("a100_sxm", seed=1, switch_s=switch_s, transition_s=transition_s)
     timeline = open_timeline(gpu, job_id=f"bench-{os.getpid()}-{ordering}-{work_s}", rank=0)
     controller = FrequencyController(gpu, watchdog=False, handle_signals=False)
-    sequencer = ClockSequencer(controller, timeline, lead_s=gpu.switch_latency.effective_s if ahead else 0.0)
+    sequencer = ClockSequencer(controller, timeline, latency=gpu.switch_latency if ahead else None)
     plan = tuple(CLOCKS_MHZ[(k // 2) % 2] for k in range(computations))  # two at each clock
     durations = tuple(gpu.expected(work_s, clock)[0] for clock in plan)
     hook_ns: list[int] = []
@@ -75,7 +75,7 @@ def hook_cost(plan: tuple[int, ...], iterations: int = 300) -> tuple[float, floa
     path with host-only markers (a CUDA event record adds its own few µs on a GPU)."""
     gpu = SimulatedGPU("a100_sxm", seed=1)
     controller = FrequencyController(gpu, dry_run=True, watchdog=False, handle_signals=False)
-    sequencer = ClockSequencer(controller, HostOnlyTimeline(), lead_s=gpu.switch_latency.effective_s)
+    sequencer = ClockSequencer(controller, HostOnlyTimeline(), latency=gpu.switch_latency)
     durations = tuple(0.01 for _ in plan)
     costs = []
     for iteration in range(iterations):

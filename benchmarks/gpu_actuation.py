@@ -67,7 +67,7 @@ def main() -> int:
     data = torch.randn(args.batch, args.sequence, args.hidden, device="cuda", dtype=torch.bfloat16)
     controller = FrequencyController(gpu, dry_run=True, watchdog=False)  # never touches the GPU
     timeline = CudaTimeline()
-    sequencer = ClockSequencer(controller, timeline, lead_s=latency.effective_s)
+    sequencer = ClockSequencer(controller, timeline, latency=latency)
     computations = 2 * args.layers
     plan = tuple(plan_clocks[(k // 2) % 2] for k in range(computations))
     hook_us: list[float] = []

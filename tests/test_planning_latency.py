@@ -11,7 +11,8 @@ from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.profile import Profile, load_profile
 from perseus_ext.planning.schedule import one_f_one_b
 from perseus_ext.planning.solver import solve_frontier
-from perseus_ext.planning.switching import merge_switches, repair_latency
+from perseus_ext.planning.switching import count_switches, merge_switches, repair_latency, with_fewer_switches
+from perseus_ext.planning.wait_aware import plan_ending_at, solve_wait_aware, waiting_energy
 from planning_profiles import P_BLOCK_A100, profile_path, sub_profile
 
 
@@ -154,6 +155,59 @@ def test_latency_cuts_clock_changes_on_gpt3() -> None:
     changes = [sum(clock_changes(f.plan_for_deadline(d)) for d in deadlines) for f in (instant, slow)]
     assert changes[1] < changes[0]
     assert slow.intrinsic_saving() > 0.1  # latency costs some of the free saving, not all
+
+
+def test_switch_count_by_hand() -> None:
+    model = CostModel(one_f_one_b(2, 2), hand_profile(), 0.0)
+    assert count_switches(model, np.zeros(model.num_nodes, dtype=int)) == 0
+    one_slow = np.zeros((model.num_nodes, 2), dtype=int)
+    one_slow[model.dag.stage_positions[0][1], 0] = 1  # the middle of stage 0's four computations
+    one_slow[model.dag.stage_positions[1][-1], 1] = 1  # the last of stage 1's
+    assert count_switches(model, one_slow).tolist() == [2, 1]
+
+
+def test_a_switch_cost_trades_a_few_joules_for_fewer_changes(raw_a100: Profile) -> None:
+    """Merging with a switch cost never makes a plan later, never adds cost (energy plus the
+    cost per change), removes changes, and gives up at most the cost per change it removes."""
+    profile = sub_profile(raw_a100, 4, tuple(range(1410, 850, -60)))
+    model = CostModel(one_f_one_b(4, 8), profile, P_BLOCK_A100, switch_latency_s=0.005)
+    rng = np.random.default_rng(5)
+    choices = rng.integers(0, 10, size=(model.num_nodes, 32)) % model.num_options[:, None]
+    times, energies = model.replay(choices)
+    cost_j = 2.0
+    merged = merge_switches(model, choices, times, switch_cost_j=cost_j)
+    new_times, new_energies = model.replay(merged)
+    before, after = count_switches(model, choices), count_switches(model, merged)
+    assert np.all(new_times <= times + 1e-9)
+    assert np.all(new_energies + cost_j * after <= energies + cost_j * before + 1e-9)
+    assert after.sum() < before.sum()
+    assert np.all(new_energies - energies <= cost_j * (before - after) + 1e-9)
+
+
+def test_fewer_switches_keeps_the_frontier_honest_and_nearly_as_cheap(raw_a100: Profile) -> None:
+    """The thinned frontier: every plan is its exact replay, the fastest plan is as fast, and
+    for every deadline the iteration is held to, the chosen plan costs at most the switch cost
+    per change more than before while making fewer changes in all."""
+    profile = sub_profile(raw_a100, 4, tuple(range(1410, 600, -90)))
+    schedule = one_f_one_b(4, 8)
+    frontier = solve_wait_aware(schedule, profile, P_BLOCK_A100, switch_latency_s=0.005)
+    cost_j = 5.0  # a quarter of a computation's energy: changes between neighbouring clocks go
+    thinned = with_fewer_switches(frontier, schedule, profile, P_BLOCK_A100, 0.005, cost_j)
+    model = CostModel(schedule, profile, P_BLOCK_A100, 0.005)
+    for plan in thinned.plans:
+        assert (plan.time, plan.energy) == pytest.approx(model.replay(model.choice_of(plan)))
+    assert thinned.fastest.time <= frontier.fastest.time + 1e-9
+    assert thinned.extension_start is not None and 0 < thinned.extension_start < len(thinned.plans)
+    changes = {"before": 0, "after": 0}
+    for factor in (1.0, 1.02, 1.05, 1.1, 1.2, 1.3, 1.5):
+        deadline = frontier.fastest.time * factor
+        old, new = plan_ending_at(frontier, deadline), plan_ending_at(thinned, deadline)
+        old_n, new_n = (int(count_switches(model, model.choice_of(p))) for p in (old, new))
+        changes["before"] += old_n
+        changes["after"] += new_n
+        assert waiting_energy(thinned, new, deadline) <= (
+            waiting_energy(frontier, old, deadline) + cost_j * max(old_n, 1) + 1e-6)
+    assert changes["after"] < changes["before"]
 
 
 def test_bad_switch_latency_is_rejected() -> None:

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from perseus_ext.actuation.exit_guard import register, unregister
+from perseus_ext.actuation.issue_delay import IssueDelay
 from perseus_ext.actuation.observer import MARKER_POLL_S, DeviceObserver, Observation, wait_for_marker
 from perseus_ext.actuation.watchdog import start_watchdog
 from perseus_ext.measurement.gpu import (
@@ -134,6 +135,7 @@ class FrequencyController:
         self.error_count = 0
         self.dropped_count = 0  # requests ignored because the controller was disabled/closed
         self.stale_skipped = 0  # targets superseded before the worker reached them
+        self.issue_delay = IssueDelay()  # how late marker-tied changes go out (the sequencer issues earlier)
         self.applied_count = 0
         self.dry_run_log: list[int] = []
         self.dry_run_count = 0
@@ -343,7 +345,10 @@ class FrequencyController:
                 if self._superseded(item, batch[index + 1:]):
                     self.stale_skipped += 1
                 elif self._reach(item.at) and self._sleep_past(item):
-                    self._apply_clock(item.target)
+                    issued_s = time.perf_counter()
+                    reached = item.at.device_time_s() if item.at is not None else None
+                    if self._apply_clock(item.target) and reached is not None:
+                        self.issue_delay.record(issued_s - reached - item.after_s)
         return False
 
     @staticmethod
@@ -382,25 +387,27 @@ class FrequencyController:
             time.sleep(min(remaining, MARKER_POLL_S))
         return False
 
-    def _apply_clock(self, target: int | _Reset) -> None:
+    def _apply_clock(self, target: int | _Reset) -> bool:
+        """Set (or, in dry-run, record) `target`; True if a change went out."""
         assert self.gpu is not None
         if self.disabled_reason is not None:
             self.dropped_count += 1
-            return
+            return False
         mhz = None if target is _RESET else target
         if mhz == self._applied_clock:
-            return
+            return False
         if self.dry_run:  # recorded with its device-ordered time, for coverage estimates
             self._applied_clock = mhz
             self.changes.append(ClockChange(time.perf_counter(), mhz))
-            return
+            return True
         try:
             self._unlock() if mhz is None else self._lock(mhz)
         except Exception as err:  # any device failure must stay out of the training step
             self._fail("set", err, f"could not {'reset' if mhz is None else f'set {mhz} MHz'}")
-            return
+            return False
         self.applied_count += 1
         self.changes.append(ClockChange(time.perf_counter(), mhz))
+        return True
 
     def _lock(self, mhz: int) -> None:
         """Lock `mhz`, telling the watchdog before (it may land) and after (it did)."""

@@ -7,14 +7,19 @@ applies it when the device reaches that marker:
 * iteration start marker  -> the first computation's clock (the device has finished the previous
   iteration's optimizer step, which ran at the default clock); once the gap between iterations
   (gradient sync, optimizer step) has been measured, issued ahead instead, the switching latency
-  before the next iteration is due to start -- a gap shorter than the latency keeps the last
-  clock (no change could land inside it anyway);
+  plus the ramp before the next iteration is due to start -- in a gap shorter than the switching
+  latency the change lands in the first computation (no change could land inside the gap);
 * end of computation k    -> computation k+1's clock, so the switch happens while the stage waits
   for its next input (for a receive-bound stage that is the start of the communication gap);
   with a communication clock, that clock instead, and k+1's clock at k+1's start marker;
-* when the plan's durations are known, a change is issued ahead by the switching latency
-  (`lead_s`): it is tied to the end of an earlier computation j plus a delay, so that it lands
-  when computation k+1 is planned to start -- the latency is hidden instead of eating into k+1;
+* when the plan's durations are known, a change is issued ahead so that its ramp starts when
+  computation k ends -- or, if the stage then waits for its next input, ends when computation
+  k+1 starts: the whole ramp falls into the wait when the wait is long enough (the planner
+  charges the ramp from computation k's end, `planning/energy.py`). It is tied to the
+  end of an earlier computation j plus the planned time in between: the device's own timeline
+  of the last iteration it completed with the same clocks, else the planned durations plus the
+  waits the device showed then (a pipeline stage's receive waits are idle device time that
+  host-side durations do not show);
 * end of the last computation -> the default clocks: the gradient all-reduce, the optimizer step,
   evaluation and checkpointing run on every stage's critical path, so they get the default clock.
 
@@ -25,11 +30,10 @@ computation so the clock coverage can be estimated from device timestamps.
 from __future__ import annotations
 
 import bisect
-import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from perseus_ext.measurement.gpu.timeline import DeviceMarker, DeviceTimeline
+from perseus_ext.measurement.gpu.timeline import DeviceMarker, DeviceTimeline, SwitchLatency
 
 
 @dataclass
@@ -38,6 +42,20 @@ class IterationTrace:
 
     iteration: int
     spans: list[tuple[DeviceMarker, DeviceMarker | None, int | None]] = field(default_factory=list)
+    start: DeviceMarker | None = None  # the iteration start marker
+
+    def device_offsets(self) -> list[tuple[float, float]] | None:
+        """(start, end) of each computation on the device, seconds after the iteration start
+        marker; None until the device has reached every marker. Never blocks."""
+        start_s = self.start.device_time_s() if self.start is not None else None
+        spans = self.device_spans() if start_s is not None else None
+        if not spans:
+            return None
+        return [(begin - start_s, end - start_s) for begin, end, _ in spans]
+
+    @property
+    def planned_clocks(self) -> tuple[int | None, ...]:
+        return tuple(planned for _, _, planned in self.spans)
 
     def device_spans(self) -> list[tuple[float, float, int | None]] | None:
         """(start s, end s, planned MHz) per computation on the device's clock; None until the
@@ -56,14 +74,20 @@ class ClockSequencer:
     """Turns one stage's per-computation plan into marker-ordered controller requests."""
 
     def __init__(self, controller: Any, timeline: DeviceTimeline, *, communication_clock: int | None = None,
-                 lead_s: float = 0.0) -> None:
+                 latency: SwitchLatency | None = None) -> None:
+        """latency: the GPU's clock-change latency, to issue changes ahead of time (None: apply
+        each change when the device ends the previous computation)."""
         self.controller = controller
         self.timeline = timeline
         self.communication_clock = communication_clock
-        self.lead_s = lead_s
+        self.latency = latency
         self._clocks: tuple[int, ...] | None = None
         self._durations_s: tuple[float, ...] | None = None
-        self._planned_ends_s: list[float] = []  # planned end of each computation from iteration start
+        self._planned_ends_s: list[float] = []  # [0, planned end of each computation] from iteration start
+        self._planned_starts_s: list[float] = []  # planned start of each computation from iteration start
+        # (planned clocks, device offsets) of the last iteration the device completed
+        self._last_completed: tuple[tuple[int | None, ...], list[tuple[float, float]]] = ((), [])
+        self._unresolved: list[IterationTrace] = []  # recent traces the device may not have finished
         self._ends: list[DeviceMarker] = []
         self._previous_last_end: DeviceMarker | None = None  # of the iteration before the last
         self._last_first_start: DeviceMarker | None = None  # of the last iteration
@@ -83,20 +107,54 @@ class ClockSequencer:
         marker = self.timeline.record_marker()
         self._clocks = clocks
         self._durations_s = durations_s
+        self._unresolved = [*self._unresolved[-2:], self.trace]
         if durations_s is not None:
-            self._planned_ends_s = [0.0, *itertools.accumulate(durations_s)]
+            self._plan_timeline(durations_s)
         self._ends = [marker]  # _ends[j + 1]: end of computation j; _ends[0]: iteration start
         self._position = 0
-        self.trace = IterationTrace(iteration)
+        self.trace = IterationTrace(iteration, start=marker)
         if clocks is not None:
-            if self.lead_s > 0 and last_end is not None and gap_s is not None:
-                self.controller.set_clock(clocks[0], at=last_end, after_s=max(0.0, gap_s - self.lead_s))
+            if self._ahead_s > 0 and last_end is not None and gap_s is not None:
+                # The ramp ends as the first computation starts (or lands as early as it can).
+                lead_s = self._ahead_s + self.controller.issue_delay.typical_s
+                self.controller.set_clock(clocks[0], at=last_end, after_s=max(0.0, gap_s - lead_s))
             else:
                 self.controller.set_clock(clocks[0], at=marker)
             self._locked = True
         elif self._locked:
             self.release(marker)
         return marker
+
+    @property
+    def _ahead_s(self) -> float:
+        """Switch latency plus ramp: how long before a clock is fully in force it is issued."""
+        return 0.0 if self.latency is None else self.latency.switch_s + self.latency.transition_s
+
+    def _plan_timeline(self, durations_s: tuple[float, ...]) -> None:
+        """Planned start and end of each computation from the iteration start. From the last
+        iteration the device completed: its own timeline when it ran the same clocks (ramps
+        and waits included), else its waits plus the planned durations (no waits known: none)."""
+        for trace in reversed(self._unresolved):
+            offsets = trace.device_offsets()
+            if offsets is not None:
+                self._unresolved = [t for t in self._unresolved if t.iteration > trace.iteration]
+                self._last_completed = (trace.planned_clocks, offsets)
+                break
+        clocks, offsets = self._last_completed
+        if len(offsets) != len(durations_s):
+            offsets = [(0.0, 0.0)] * len(durations_s)  # nothing known of this schedule: no waits
+        elif clocks == self._clocks:
+            self._planned_starts_s = [begin for begin, _ in offsets]
+            self._planned_ends_s = [0.0, *(end for _, end in offsets)]
+            return
+        starts, ends, at, previous_end = [], [0.0], 0.0, 0.0
+        for (begin, end), duration in zip(offsets, durations_s):
+            at += max(0.0, begin - previous_end)  # the device's wait before this computation
+            previous_end = end
+            starts.append(at)
+            at += duration
+            ends.append(at)
+        self._planned_starts_s, self._planned_ends_s = starts, ends
 
     def _between_iterations_s(self) -> float | None:
         """The device time from the previous iteration's last computation to the last
@@ -131,21 +189,29 @@ class ClockSequencer:
             self.release(marker)
         elif self.communication_clock is not None:
             self.controller.set_clock(self.communication_clock, at=marker)
-        elif upcoming != planned and self._durations_s is not None and self.lead_s > 0:
+        elif upcoming != planned and self._durations_s is not None and self._ahead_s > 0:
             self.controller.set_clock(upcoming, *self._ahead())
         else:
             self.controller.set_clock(upcoming, at=marker)
         return marker
 
     def _ahead(self) -> tuple[DeviceMarker, float]:
-        """(marker, delay) that puts a change `lead_s` before the next computation's planned
-        start: the latest computation end with at least `lead_s` of planned work after it."""
+        """(marker, delay) at which to issue the next computation's clock: its ramp starts as the
+        previous computation ends, later by as much of the wait before the next one as the ramp
+        leaves free (the ramp then ends as the next one starts), but never later than the switch
+        latency after that end (as early as a change tied to it can land: waits vary). Issued
+        earlier by how late the controller's worker typically is (`issue_delay.py`), and tied
+        to the latest computation end planned at or before that time."""
+        latency = self.latency
         ends = self._planned_ends_s  # ends[j + 1]: planned end of computation j (ends[0] = 0)
-        due = ends[self._position] - self.lead_s  # planned start of the next computation, minus the lead
-        if due <= 0.0:
+        previous_end = ends[self._position]
+        wait = self._planned_starts_s[self._position] - previous_end
+        ramp_start = previous_end + max(0.0, min(wait - latency.transition_s, latency.switch_s))
+        issue = ramp_start - latency.switch_s - self.controller.issue_delay.typical_s
+        if issue <= 0.0:
             return self._ends[0], 0.0  # not enough planned work before it: as early as possible
-        j = bisect.bisect_right(ends, due, 0, self._position + 1) - 1  # latest end at or before `due`
-        return self._ends[j], due - ends[j]
+        j = bisect.bisect_right(ends, issue, 0, self._position + 1) - 1  # latest end at or before it
+        return self._ends[j], issue - ends[j]
 
     def planned_clock(self) -> int | None:
         """The clock planned for the computation about to run (None: default clocks)."""

@@ -5,14 +5,26 @@ predecessor's end runs part of its work at the predecessor's clock. A change to 
 then mostly runs fast (energy spent for nothing), and a change to a faster clock runs slow at
 first (time lost). `merge_switches` moves a computation onto its neighbour's clock wherever the
 latency-aware replay says the plan gets cheaper without missing its deadline.
+
+A change whose modelled saving is only a few joules is not worth making: while its ramp runs,
+the computation it lands on is not at its planned clock, and a change landing a little early or
+late costs about as much as it saves. With a switch cost c, `merge_switches` counts every change
+as c joules, and `with_fewer_switches` thins a whole frontier that way (the plans still report
+their exact replayed energy, not the cost).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
 from perseus_ext.planning.dag import NO_NODE
 from perseus_ext.planning.energy import CostModel
+from perseus_ext.planning.frontier import Frontier
+from perseus_ext.planning.profile import Profile
+from perseus_ext.planning.schedule import PipelineSchedule
+from perseus_ext.planning.wait_aware import distinct_plans, pareto_plans, wait_useful_profile
 
 _EPS = 1e-9
 
@@ -31,11 +43,24 @@ def _with_clock(
     return duration, own_e + part * (old_e - own_e)
 
 
+def count_switches(model: CostModel, choice: np.ndarray) -> np.ndarray:
+    """Clock changes between consecutive computations of a stage, per plan (column)."""
+    choice = np.asarray(choice)
+    columns = choice.reshape(len(choice), -1)
+    node = np.flatnonzero(model.dag.stage_prev >= 0)
+    prev = model.dag.stage_prev[node]
+    own = np.take_along_axis(model.frequencies[node], columns[node], axis=1)
+    before = np.take_along_axis(model.frequencies[prev], columns[prev], axis=1)
+    changes = (own != before).sum(axis=0)
+    return changes if choice.ndim > 1 else changes[0]
+
+
 def _move_effects(
     model: CostModel, choice: np.ndarray, trace, slack: np.ndarray, node: np.ndarray,
-    plan: np.ndarray, option: np.ndarray,
+    plan: np.ndarray, option: np.ndarray, switch_cost_j: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Estimated (effective-energy saving, feasible) of putting `node` at `option` in `plan`.
+    """Estimated (cost saving, feasible) of putting `node` at `option` in `plan`; a move
+    removes the change before `node`, worth `switch_cost_j`.
 
     Starts stay put except the stage successor's (pushed by the moved node's new end); the
     exact replay in `merge_switches` has the last word.
@@ -63,31 +88,33 @@ def _move_effects(
         trace.node_energies[nxt_safe, plan] - nxt_e - power * (durations[nxt_safe, plan] - nxt_d)
     )
     nxt_feasible = nxt_start + nxt_d <= finish[nxt_safe, plan] + slack[nxt_safe, plan] + _EPS
-    saving = saving + np.where(has_next, nxt_saving, 0.0)
+    saving = saving + np.where(has_next, nxt_saving, 0.0) + switch_cost_j
     feasible &= ~has_next | nxt_feasible
     return saving, feasible
 
 
 def merge_switches(
-    model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: int = 6
+    model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: int = 6,
+    switch_cost_j: float = 0.0,
 ) -> np.ndarray:
-    """Plans (columns of `choice`) with clock changes merged away where that saves energy.
+    """Plans (columns of `choice`) with clock changes merged away where that saves energy
+    (energy plus `switch_cost_j` per clock change, with a switch cost).
 
     Each round looks, in every plan at once, at the computations on one parity of stage
     positions that pay a switch penalty, and tries both merges: the computation takes its
     predecessor's clock, or the predecessor takes its clock. All moves estimated to save energy
     within their slack are applied together; if the exact latency-aware replay rejects the
     batch (late or not cheaper), the best quarter, then the single best move is tried. A
-    plan's result is never later than its deadline nor more expensive than its input.
+    plan's result is never later than its deadline nor costlier than its input.
     """
     choice = np.array(choice, dtype=np.int64)
-    if model.switch_latency_s <= 0 or not choice.size:
+    if (model.switch_latency_s <= 0 and switch_cost_j <= 0) or not choice.size:
         return choice
     dag = model.dag
     positions = np.zeros(len(dag), dtype=np.int64)
     for pos in dag.stage_positions:
         positions[pos] = np.arange(len(pos))
-    _, energy = model.replay(choice)
+    energy = _cost(model, choice, switch_cost_j)[1]
     active = np.arange(choice.shape[1])
     idle_rounds = np.zeros(choice.shape[1], dtype=np.int64)
     for round_index in range(rounds):
@@ -105,7 +132,7 @@ def merge_switches(
         nodes = np.r_[node_a, node_b]
         plans = np.r_[plan_a, plan_a]
         options = np.r_[option_a, option_b]
-        saving, feasible = _move_effects(model, sub, trace, slack, nodes, plans, options)
+        saving, feasible = _move_effects(model, sub, trace, slack, nodes, plans, options, switch_cost_j)
         good = feasible & (saving > _EPS)
         nodes, plans, options, saving = nodes[good], plans[good], options[good], saving[good]
         # One move per (node, plan): the larger saving wins; rank each plan's moves by saving.
@@ -130,7 +157,8 @@ def merge_switches(
             batch = sub[:, todo].copy()
             column = np.searchsorted(todo, plan_of[pick])
             batch[nodes[order[pick]], column] = options[order[pick]]
-            accepted, energies = _accept(model, batch, deadlines[active[todo]], energy[active[todo]])
+            accepted, energies = _accept(model, batch, deadlines[active[todo]], energy[active[todo]],
+                                         switch_cost_j)
             sub[:, todo[accepted]] = batch[:, accepted]
             new_energy[todo[accepted]] = energies[accepted]
             ok[todo[accepted]] = True
@@ -192,11 +220,54 @@ def repair_latency(
     return choice
 
 
+def _cost(model: CostModel, choice: np.ndarray, switch_cost_j: float) -> tuple[np.ndarray, np.ndarray]:
+    """(times, energies plus `switch_cost_j` per clock change) of plans (columns)."""
+    times, energies = model.replay(choice)
+    if switch_cost_j > 0:
+        energies = energies + switch_cost_j * count_switches(model, choice)
+    return times, energies
+
+
 def _accept(
-    model: CostModel, candidates: np.ndarray, deadlines: np.ndarray, energies: np.ndarray
+    model: CostModel, candidates: np.ndarray, deadlines: np.ndarray, costs: np.ndarray,
+    switch_cost_j: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(mask of candidates that meet their deadline and cost less, their energies)."""
+    """(mask of candidates that meet their deadline and cost less, their costs)."""
     if not candidates.shape[1]:
         return np.zeros(0, dtype=bool), np.zeros(0)
-    times, new = model.replay(candidates)
-    return (times <= deadlines + _EPS) & (new < energies - 1e-9), new
+    times, new = _cost(model, candidates, switch_cost_j)
+    return (times <= deadlines + _EPS) & (new < costs - 1e-9), new
+
+
+def with_fewer_switches(frontier: Frontier, schedule: PipelineSchedule, profile: Profile,
+                        blocking_power: float, switch_latency_s: float, switch_cost_j: float) -> Frontier:
+    """`frontier` with every plan's changes merged away where they save less than
+    `switch_cost_j` each (`merge_switches`), then Pareto-filtered again: the ordinary plans in
+    time and energy, the wait-aware extension in time and energy - S x P_block x time.
+
+    `profile` is the unfiltered profile the frontier was solved from (it has every clock a plan
+    may use); no plan gets slower, and every plan reports its exact replay.
+    """
+    if switch_cost_j <= 0:
+        return frontier
+    model = CostModel(schedule, wait_useful_profile(profile, blocking_power), blocking_power, switch_latency_s)
+    plans = frontier.plans
+    choices = np.stack([model.choice_of(plan) for plan in plans], axis=1)
+    merged = merge_switches(model, choices, np.array([plan.time for plan in plans]),
+                            switch_cost_j=switch_cost_j)
+    changed = np.flatnonzero((merged != choices).any(axis=0))
+    if not changed.size:
+        return frontier
+    times, energies = model.replay(merged[:, changed])
+    thinned = list(plans)
+    for column, plan in zip(changed, model.make_plans(merged[:, changed], times, energies)):
+        thinned[column] = plan
+    split = frontier.extension_start if frontier.extension_start is not None else len(plans)
+    ordinary = pareto_plans(distinct_plans(thinned[:split]), 0.0)
+    slope = len(frontier.fastest.frequencies) * frontier.blocking_power
+    if frontier.extension_start is None:
+        return dataclasses.replace(frontier, plans=tuple(ordinary))
+    chosen = {plan.frequencies.tobytes() for plan in ordinary}
+    extension = [plan for plan in pareto_plans(distinct_plans(thinned), slope)
+                 if plan.frequencies.tobytes() not in chosen]
+    return dataclasses.replace(frontier, plans=tuple(ordinary) + tuple(extension), extension_start=len(ordinary))

@@ -94,11 +94,11 @@ def extend_frontier(
     true_model = CostModel(schedule, useful, blocking_power, switch_latency_s)
     choices = np.stack([true_model.choice_of(p) for p in transformed.plans], axis=1)
     times, energies = true_model.replay(choices)
-    candidates = _distinct([*frontier.ordinary_plans, *true_model.make_plans(choices, times, energies)])
-    ordinary = _pareto(candidates, 0.0)
+    candidates = distinct_plans([*frontier.ordinary_plans, *true_model.make_plans(choices, times, energies)])
+    ordinary = pareto_plans(candidates, 0.0)
     chosen = {id(p) for p in ordinary}
     slope = len(frontier.fastest.frequencies) * frontier.blocking_power
-    extension = [p for p in _pareto(candidates, slope) if id(p) not in chosen]
+    extension = [p for p in pareto_plans(candidates, slope) if id(p) not in chosen]
     if extension:
         logger.info(
             "wait-aware plans: %d beyond the %d ordinary ones, up to T %.4f s (T* %.4f s)",
@@ -153,7 +153,7 @@ def plan_ending_at(frontier: Frontier, deadline: float) -> Plan:
     return best
 
 
-def _distinct(plans: list[Plan]) -> list[Plan]:
+def distinct_plans(plans: list[Plan]) -> list[Plan]:
     """Plans with distinct clocks, the first of each kept."""
     seen: set[bytes] = set()
     kept = []
@@ -165,7 +165,7 @@ def _distinct(plans: list[Plan]) -> list[Plan]:
     return kept
 
 
-def _pareto(plans: list[Plan], slope: float) -> list[Plan]:
+def pareto_plans(plans: list[Plan], slope: float) -> list[Plan]:
     """Plans Pareto-optimal in (time, energy - slope x time), by time; times equal to 1e-12 s
     count as equal (replays along one critical path differ by rounding)."""
     times = np.round([p.time for p in plans], 12)

@@ -52,6 +52,7 @@ class SolveProblem:
     measured: MeasuredProfile
     options: object | None  # perseus_ext.planning.solver.SolverOptions, or None for its defaults
     switch_latency_s: float
+    switch_cost_j: float = 0.0  # what a clock change must save to be kept (planning/switching.py)
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ class PerseusRuntime:
                                       pipeline=self.comm.pipeline, num_pipelines=self.comm.num_pipelines)
         self.sequencer = ClockSequencer(self.controller, self.timeline,
                                         communication_clock=self.setup.communication_clock,
-                                        lead_s=self.setup.latency.effective_s)
+                                        latency=self.setup.latency)
         self.store = ProfileStore(config.profile_path, gpus_per_stage=self.comm.gpus_per_stage,
                                   gpu_name=self.gpu.name if self.gpu is not None else None,
                                   blocking_power_per_gpu_w=config.blocking_power_w or config.saved_blocking_power_w)
@@ -408,9 +408,12 @@ class PerseusRuntime:
             self._leader_outcome = SolveOutcome(None, "no usable profile", 0.0, False)
             return
         try:
-            # Changes within an iteration are issued ahead by the switching latency (ClockSequencer),
-            # so what plans pay per change is about half the ramp.
-            problem = SolveProblem(self.schedule, measured, self.config.solver, self.setup.latency.transition_s / 2)
+            # Changes within an iteration are issued so that the ramp starts as the previous
+            # computation ends (ClockSequencer): what plans pay per change is about half the
+            # ramp. A change must also save more than the stage draws idle during one ramp.
+            ramp_s = self.setup.latency.transition_s
+            problem = SolveProblem(self.schedule, measured, self.config.solver, ramp_s / 2,
+                                   switch_cost_j=ramp_s * measured.blocking_power_per_stage_w)
             if self.config.solve_in_background:
                 self._solver = BackgroundSolve(problem)
             else:
