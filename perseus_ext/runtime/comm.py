@@ -211,11 +211,12 @@ class ControlPlane:
         self._dist.broadcast_object_list(box, src=self.pipeline_leader(), group=self._pipeline_group)
         return box[0]
 
-    def all_reduce_by(self, values: Sequence[float], op: str, deadline_s: float) -> list[float]:
+    def all_reduce_by(self, values: Sequence[float], op: str, deadline_s: float | None) -> list[float]:
         """`all_sum` / `all_max` that gives up at `deadline_s` (`time.monotonic()`) with a
         TimeoutError instead of waiting out the groups' timeout: at close, where a rank whose
-        peers never come must still exit. A step given up stays pending in gloo (no Python thread
-        waits on it) and completes if the peers come later."""
+        peers never come must still exit. A step given up stays pending in gloo (no Python
+        thread waits on it) and completes if the peers come later, or fails at the groups'
+        timeout. `deadline_s` None: the groups' timeout."""
         if self._dist is None:
             return [float(v) for v in values]
         import time
@@ -229,10 +230,11 @@ class ControlPlane:
             if size > 1:
                 work = self._dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
                 try:
-                    work.wait(datetime.timedelta(seconds=max(deadline_s - time.monotonic(), 0.001)))
+                    work.wait() if deadline_s is None else work.wait(
+                        datetime.timedelta(seconds=max(deadline_s - time.monotonic(), 0.001)))
                 except RuntimeError:
-                    if time.monotonic() < deadline_s:
-                        raise  # a peer died, or the group broke: not a matter of time
+                    if deadline_s is None or time.monotonic() < deadline_s - 0.1:
+                        raise  # a peer died, the group broke or timed out itself
                     raise TimeoutError(f"the {name} group's ranks did not all join in time") from None
                 self._count(name, len(values))
         return tensor.tolist()

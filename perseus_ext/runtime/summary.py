@@ -215,9 +215,11 @@ def gather_job_summary(runtime: "PerseusRuntime", summary: dict[str, Any]) -> tu
                     -math.inf if fell_back_at is None else -float(fell_back_at)]
     ranks = len(comm.members)
 
-    # Bounded: a rank whose peers died or never close must still exit (the groups themselves
-    # time out only after control_timeout_s, by default half an hour).
-    deadline_s = time.monotonic() + min(JOB_SUMMARY_WAIT_S, runtime.config.control_timeout_s)
+    # Bounded: a rank whose peers died or never close must still exit, and the groups themselves
+    # time out only after control_timeout_s (by default half an hour). A shorter timeout is left
+    # to the groups, so that no reduction stays pending when the process exits.
+    timeout_s = runtime.config.control_timeout_s
+    deadline_s = None if timeout_s <= JOB_SUMMARY_WAIT_S else time.monotonic() + JOB_SUMMARY_WAIT_S
     try:
         (length,) = comm.all_reduce_by([max((s.iteration for s in samples), default=-1) + 1], "max", deadline_s)
         sums, maxes = _encode(samples, int(length), rank_figures)
@@ -230,6 +232,7 @@ def gather_job_summary(runtime: "PerseusRuntime", summary: dict[str, Any]) -> tu
     job = job_figures(_decode(sums[:-3], maxes[:-1], length, ranks))
     job.update(
         ranks=ranks, mode=summary["mode"], final_phase=summary["final_phase"],
+        baseline_fraction=summary["baseline_fraction"],
         power_limit_mode=summary["policy"]["mode"] == "power_limit",
         fell_back_ranks=round(fell_back),
         first_fallback_iteration=None if first_fallback == -math.inf else round(-first_fallback),
@@ -339,9 +342,11 @@ def job_line(job: dict[str, Any]) -> str:
         parts.append(f"power-limit mode (no baseline probes): energy/iteration "
                      f"{costs['power_limit']['energy_per_iteration_j']:.1f} J under the limits"
                      + (f", {warmup:.1f} J in warm-up at default clocks (unpaired)" if warmup else ""))
+    elif job["final_phase"] == "deployed":
+        parts.append(f"no baseline probe recorded (baseline_fraction {job['baseline_fraction']:g}): "
+                     "no measured saving")
     else:
-        parts.append(f"final phase {job['final_phase']}: no plan iteration and baseline probe to compare, "
-                     "so no measured saving")
+        parts.append(f"final phase {job['final_phase']}: no plan ran, so no saving")
     if job["fell_back_ranks"]:
         parts.append(f"{job['fell_back_ranks']} of {job['ranks']} ranks fell back to default clocks ({fallback})")
     if job["model_intrinsic_saving"] is not None:
