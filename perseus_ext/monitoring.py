@@ -15,8 +15,8 @@ an iteration late) as scalars stepped by the iteration number:
   against the baseline probes so far, with its 95 % interval.
 
 The figures are the writing rank's (DeepSpeed's monitor writes on global rank 0, Megatron's
-writers live on the last rank); `perseus-ext report` gives the job's. A failing writer is
-logged once and dropped: metrics never break training.
+writers live on the last rank); the job's figure is rank 0's line at close and `perseus-ext
+report`'s. A failing writer is logged once and dropped: metrics never break training.
 """
 
 from __future__ import annotations

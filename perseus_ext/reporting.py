@@ -2,7 +2,8 @@
 
 Why: the runtime's summary is per rank and a job has no side-by-side twin; the JSONL of every
 rank holds what the device ran in each iteration (phase, plan, baseline probes, time, energy),
-which is all a job-level figure needs. The command prints per-rank lines and the job's measured
+which is all a job-level figure needs (the runtime computes the same figure at close, from the
+same records, with `perseus_ext.runtime.summary.job_figures`). The command prints per-rank lines and the job's measured
 saving against the baseline probes with its confidence interval (energy summed over the ranks,
 time of the slowest), split into the fastest-plan (intrinsic) and straggler (extrinsic) regimes,
 the probes' own cost, and what warm-up, profiling and solving cost on their own. With
@@ -55,7 +56,8 @@ def read_logs(paths: Iterable[str | Path]) -> dict[int, list[dict[str, Any]]]:
 
 def analyse(rows_by_rank: dict[int, list[dict[str, Any]]], model_saving: float | None = None) -> dict[str, Any]:
     """Per-rank and job-level measured saving, probe cost and phase costs (JSON-ready)."""
-    from perseus_ext.runtime.baseline import Sample, default_figures, job_samples, measured_counterfactual, phase_costs
+    from perseus_ext.runtime.baseline import Sample, job_samples, measured_counterfactual
+    from perseus_ext.runtime.summary import job_figures
 
     samples = {rank: [Sample.of_row(row) for row in rows] for rank, rows in rows_by_rank.items()}
     ranks = {}
@@ -66,14 +68,9 @@ def analyse(rows_by_rank: dict[int, list[dict[str, Any]]], model_saving: float |
                        "fell_back_at_iteration": next((s.iteration for s in own if s.label == "fallback"), None),
                        "measured": measured}
     job = job_samples(samples.values())
-    measured = measured_counterfactual(job)
-    default_energy_j, default_time_s = default_figures(job, measured)
     return {
         "ranks": ranks,
-        "job": {"iterations": len(job), "measured": measured,
-                "default_per_iteration": {"energy_j": default_energy_j, "time_s": default_time_s},
-                "phase_costs": phase_costs(job, default_energy_j, default_time_s),
-                "model_intrinsic_saving": model_saving},
+        "job": {**job_figures(job), "model_intrinsic_saving": model_saving},
         "timeline": {"iterations": [s.iteration for s in job], "labels": [timeline_label(s) for s in job],
                      "time_s": [s.time_s for s in job], "energy_j": [s.energy_j for s in job]},
     }

@@ -127,6 +127,7 @@ def launch(tmp: Path, nproc: int, layout: list[str], runs: dict[str, dict], time
             log += [json.loads(line) for line in path.read_text().splitlines()]
         done[name] = Run(name, json.loads((tmp / f"{name}.json").read_text()), log)
     done["output"] = output
+    done["dir"] = tmp
     return done
 
 
@@ -171,7 +172,11 @@ def pp2(tmp_path_factory) -> dict[str, Run]:
         "observe": {"perseus": "observe", "iterations": 10},
         "optimize": {"perseus": "optimize"},
         "misplanned": {"perseus": "optimize", "misplan": True, "iterations": 4},
-    }, timeout=240)
+        # As a Megatron user watches a run: the example's --tensorboard-dir (the last rank's
+        # SummaryWriter), with baseline probes for a measured saving.
+        "monitored": {"perseus": "optimize", "iterations": 24,
+                      "argv": ["--tensorboard-dir", str(tmp / "tensorboard"), "--perseus-baseline-fraction", "0.25"]},
+    }, timeout=330)
 
 
 def test_pp2_perseus_saves_energy_at_the_same_speed(pp2):
@@ -188,6 +193,48 @@ def test_pp2_schedule_mismatch_logs_one_error_and_falls_back(pp2):
         assert summary["final_phase"] != "deployed"
     errors = [line for line in pp2["output"].splitlines() if "runs at default clocks from now on" in line]
     assert len(errors) == 2, errors  # exactly one per rank
+
+
+def test_pp2_tensorboard_gets_the_perseus_metrics_and_the_job_figure_is_the_reports(pp2):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from perseus_ext.reporting import analyse, read_logs
+    from perseus_ext.runtime.summary import job_line
+
+    run = pp2["monitored"]
+    events = EventAccumulator(str(pp2["dir"] / "tensorboard"))
+    events.Reload()
+    scalars = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    assert [step for step, _ in scalars["lm loss"]] == list(range(24))
+    assert [step for step, _ in scalars["perseus/energy_per_iteration_j"]] == list(range(24))  # none lost at close
+    assert all(value > 0 for _, value in scalars["perseus/energy_per_iteration_j"] + scalars["perseus/time_per_iteration_s"])
+    phases = [value for _, value in scalars["perseus/phase"]]
+    assert phases == sorted(phases) and phases[0] == 0 and phases[-1] == 3  # warm-up, profiling, solving, deployed
+    assert 1 in phases and 2 in phases
+    deployed = {step for step, value in scalars["perseus/phase"] if value == 3}
+    coverage = dict(scalars["perseus/clock_coverage"])
+    plans = dict(scalars["perseus/plan"])
+    probes = {step for step, value in scalars["perseus/baseline_probe"] if value == 1}
+    assert probes and probes < deployed
+    assert {step for step in deployed if plans[step] >= 0} == deployed - probes
+    assert set(coverage) == deployed - probes and all(0 <= value <= 1 for value in coverage.values())
+    assert all(value == 1.0 for step, value in scalars["perseus/straggler_factor"] if step in deployed)
+    low, high = scalars["perseus/saving_low"][-1][1], scalars["perseus/saving_high"][-1][1]
+    assert low < scalars["perseus/saving"][-1][1] < high
+    # The last rank's writer has the last rank's figures: its log's records, step by step.
+    last = {r["iteration"]: r["energy_j"] for r in run.log if r["rank"] == 1}
+    assert dict(scalars["perseus/energy_per_iteration_j"]) == pytest.approx(last, rel=1e-6)  # float32 events
+
+    job = run.summaries[0]["job"]
+    assert all(summary["job"] == job for summary in run.summaries)
+    report = analyse(read_logs(sorted(pp2["dir"].glob("monitored-*.jsonl"))))["job"]
+    assert job["iterations"] == report["iterations"] == 24
+    assert job["measured"] == report["measured"] and job["phase_costs"] == report["phase_costs"]
+    assert job["measured"]["all"]["probes"] >= 2
+    assert job_line(job) in pp2["output"]
+    observe = pp2["observe"].summaries[0]["job"]
+    assert observe["default_per_iteration"]["energy_j"] > 0
+    assert job_line(observe) in pp2["output"] and "observe mode at default clocks: energy/iteration" in job_line(observe)
 
 
 # ----------------------------------------------------------------------------- PP=2 x DP=2

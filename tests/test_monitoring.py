@@ -4,6 +4,7 @@ Megatron's writer produces) and DeepSpeed's CSV monitor, from a real pipeline jo
 from __future__ import annotations
 
 import csv
+import sys
 
 import pytest
 
@@ -34,6 +35,35 @@ def test_metrics_reach_a_tensorboard_event_file(tmp_path):
     phases = [e.value for e in events.Scalars("perseus/phase")]
     assert phases[0] == 0 and phases[-1] == 3  # warm-up ... deployed
     assert max(e.value for e in events.Scalars("perseus/baseline_probe")) == 1.0
+
+
+def test_megatron_lms_global_writers_are_found(monkeypatch):
+    """Under Megatron-LM (`megatron.training`, absent with megatron-core alone) the writers come
+    from its global variables: None on ranks without one."""
+    import types
+
+    class Writer:
+        def __init__(self):
+            self.events = []
+
+        def add_scalar(self, *event):
+            self.events.append(event)
+
+        def log(self, values, step):
+            self.events.append((values, step))
+
+    tensorboard, wandb = Writer(), Writer()
+    global_vars = types.SimpleNamespace(get_tensorboard_writer=lambda: tensorboard, get_wandb_writer=lambda: wandb)
+    training = types.ModuleType("megatron.training")
+    training.global_vars = global_vars
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    sinks = megatron_sinks()
+    for sink in sinks:
+        sink([("perseus/phase", 3.0, 7), ("perseus/plan", 0.0, 7)])
+    assert tensorboard.events == [("perseus/phase", 3.0, 7), ("perseus/plan", 0.0, 7)]
+    assert wandb.events == [({"perseus/phase": 3.0, "perseus/plan": 0.0}, 7)]
+    global_vars.get_tensorboard_writer = global_vars.get_wandb_writer = lambda: None
+    assert megatron_sinks() == []
 
 
 def test_a_failing_writer_is_dropped_without_breaking_training():

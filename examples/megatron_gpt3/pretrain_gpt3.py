@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--log-interval", type=int, default=1)
     train.add_argument("--metrics-file", help="write per-iteration loss/time as JSON (rank 0)")
+    logs = parser.add_argument_group("logging (Megatron-LM's flags)")
+    logs.add_argument("--tensorboard-dir", help="TensorBoard event files, written by the last rank as in "
+                      "Megatron-LM: 'lm loss' and, with --perseus, the perseus/* metrics")
+    logs.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                      help="events buffered before the writer flushes them")
     par.add_argument("--microbatch-group-size-per-vp-stage", type=int, default=None,
                      help="megatron-core's interleaving group (default: pipeline size)")
     perseus_megatron.add_perseus_args(parser)
@@ -210,12 +215,24 @@ def global_batch_size(args: argparse.Namespace, consumed_samples: int) -> int:
     return min(args.global_batch_size, start + increment * (consumed_samples // (samples // steps)))
 
 
+def tensorboard_writer(args: argparse.Namespace):
+    """Megatron-LM's arrangement: with --tensorboard-dir the last rank (the last pipeline stage,
+    which computes the loss) holds a SummaryWriter; every other rank has none."""
+    if not args.tensorboard_dir or dist.get_rank() != dist.get_world_size() - 1:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+
+
 def train(args: argparse.Namespace) -> dict:
     """Build the model and optimizer, run `--train-iters` iterations; returns the per-iteration
     metrics (loss, seconds) and, with --perseus, every rank's Perseus summary."""
     initialize_distributed(args)
+    writer = tensorboard_writer(args)
     # Before the microbatches are counted: a batch-size policy sets --global-batch-size here.
-    perseus = perseus_megatron.install(args)
+    # The perseus/* metrics go to the same writer as the loss.
+    perseus = perseus_megatron.install(args, tensorboard_writer=writer)
     dp_size = parallel_state.get_data_parallel_world_size()
     per_step = args.micro_batch_size * dp_size
     starts = [args.global_batch_size] + list(args.rampup_batch_size or ())[:2]
@@ -255,6 +272,8 @@ def train(args: argparse.Namespace) -> dict:
             loss = average_loss(losses)
             iterations.append({"iteration": iteration, "loss": loss, "seconds": seconds,
                                "microbatches": num_microbatches})
+            if writer is not None:
+                writer.add_scalar("lm loss", loss, iteration)
             if dist.get_rank() == 0 and (iteration + 1) % args.log_interval == 0:
                 print(f"iteration {iteration + 1:5d}/{args.train_iters} | lm loss {loss:.6f} | "
                       f"grad norm {grad_norm:.3f} | {seconds * 1000:.1f} ms", flush=True)
@@ -265,7 +284,9 @@ def train(args: argparse.Namespace) -> dict:
             print(f"perseus: {stop}", flush=True)
     finally:
         if perseus is not None:
-            summary = perseus.close()
+            summary = perseus.close()  # rank 0 logs the job's energy, saving and time cost
+        if writer is not None:
+            writer.close()
     summaries = None
     if perseus is not None:
         summaries = [None] * dist.get_world_size()
@@ -281,36 +302,11 @@ def main(argv: list[str] | None = None) -> dict:
         if os.environ.get("RANK", "0") == "0":
             logging.getLogger("perseus_ext").setLevel(logging.INFO)
     metrics = train(args)
-    if dist.get_rank() == 0:
-        if metrics["perseus"]:
-            report_perseus(metrics["perseus"])
-        if args.metrics_file:
-            with open(args.metrics_file, "w", encoding="utf-8") as out:
-                json.dump(metrics, out, indent=1, default=str)
+    if dist.get_rank() == 0 and args.metrics_file:
+        with open(args.metrics_file, "w", encoding="utf-8") as out:
+            json.dump(metrics, out, indent=1, default=str)
     dist.barrier()
     return metrics
-
-
-def report_perseus(summaries: list[dict]) -> None:
-    """Whole-job energy and time per iteration, default clocks vs the deployed plans."""
-    def total(phase: str, key: str) -> float | None:
-        values = [(s.get(phase) or {}).get(key) for s in summaries]
-        if any(v is None for v in values):
-            return None
-        return sum(values) if key == "energy_j" else max(values)
-
-    before, after = total("default_clocks", "energy_j"), total("deployed", "energy_j")
-    t_before, t_after = total("default_clocks", "time_s"), total("deployed", "time_s")
-    fallbacks = sorted({s["fallback_reason"] for s in summaries if s.get("fallback_reason")})
-    if before and after:
-        print(f"perseus: energy/iteration {before:.1f} J -> {after:.1f} J "
-              f"({100 * (1 - after / before):.1f}% saved), time/iteration {t_before:.4f} s -> "
-              f"{t_after:.4f} s ({100 * (t_after / t_before - 1):+.2f}%)", flush=True)
-    else:
-        print(f"perseus: final phase {summaries[0].get('final_phase')} (no deployed plan to "
-              "compare)", flush=True)
-    for reason in fallbacks:
-        print(f"perseus: fallback to default clocks: {reason}", flush=True)
 
 
 def shutdown() -> None:

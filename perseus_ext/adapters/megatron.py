@@ -502,6 +502,7 @@ class MegatronPerseus:
             self._unpatch()
         if self.runtime is not None:
             self.runtime.close()
+            self.metrics.write()  # the last iterations, recorded as the device finished them
         return self.summary()
 
 

@@ -211,6 +211,34 @@ class ControlPlane:
         self._dist.broadcast_object_list(box, src=self.pipeline_leader(), group=self._pipeline_group)
         return box[0]
 
+    def all_reduce_by(self, values: Sequence[float], op: str, deadline_s: float | None) -> list[float]:
+        """`all_sum` / `all_max` that gives up at `deadline_s` (`time.monotonic()`) with a
+        TimeoutError instead of waiting out the groups' timeout: at close, where a rank whose
+        peers never come must still exit. A step given up stays pending in gloo (no Python
+        thread waits on it) and completes if the peers come later, or fails at the groups'
+        timeout. `deadline_s` None: the groups' timeout."""
+        if self._dist is None:
+            return [float(v) for v in values]
+        import time
+
+        import torch
+
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        reduce_op = {"max": self._dist.ReduceOp.MAX, "sum": self._dist.ReduceOp.SUM}[op]
+        for name, group, size in (("pipeline", self._pipeline_group, len(self.pipeline_members)),
+                                  ("peers", self._peer_group, len(self.peer_ranks))):
+            if size > 1:
+                work = self._dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
+                try:
+                    work.wait() if deadline_s is None else work.wait(
+                        datetime.timedelta(seconds=max(deadline_s - time.monotonic(), 0.001)))
+                except RuntimeError:
+                    if deadline_s is None or time.monotonic() < deadline_s - 0.1:
+                        raise  # a peer died, the group broke or timed out itself
+                    raise TimeoutError(f"the {name} group's ranks did not all join in time") from None
+                self._count(name, len(values))
+        return tensor.tolist()
+
 
 def check_pipeline_rank(pp_group: Any, stage: int) -> None:
     """The pipeline group's ranks must be ordered by stage (what the plan's stage index means)."""

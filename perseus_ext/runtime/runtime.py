@@ -45,7 +45,7 @@ from perseus_ext.runtime.recurring import JobCoordinator
 from perseus_ext.runtime.records import IterationSetting, MeasuredProfile, SolveOutcome, SolveProblem
 from perseus_ext.runtime.shipping import StageFrontier, ship, shipped_bytes
 from perseus_ext.runtime.solver_process import BackgroundSolve, solve
-from perseus_ext.runtime.summary import build_summary, log_summary
+from perseus_ext.runtime.summary import build_summary, gather_job_summary, log_summary
 from perseus_ext.measurement.gpu import GPU
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ class PerseusRuntime:
         self.phase = Phase.WARMUP if config.mode == "optimize" else Phase.OBSERVING
         self.iteration = 0
         self.fallback_reason: str | None = None
+        self.control_plane_failed = False  # a lifecycle collective failed: this rank joins no more
         self.profiling: ProfilingRun | None = None
         self.deployment: PlanDeployment | None = None
         self.power_limit: PowerLimitMode | None = None
@@ -210,6 +211,7 @@ class PerseusRuntime:
             # Most likely a control-plane collective timed out (a rank died or stalled): the
             # groups are unusable, so stop all lifecycle collectives on this rank.
             self.fall_back("lifecycle step failed", err)
+            self.control_plane_failed = True
             self._set_phase(Phase.OBSERVING)
         self.iteration += 1
         if self.job is not None and self.job.on_iteration_end():
@@ -515,7 +517,9 @@ class PerseusRuntime:
             logger.exception("perseus-ext: closing the device timeline failed")
         try:
             self._summary = build_summary(self)
-            log_summary(self._summary, self.config.summary_path)
+            # Every rank: the job's figures (bounded wait for the others), logged by rank 0.
+            self._summary["job"], job_error = gather_job_summary(self, self._summary)
+            log_summary(self._summary, self.config.summary_path, job_error)
         except Exception:
             logger.exception("perseus-ext: writing the summary failed")
         if self.job is not None:

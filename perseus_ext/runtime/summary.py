@@ -5,7 +5,13 @@ of a fallen-back rank, not as deployed ones (`final_phase` is then "fallback"), 
 reported only for iterations that ran a plan. The saving is measured against the baseline probes
 (`perseus_ext.runtime.baseline`), with its confidence interval; the frontier's figure stays
 beside it, labelled as a model; warm-up, profiling and solving are their own cost (`phase_costs`),
-never mixed into the saving. A job-level figure needs every rank's records: `perseus-ext report`.
+never mixed into the saving.
+
+A rank's figures are not the job's: a stage with slack saves more than the busiest one, so
+per-rank savings of -2 % to +16 % sat beside a job saving of 0 to 4 %. At close every rank
+therefore reduces its iterations into the job's (`gather_job_summary`: energy summed over the
+GPUs, time of the slowest, the same `job_figures` that `perseus-ext report` computes from the
+logs), rank 0 logs that one line and per-rank lines go to DEBUG.
 """
 
 from __future__ import annotations
@@ -13,11 +19,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import statistics
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from perseus_ext.runtime.baseline import Comparison, Sample, default_figures, measured_counterfactual, phase_costs
+from perseus_ext.runtime.baseline import (
+    FALLBACK,
+    PROBE,
+    Comparison,
+    Sample,
+    default_figures,
+    measured_counterfactual,
+    phase_costs,
+)
 from perseus_ext.runtime.phase import Phase
 from perseus_ext.runtime.records import IterationRecord
 
@@ -59,8 +75,8 @@ def build_summary(runtime: "PerseusRuntime") -> dict[str, Any]:
     deployment = runtime.deployment
     profiling = runtime.profiling
     samples = [Sample.of_record(r) for r in history]
-    measured = measured_counterfactual(samples)
-    default_energy_j, default_time_s = default_figures(samples, measured)
+    figures = job_figures(samples)
+    measured = figures["measured"]
     fell_back_at = next((r.iteration for r in history if r.setting.fell_back), None)
     result: dict[str, Any] = {
         "rank": runtime.comm.rank, "pipeline": runtime.comm.pipeline, "stage": runtime.stage,
@@ -78,8 +94,8 @@ def build_summary(runtime: "PerseusRuntime") -> dict[str, Any]:
         "deployed_extrinsic": _stats([r for r in deployed if r.setting.factor and r.setting.factor > 1.0]),
         "baseline_fraction": runtime.config.baseline_fraction,
         "measured": measured,
-        "default_per_iteration": {"energy_j": default_energy_j, "time_s": default_time_s},
-        "phase_costs": phase_costs(samples, default_energy_j, default_time_s),
+        "default_per_iteration": figures["default_per_iteration"],
+        "phase_costs": figures["phase_costs"],
         "clock_coverage": _coverage(runtime, deployed),
         "plan_switches": [dataclasses.asdict(s) for s in deployment.switches] if deployment else [],
         "controller_errors": runtime.controller.error_count,
@@ -137,8 +153,99 @@ def _policy_summary(runtime: "PerseusRuntime") -> dict[str, Any]:
     return result
 
 
-def log_summary(summary: dict[str, Any], summary_path: str | None) -> None:
-    """Write the JSON file (a failure is logged: close() never raises) and one log line."""
+def job_figures(samples: list[Sample]) -> dict[str, Any]:
+    """Measured saving (against the probes), default-clock figures and phase costs of a run's
+    samples: one rank's, or the job's (`job_samples`); `perseus-ext report` and the runtime's
+    close both use it, so they agree."""
+    measured = measured_counterfactual(samples)
+    default_energy_j, default_time_s = default_figures(samples, measured)
+    return {"iterations": len(samples), "measured": measured,
+            "default_per_iteration": {"energy_j": default_energy_j, "time_s": default_time_s},
+            "phase_costs": phase_costs(samples, default_energy_j, default_time_s)}
+
+
+# ------------------------------------------------------------------------------ the job at close
+JOB_SUMMARY_WAIT_S = 60.0  # longest wait for the other ranks at close (capped by control_timeout_s)
+LABELS = tuple(phase.value for phase in Phase) + (PROBE, FALLBACK)  # a rank's iteration labels, coded
+MIXED = "mixed"  # ranks ran different settings in one iteration (as `baseline.job_samples` says)
+
+
+def _encode(samples: list[Sample], length: int, rank_figures: list[float]) -> tuple[list[float], list[float]]:
+    """This rank's share of the job's per-iteration figures as two vectors, one summed and one
+    maxed over the ranks: per iteration [present, energy, energy missing, fell back] and [time,
+    factor, label code, -label code] (min = -max of the negation), then `rank_figures`."""
+    sums, maxes = [0.0] * (4 * length), [0.0] * (4 * length)
+    for sample in samples:
+        k, code = sample.iteration, LABELS.index(sample.label)
+        sums[k] = 1.0
+        sums[length + k] = sample.energy_j or 0.0
+        sums[2 * length + k] = float(sample.energy_j is None)
+        sums[3 * length + k] = float(sample.label == FALLBACK)
+        maxes[k], maxes[length + k] = sample.time_s, sample.factor or 0.0
+        maxes[2 * length + k], maxes[3 * length + k] = code, -code
+    return sums + rank_figures[:3], maxes + rank_figures[3:]
+
+
+def _decode(sums: list[float], maxes: list[float], length: int, ranks: int) -> list[Sample]:
+    """The job's samples (`baseline.job_samples` over every rank): iterations every rank
+    recorded, energy summed, time of the slowest, one label if all ranks ran it."""
+    job = []
+    for k in range(length):
+        if round(sums[k]) < ranks:
+            continue
+        high, low = int(maxes[2 * length + k]), -int(maxes[3 * length + k])
+        label = LABELS[high] if high == low else FALLBACK if sums[3 * length + k] > 0 else MIXED
+        energy = None if sums[2 * length + k] > 0 else sums[length + k]
+        job.append(Sample(k, label, maxes[length + k] or None, maxes[k], energy))
+    return job
+
+
+def gather_job_summary(runtime: "PerseusRuntime", summary: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """(the job's figures, None), identical on every rank, or (None, why not). Every rank calls
+    it at close: three reductions over the control plane, of eight numbers per iteration. A
+    rank whose control plane failed earlier skips them, and every rank gives up after a bounded
+    wait (`JOB_SUMMARY_WAIT_S`, at most `control_timeout_s`); never raises."""
+    comm = runtime.comm
+    if runtime.control_plane_failed:
+        return None, "this rank's control plane failed earlier (its error says why)"
+    samples = [Sample.of_record(r) for r in runtime.recorder.history]
+    coverage = summary["clock_coverage"]["exact"] or summary["clock_coverage"]["estimated"]
+    fell_back_at = summary["fell_back_at_iteration"]
+    rank_figures = [float(fell_back_at is not None), coverage or 0.0, float(coverage is not None),
+                    -math.inf if fell_back_at is None else -float(fell_back_at)]
+    ranks = len(comm.members)
+
+    # Bounded: a rank whose peers died or never close must still exit, and the groups themselves
+    # time out only after control_timeout_s (by default half an hour). A shorter timeout is left
+    # to the groups, so that no reduction stays pending when the process exits.
+    timeout_s = runtime.config.control_timeout_s
+    deadline_s = None if timeout_s <= JOB_SUMMARY_WAIT_S else time.monotonic() + JOB_SUMMARY_WAIT_S
+    try:
+        (length,) = comm.all_reduce_by([max((s.iteration for s in samples), default=-1) + 1], "max", deadline_s)
+        sums, maxes = _encode(samples, int(length), rank_figures)
+        sums, maxes = comm.all_reduce_by(sums, "sum", deadline_s), comm.all_reduce_by(maxes, "max", deadline_s)
+    except Exception as err:
+        return None, f"gathering the ranks' figures failed: {err}"
+    length = int(length)
+    fell_back, coverage_sum, coverage_count = sums[-3:]
+    first_fallback = maxes[-1]
+    job = job_figures(_decode(sums[:-3], maxes[:-1], length, ranks))
+    job.update(
+        ranks=ranks, mode=summary["mode"], final_phase=summary["final_phase"],
+        baseline_fraction=summary["baseline_fraction"],
+        power_limit_mode=summary["policy"]["mode"] == "power_limit",
+        fell_back_ranks=round(fell_back),
+        first_fallback_iteration=None if first_fallback == -math.inf else round(-first_fallback),
+        clock_coverage=coverage_sum / coverage_count if coverage_count else None,
+        model_intrinsic_saving=summary["model"]["intrinsic_saving"] if "model" in summary else None,
+    )
+    return job, None
+
+
+def log_summary(summary: dict[str, Any], summary_path: str | None, job_error: str | None = None) -> None:
+    """Write the JSON file (a failure is logged: close() never raises) and the log lines: the
+    job's line on rank 0 (its own line at DEBUG, every other rank's too); without a job figure
+    rank 0's own line at INFO and why there is no job figure."""
     if summary_path:
         path = Path(summary_path.format(rank=summary["rank"]))
         try:
@@ -146,7 +253,16 @@ def log_summary(summary: dict[str, Any], summary_path: str | None) -> None:
             path.write_text(json.dumps(summary, indent=2))
         except OSError as err:
             logger.error("perseus-ext: cannot write the summary to %s: %s", path, err)
-    logger.info("%s", summary_line(summary))
+    rank_zero = summary["rank"] == 0
+    job = summary.get("job")
+    logger.log(logging.INFO if rank_zero and job is None else logging.DEBUG, "%s", summary_line(summary))
+    if not rank_zero:
+        return
+    if job is not None:
+        logger.info("%s", job_line(job))
+    elif job_error is not None:
+        logger.warning("perseus-ext: no job summary (%s); per-rank figures are in the summaries, or "
+                       "run perseus-ext report on every rank's log", job_error)
 
 
 def summary_line(summary: dict[str, Any]) -> str:
@@ -166,15 +282,8 @@ def summary_line(summary: dict[str, Any]) -> str:
         return (f"{head}; observe mode at default clocks: energy/iteration {default['energy_j']:.1f} J, "
                 f"time/iteration {default['time_s']:.4f} s")
     parts = [head]
-    overall = summary["measured"]["all"]
-    if overall is not None:
-        parts.append(f"measured vs baseline probes: energy/iteration {overall['default_energy_j']:.1f} J -> "
-                     f"{overall['deployed_energy_j']:.1f} J, saving {Comparison(**overall).describe()}, "
-                     f"time/iteration {overall['default_time_s']:.4f} s -> {overall['deployed_time_s']:.4f} s "
-                     f"({100 * overall['time_change']:+.1f}%)")
-        cost = summary["measured"]["probe_cost"]
-        if cost["share_of_energy"] is not None:
-            parts.append(f"probes cost {100 * cost['share_of_energy']:.2f}% of the energy")
+    if summary["measured"]["all"] is not None:
+        parts += _measured_parts(summary["measured"])
     elif summary.get("energy_saving_vs_default") is not None:
         parts.append(f"energy saving {100 * summary['energy_saving_vs_default']:.1f}% vs "
                      f"{summary['saving_source']}")
@@ -188,4 +297,60 @@ def summary_line(summary: dict[str, Any]) -> str:
     coverage = summary["clock_coverage"]["exact"] or summary["clock_coverage"]["estimated"]
     if coverage is not None:
         parts.append(f"clock coverage {100 * coverage:.1f}%")
+    return "; ".join(parts)
+
+
+def _measured_parts(measured: dict[str, Any]) -> list[str]:
+    """The saving and time change against the baseline probes, with their intervals, and what
+    the probes cost."""
+    overall = measured["all"]
+    time_ci = ("" if overall["time_change_low"] is None else
+               f" [{100 * overall['time_change_low']:+.1f}, {100 * overall['time_change_high']:+.1f}]")
+    parts = [f"measured vs baseline probes: energy/iteration {overall['default_energy_j']:.1f} J -> "
+             f"{overall['deployed_energy_j']:.1f} J, saving {Comparison(**overall).describe()}, "
+             f"time/iteration {overall['default_time_s']:.4f} s -> {overall['deployed_time_s']:.4f} s "
+             f"({100 * overall['time_change']:+.1f}%{time_ci})"]
+    cost = measured["probe_cost"]
+    if cost["share_of_energy"] is not None:
+        parts.append(f"probes cost {100 * cost['share_of_energy']:.2f}% of the energy")
+    return parts
+
+
+def job_line(job: dict[str, Any]) -> str:
+    """The job's result in one line (rank 0 logs it at close): energy per iteration summed over
+    every GPU, time of the slowest rank, the saving against the baseline probes with its
+    interval and the time it cost; the model's figure labelled as such."""
+    costs = job["phase_costs"]
+    head = (f"perseus-ext: job summary ({job['ranks']} rank{'s' * (job['ranks'] != 1)}, energy summed over "
+            f"the GPUs, time of the slowest): {job['iterations']} iterations")
+    if costs:
+        head += " (" + ", ".join(f"{label} {group['iterations']}" for label, group in costs.items()) + ")"
+    fallback = (f"the first at iteration {job['first_fallback_iteration']}; their errors say why"
+                if job["fell_back_ranks"] else None)
+    if job["fell_back_ranks"] == job["ranks"]:
+        return f"{head}; every rank fell back to default clocks ({fallback}): no saving to report"
+    default = job["default_per_iteration"]
+    parts = [head]
+    if job["mode"] == "observe":
+        parts.append("observe mode: no energy readings" if default["energy_j"] is None else
+                     f"observe mode at default clocks: energy/iteration {default['energy_j']:.1f} J, "
+                     f"time/iteration {default['time_s']:.4f} s")
+    elif job["measured"]["all"] is not None:
+        parts += _measured_parts(job["measured"])
+    elif job["power_limit_mode"] and "power_limit" in costs and costs["power_limit"]["energy_per_iteration_j"]:
+        warmup = costs.get("warmup", {}).get("energy_per_iteration_j")
+        parts.append(f"power-limit mode (no baseline probes): energy/iteration "
+                     f"{costs['power_limit']['energy_per_iteration_j']:.1f} J under the limits"
+                     + (f", {warmup:.1f} J in warm-up at default clocks (unpaired)" if warmup else ""))
+    elif job["final_phase"] == "deployed":
+        parts.append(f"no baseline probe recorded (baseline_fraction {job['baseline_fraction']:g}): "
+                     "no measured saving")
+    else:
+        parts.append(f"final phase {job['final_phase']}: no plan ran, so no saving")
+    if job["fell_back_ranks"]:
+        parts.append(f"{job['fell_back_ranks']} of {job['ranks']} ranks fell back to default clocks ({fallback})")
+    if job["model_intrinsic_saving"] is not None:
+        parts.append(f"model: {100 * job['model_intrinsic_saving']:.1f}% intrinsic (pipeline 0's fastest plan)")
+    if job["clock_coverage"] is not None:
+        parts.append(f"clock coverage {100 * job['clock_coverage']:.1f}% (mean over the ranks)")
     return "; ".join(parts)
