@@ -160,6 +160,19 @@ def test_the_same_clocks_again_follow_the_devices_own_timeline():
         [0.050 - 0.020, 0.130 - 0.020 - 0.050, 0.210 - 0.020 - 0.130])
 
 
+def test_a_plan_keeps_its_timeline_across_a_probe_iteration():
+    controller, timeline = Controller(), Timeline()
+    sequencer = ClockSequencer(controller, timeline, latency=LATENCY)
+    ran_s = (0.050, 0.070, 0.080, 0.050)
+    reach(run_iteration(sequencer, timeline, 0, CLOCKS, DURATIONS_S), 1.0, ran_s, (0.0,) * 4)
+    probe = (1410,) * 4  # a baseline probe at the default clocks, with other waits
+    reach(run_iteration(sequencer, timeline, 1, probe, (0.05,) * 4), 2.0, (0.05,) * 4, (0.03,) * 4)
+    controller.requests.clear()
+    after_probe = run_iteration(sequencer, timeline, 2, CLOCKS, DURATIONS_S)
+    (_, at_faster, after_faster) = changes(controller)[1]
+    assert at_faster is after_probe[4] and after_faster == pytest.approx(0.080 - 0.020)
+
+
 def test_waits_of_an_unfinished_iteration_are_not_used():
     controller, timeline = Controller(), Timeline()
     sequencer = ClockSequencer(controller, timeline, latency=LATENCY)

@@ -17,7 +17,7 @@ applies it when the device reaches that marker:
   k+1 starts: the whole ramp falls into the wait when the wait is long enough (the planner
   charges the ramp from computation k's end, `planning/energy.py`). It is tied to the
   end of an earlier computation j plus the planned time in between: the device's own timeline
-  of the last iteration it completed with the same clocks, else the planned durations plus the
+  of the latest iteration it completed with the same clocks, else the planned durations plus the
   waits the device showed then (a pipeline stage's receive waits are idle device time that
   host-side durations do not show);
 * end of the last computation -> the default clocks: the gradient all-reduce, the optimizer step,
@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from perseus_ext.measurement.gpu.timeline import DeviceMarker, DeviceTimeline, SwitchLatency
+
+TIMELINES_KEPT = 4  # clock plans whose last device timeline is remembered
 
 
 @dataclass
@@ -85,8 +87,10 @@ class ClockSequencer:
         self._durations_s: tuple[float, ...] | None = None
         self._planned_ends_s: list[float] = []  # [0, planned end of each computation] from iteration start
         self._planned_starts_s: list[float] = []  # planned start of each computation from iteration start
-        # (planned clocks, device offsets) of the last iteration the device completed
-        self._last_completed: tuple[tuple[int | None, ...], list[tuple[float, float]]] = ((), [])
+        # device offsets of the last completed iteration, and of the latest one per clock plan
+        # (a baseline probe or a straggler plan in between does not lose a plan's timeline)
+        self._last_offsets: list[tuple[float, float]] = []
+        self._completed: dict[tuple[int | None, ...], list[tuple[float, float]]] = {}
         self._unresolved: list[IterationTrace] = []  # recent traces the device may not have finished
         self._ends: list[DeviceMarker] = []
         self._previous_last_end: DeviceMarker | None = None  # of the iteration before the last
@@ -131,22 +135,28 @@ class ClockSequencer:
         return 0.0 if self.latency is None else self.latency.switch_s + self.latency.transition_s
 
     def _plan_timeline(self, durations_s: tuple[float, ...]) -> None:
-        """Planned start and end of each computation from the iteration start. From the last
-        iteration the device completed: its own timeline when it ran the same clocks (ramps
-        and waits included), else its waits plus the planned durations (no waits known: none)."""
+        """Planned start and end of each computation from the iteration start: the device's own
+        timeline of the latest completed iteration with the same clocks (ramps and waits
+        included), else the last completed iteration's waits plus the planned durations (no
+        waits known: none)."""
         for trace in reversed(self._unresolved):
             offsets = trace.device_offsets()
             if offsets is not None:
                 self._unresolved = [t for t in self._unresolved if t.iteration > trace.iteration]
-                self._last_completed = (trace.planned_clocks, offsets)
+                self._completed.pop(trace.planned_clocks, None)
+                self._completed[trace.planned_clocks] = offsets
+                self._last_offsets = offsets
+                while len(self._completed) > TIMELINES_KEPT:
+                    del self._completed[next(iter(self._completed))]
                 break
-        clocks, offsets = self._last_completed
+        same = self._completed.get(self._clocks) if self._clocks is not None else None
+        if same is not None and len(same) == len(durations_s):
+            self._planned_starts_s = [begin for begin, _ in same]
+            self._planned_ends_s = [0.0, *(end for _, end in same)]
+            return
+        offsets = self._last_offsets
         if len(offsets) != len(durations_s):
             offsets = [(0.0, 0.0)] * len(durations_s)  # nothing known of this schedule: no waits
-        elif clocks == self._clocks:
-            self._planned_starts_s = [begin for begin, _ in offsets]
-            self._planned_ends_s = [0.0, *(end for _, end in offsets)]
-            return
         starts, ends, at, previous_end = [], [0.0], 0.0, 0.0
         for (begin, end), duration in zip(offsets, durations_s):
             at += max(0.0, begin - previous_end)  # the device's wait before this computation
