@@ -79,7 +79,7 @@ def test_an_unfinished_restore_is_handed_to_the_watchdog(fast_retries, tmp_path,
     controller.set_clock(1005)
     controller.set_power_limit(300)
     controller.flush(5)
-    watchdog = controller._watchdog
+    watchdog = controller._watchdog.process
     gpu.inject_fault("reset_locked_sm_clocks", times=None)  # only in this process
     with caplog.at_level(logging.ERROR):
         controller.close()

@@ -37,7 +37,6 @@ import collections
 import logging
 import os
 import queue
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from perseus_ext.actuation.exit_guard import register, unregister
 from perseus_ext.actuation.issue_delay import IssueDelay
 from perseus_ext.actuation.observer import MARKER_POLL_S, DeviceObserver, Observation, wait_for_marker
-from perseus_ext.actuation.watchdog import start_watchdog
+from perseus_ext.actuation.watchdog import WatchdogLink, start_watchdog
 from perseus_ext.measurement.gpu import (
     GPU,
     PERMISSION_HELP,
@@ -154,12 +153,11 @@ class FrequencyController:
         self._restore_tried_s = 0.0
         self._closer: int | None = None  # thread that runs close(); a re-entrant call returns
         self._close_done = threading.Event()
-        self._watchdog_fd: int | None = None
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stopping = False
         self._worker: threading.Thread | None = None
         self.observer: DeviceObserver | None = None
-        self._watchdog: subprocess.Popen[bytes] | None = None
+        self._watchdog: WatchdogLink | None = None
         self.dry_run = self._decide_dry_run(dry_run)
         if not self.dry_run:
             self._initial_power_limit = self._read_power_limit()
@@ -223,25 +221,19 @@ class FrequencyController:
         spec = dict(spec, power_limit_w=self._initial_power_limit, retry_for_s=WATCHDOG_RETRY_FOR_S,
                     retry_interval_s=WATCHDOG_RETRY_INTERVAL_S, power_match_w=POWER_MATCH_W)
         try:
-            self._watchdog = start_watchdog(spec, os.getpid())
+            process = start_watchdog(spec, os.getpid())
         except OSError as err:
             self._note_error("watchdog", err, "could not start the clock-restoring watchdog",
                              "clocks are not restored if this process is killed with SIGKILL")
             return
-        assert self._watchdog.stdin is not None
-        self._watchdog_fd = self._watchdog.stdin.fileno()
+        self._watchdog = WatchdogLink(process, lambda err: self._note_error(
+            "watchdog", err, "lost the clock-restoring watchdog",
+            "clocks are not restored if this process is killed with SIGKILL"))
 
     def _tell_watchdog(self, message: str) -> None:
-        """One line of the watchdog protocol (watchdog.py); an atomic pipe write of a few bytes."""
-        fd = self._watchdog_fd
-        if fd is None:
-            return
-        try:
-            os.write(fd, f"{message}\n".encode())
-        except OSError as err:
-            self._watchdog_fd = None
-            self._note_error("watchdog", err, "lost the clock-restoring watchdog",
-                             "clocks are not restored if this process is killed with SIGKILL")
+        """One line of the watchdog protocol (watchdog.py)."""
+        if self._watchdog is not None:
+            self._watchdog.tell(message)
 
     # ----------------------------------------------------------------- hook path
     def set_clock(self, mhz: int, at: DeviceMarker | None = None, after_s: float = 0.0) -> None:
@@ -538,23 +530,9 @@ class FrequencyController:
         self._close_done.set()
 
     def _stop_watchdog(self, *, hand_over: bool, worker_hung: bool) -> None:
-        """Say "clean", or hand an unfinished restore over ("restore": the watchdog retries after
-        we are gone). The pipe stays open while a hung worker might still write to it."""
-        watchdog = self._watchdog
-        if watchdog is None:
-            return
-        self._tell_watchdog("restore" if hand_over else "clean")
-        self._watchdog_fd = None
-        self._watchdog = None
-        if worker_hung:
-            return
-        try:
-            assert watchdog.stdin is not None
-            watchdog.stdin.close()
-            if not hand_over:
-                watchdog.wait(JOIN_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            logger.debug("watchdog did not stop cleanly: %s", err)
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stop(hand_over=hand_over, worker_hung=worker_hung, timeout_s=JOIN_TIMEOUT_S)
 
     def __enter__(self) -> "FrequencyController":
         return self

@@ -23,14 +23,18 @@ Usage (internal): python -m perseus_ext.actuation.watchdog '<restore spec json>'
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often the parent pid is re-checked (pipe may be inherited by forked children)
 UNKNOWN = object()  # the backend cannot read back the locked clock
@@ -155,6 +159,48 @@ def start_watchdog(spec: dict[str, Any], trainer_pid: int) -> subprocess.Popen[b
         [sys.executable, "-m", "perseus_ext.actuation.watchdog", json.dumps(spec), str(trainer_pid)],
         stdin=subprocess.PIPE, start_new_session=True, env=env,
     )
+
+
+class WatchdogLink:
+    """The trainer's end of the pipe: one line per thing it does to the GPU (module doc)."""
+
+    def __init__(self, process: subprocess.Popen[bytes],
+                 on_lost: Callable[[OSError], None]) -> None:
+        """on_lost: called once if the pipe breaks (the watchdog died): no SIGKILL safety net."""
+        assert process.stdin is not None
+        self.process = process
+        self._fd: int | None = process.stdin.fileno()
+        self._on_lost = on_lost
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def tell(self, message: str) -> None:
+        """An atomic pipe write of a few bytes; never raises."""
+        fd = self._fd
+        if fd is None:
+            return
+        try:
+            os.write(fd, f"{message}\n".encode())
+        except OSError as err:
+            self._fd = None
+            self._on_lost(err)
+
+    def stop(self, *, hand_over: bool, worker_hung: bool, timeout_s: float) -> None:
+        """Say "clean", or hand an unfinished restore over ("restore": the watchdog retries after
+        the trainer is gone). The pipe stays open while a hung worker might still write to it."""
+        self.tell("restore" if hand_over else "clean")
+        self._fd = None
+        if worker_hung:
+            return
+        try:
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+            if not hand_over:
+                self.process.wait(timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            logger.debug("watchdog did not stop cleanly: %s", err)
 
 
 def main(argv: list[str]) -> int:
