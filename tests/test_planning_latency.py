@@ -197,6 +197,9 @@ def test_fewer_switches_keeps_the_frontier_honest_and_nearly_as_cheap(raw_a100: 
     for plan in thinned.plans:
         assert (plan.time, plan.energy) == pytest.approx(model.replay(model.choice_of(plan)))
     assert thinned.fastest.time <= frontier.fastest.time + 1e-9
+    ordinary = thinned.plans[:thinned.extension_start]
+    assert ordinary[-1].energy == min(plan.energy for plan in thinned.plans)  # T* is the ordinary end
+    assert all(a.time < b.time and a.energy > b.energy for a, b in zip(ordinary, ordinary[1:]))
     assert thinned.extension_start is not None and 0 < thinned.extension_start < len(thinned.plans)
     changes = {"before": 0, "after": 0}
     for factor in (1.0, 1.02, 1.05, 1.1, 1.2, 1.3, 1.5):

@@ -262,8 +262,7 @@ def with_fewer_switches(frontier: Frontier, schedule: PipelineSchedule, profile:
     thinned = list(plans)
     for column, plan in zip(changed, model.make_plans(merged[:, changed], times, energies)):
         thinned[column] = plan
-    split = frontier.extension_start if frontier.extension_start is not None else len(plans)
-    ordinary = pareto_plans(distinct_plans(thinned[:split]), 0.0)
+    ordinary = pareto_plans(distinct_plans(thinned), 0.0)  # as `extend_frontier`: from every plan
     slope = len(frontier.fastest.frequencies) * frontier.blocking_power
     if frontier.extension_start is None:
         return dataclasses.replace(frontier, plans=tuple(ordinary))
