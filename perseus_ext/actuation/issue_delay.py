@@ -10,9 +10,9 @@ lateness of recent changes is measured here; `ClockSequencer` issues that much e
 from __future__ import annotations
 
 import collections
-import statistics
 
 SAMPLES = 32  # recent changes the typical lateness is taken over
+UPDATE_EVERY = 8  # changes between updates of the median (the worker shares the GIL with training)
 MAX_DELAY_S = 0.1  # a lateness beyond this is a stall, not something to plan around
 
 
@@ -21,9 +21,13 @@ class IssueDelay:
 
     def __init__(self) -> None:
         self._late_s: collections.deque[float] = collections.deque(maxlen=SAMPLES)
+        self._recorded = 0
         self.typical_s = 0.0  # read by the training thread: a float swap, no lock needed
 
     def record(self, late_s: float) -> None:
         """Worker thread: one change went out `late_s` after it was due."""
         self._late_s.append(min(max(late_s, 0.0), MAX_DELAY_S))
-        self.typical_s = statistics.median(self._late_s)
+        self._recorded += 1
+        if self._recorded <= UPDATE_EVERY or self._recorded % UPDATE_EVERY == 0:
+            ordered = sorted(self._late_s)
+            self.typical_s = ordered[len(ordered) // 2]
