@@ -130,3 +130,29 @@ def test_latency_aware_extension_reports_latency_aware_replays(raw_a100: Profile
     for plan in extension:
         time, energy = model.replay(model.choice_of(plan))
         assert plan.time == pytest.approx(time, rel=1e-12) and plan.energy == pytest.approx(energy, rel=1e-12)
+
+
+def test_one_global_clock_is_the_exact_optimum_when_every_computation_waits_best_at_it() -> None:
+    """Bloom/A100 at T'/T = 2: every computation's clock of least energy - blocking power x time
+    is 855 MHz, and the all-855 plan meets the deadline, so that plan -- one global clock -- is
+    the exact wait-aware optimum (the cost is a sum over computations, each at its minimum):
+    perseus-ext can only tie the global clock there, as the emulator's sweep shows."""
+    bloom = load_profile(A100.with_name("bloom-a100_sxm.csv"), pareto=False)
+    raw = Profile.from_rows([r for r in bloom.rows() if r["stage"] < 3
+                             and r["frequency"] in (1410, 1200, 1050, 960, 900, 855, 810, 750)])
+    useful = wait_useful_profile(raw, P_BLOCK_A100)
+    assert {int(op.frequencies[np.argmin(op.energies - P_BLOCK_A100 * op.times)])
+            for op in useful.points.values()} == {855}
+    schedule = one_f_one_b(3, 4)
+    frontier = solve_wait_aware(schedule, raw, P_BLOCK_A100)
+    deadline = 2.0 * frontier.fastest.time
+    model = CostModel(schedule, raw, P_BLOCK_A100)
+    uniform = np.argmax(model.frequencies == 855, axis=1)
+    time, energy = model.replay(uniform)
+    assert time <= deadline
+    global_clock = float(energy) + 3 * P_BLOCK_A100 * (deadline - float(time))
+    optimum = exact_wait_aware(model, deadline)
+    assert optimum.energy == pytest.approx(global_clock, rel=1e-9)
+    ours = plan_ending_at(frontier, deadline)
+    assert waiting_energy(frontier, ours, deadline) == pytest.approx(global_clock, rel=1e-9)
+    assert {int(c) for row in ours.frequencies for c in row} == {855}

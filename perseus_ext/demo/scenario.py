@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("disabled", "observe", "perseus", "faulty")
+VARIANTS = ("disabled", "observe", "perseus", "faulty", "t-star")
+# "t-star": perseus whose straggler policy never goes past the minimum-energy plan T* (the
+# yardstick of wait-aware plans); "faulty": perseus whose `fault_rank` GPU fails every clock change.
 WIDTH = 32  # hidden size of the toy model: tiny, the simulated GPU supplies the compute time
 
 

@@ -42,6 +42,10 @@ class _VariantRun:
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         self.runtime = getattr(self.engine, "perseus", None)
         self.gpu = self.runtime.gpu if self.runtime is not None else None
+        if variant == "t-star":  # before deployment, which takes the runtime's policy
+            from perseus_ext.policies.base import StragglerPolicy
+
+            self.runtime.policy = StragglerPolicy(wait_aware=False)
         self.pipeline = self.engine.grid.get_data_parallel_rank()
         if variant == "faulty" and self.engine.global_rank == scenario.fault_rank:
             self.gpu.inject_fault("set_locked_sm_clocks", times=None)

@@ -37,9 +37,16 @@ class StragglerPolicy(OperatingPointPolicy):
 
     name = "perseus"
 
+    def __init__(self, wait_aware: bool = True) -> None:
+        """`wait_aware=False` never goes past the minimum-energy plan T* (Perseus before
+        wait-aware planning): the yardstick the wait-aware plans are measured against."""
+        self.wait_aware = wait_aware
+
     def select(self, frontier: Frontier, straggler_time: float | None) -> Plan:
         if straggler_time is None:
             return frontier.fastest
+        if not self.wait_aware:
+            return frontier.plan_for_deadline(straggler_time)
         return plan_ending_at(frontier, straggler_time)
 
 
