@@ -173,6 +173,25 @@ def test_a_plan_keeps_its_timeline_across_a_probe_iteration():
     assert at_faster is after_probe[4] and after_faster == pytest.approx(0.080 - 0.020)
 
 
+@pytest.mark.parametrize("gap_s, released", [(0.010, False), (0.050, True)])
+def test_a_gap_between_iterations_too_short_for_a_reset_keeps_the_last_clock(gap_s, released):
+    """The default clock between iterations only where a reset can land inside the gap."""
+    controller, timeline = Controller(), Timeline()
+    sequencer = ClockSequencer(controller, timeline, latency=LATENCY)
+    first = run_iteration(sequencer, timeline, 0, CLOCKS, DURATIONS_S)
+    reach(first, 1.0, DURATIONS_S, (0.0,) * 4)
+    start = sequencer.start_iteration(1, CLOCKS, DURATIONS_S)
+    start.at_s = first[-1].at_s
+    sequencer.computation_started()
+    timeline.markers[-1].at_s = first[-1].at_s + gap_s  # the device started iteration 1
+    sequencer.computation_finished()
+    controller.requests.clear()
+    for _ in CLOCKS[1:]:
+        sequencer.computation_started()
+        sequencer.computation_finished()
+    assert (controller.requests[-1][0] is None) == released
+
+
 def test_waits_of_an_unfinished_iteration_are_not_used():
     controller, timeline = Controller(), Timeline()
     sequencer = ClockSequencer(controller, timeline, latency=LATENCY)

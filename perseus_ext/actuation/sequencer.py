@@ -21,7 +21,10 @@ applies it when the device reaches that marker:
   waits the device showed then (a pipeline stage's receive waits are idle device time that
   host-side durations do not show);
 * end of the last computation -> the default clocks: the gradient all-reduce, the optimizer step,
-  evaluation and checkpointing run on every stage's critical path, so they get the default clock.
+  evaluation and checkpointing run on every stage's critical path, so they get the default clock
+  -- unless the gap between iterations is shorter than the switching latency plus the ramp: a
+  reset could then only land in the next iteration's first computation, so the last clock stays
+  until the next one's first clock is in force.
 
 Recording a marker costs microseconds and never synchronises; the markers are also kept per
 computation so the clock coverage can be estimated from device timestamps.
@@ -166,6 +169,13 @@ class ClockSequencer:
             ends.append(at)
         self._planned_starts_s, self._planned_ends_s = starts, ends
 
+    def _gap_too_short_for_default(self) -> bool:
+        """Whether the gap between iterations (last measured) ends before a change to the default
+        clock issued at the last computation's end could be complete: the reset would then only
+        land in the next iteration's first computation, so the stage keeps its last clock."""
+        gap_s = self._between_iterations_s()
+        return self._ahead_s > 0 and gap_s is not None and gap_s < self._ahead_s
+
     def _between_iterations_s(self) -> float | None:
         """The device time from the previous iteration's last computation to the last
         iteration's first one (None until both markers are reached); never blocks."""
@@ -196,7 +206,8 @@ class ClockSequencer:
         if self._clocks is None:
             return marker
         if upcoming is None:
-            self.release(marker)
+            if not self._gap_too_short_for_default():
+                self.release(marker)
         elif self.communication_clock is not None:
             self.controller.set_clock(self.communication_clock, at=marker)
         elif upcoming != planned and self._durations_s is not None and self._ahead_s > 0:
