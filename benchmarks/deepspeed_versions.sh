@@ -35,6 +35,9 @@ run_version() {
     "$venv/bin/pip" install -q $upgrade --no-build-isolation "$spec"
     "$venv/bin/pip" install -q -e "$REPO[deepspeed,test,postgres]"
     installed=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("deepspeed"), m.version("torch"))')
+    # DeepSpeed JIT-builds its CPU ops (shm comm) into a cache shared by every venv unless told
+    # otherwise; another version's build there fails to load (missing functions).
+    export TORCH_EXTENSIONS_DIR="$venv/torch_extensions"
     echo "== DeepSpeed ${installed% *} (torch ${installed#* }, asked: $wanted) in $venv"
     "$venv/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
 }
