@@ -128,6 +128,9 @@ def test_a_deployment_starts_each_check_three_boundaries_before_its_plan_switch(
         assert [s.iteration for s in slowed] == [deployed_at + 2 * interval], runtime.deployment.switches
         assert slowed[0].factor == pytest.approx(1.3, rel=0.1)
         train(runtime, 3)
+        # iterations are recorded with the factor of the plan they ran, never the next check's
+        slowed_iterations = [r.iteration for r in runtime.history if (r.setting.factor or 1.0) > 1.0]
+        assert slowed_iterations and min(slowed_iterations) == slowed[0].iteration + 1
         runtime.announce_slowdown(None)  # after the next check started (deployed iteration 12): it still sees it
         train(runtime, 2)
         assert runtime.deployment.switches[-1] is slowed[0]

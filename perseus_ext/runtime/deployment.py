@@ -66,6 +66,7 @@ class PlanDeployment:
         self._check_times: list[float] = []
         self._deadline: float | None = None
         self._policy_check_at: int | None = None
+        self._plan_factor = 1.0
         self._checks: list[_CheckInFlight] = []  # straggler checks in flight, oldest first
         self._recent_times: list[float] = []
         self._clock_cache: dict[tuple[int, int], tuple] = {}
@@ -102,7 +103,8 @@ class PlanDeployment:
 
     @property
     def factor(self) -> float:
-        return self.tracker.factor
+        """The slowdown the deployed plan was chosen for (the tracker's may be a check ahead)."""
+        return self._plan_factor
 
     def deploy(self, iteration: int) -> None:
         """First deployment (every rank of the job, same iteration); announced slowdowns count
@@ -194,6 +196,7 @@ class PlanDeployment:
         return PlanChoice(chosen, self._policy_interval()) if self.comm.is_pipeline_leader else None
 
     def _apply(self, iteration: int, choice: PlanChoice, *, factor: float, reason: str) -> None:
+        self._plan_factor = factor
         interval = choice.reevaluate_in_iterations
         self._policy_check_at = None if interval is None else self._deployed_iterations + interval
         self._switch(iteration, choice.index, factor=factor, reason=reason)
