@@ -223,6 +223,19 @@ class ControlPlane:
         return box[0]
 
 
+def check_pipeline_rank(pp_group: Any, stage: int) -> None:
+    """The pipeline group's ranks must be ordered by stage (what the plan's stage index means)."""
+    if pp_group is None:
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank(pp_group) != stage:
+        from perseus_ext.errors import PerseusError
+
+        raise PerseusError(f"stage {stage} is rank {dist.get_rank(pp_group)} of its pipeline group; "
+                           f"perseus-ext expects pipeline-group ranks ordered by stage")
+
+
 class Pending:
     """A collective started on a gloo group; `result()` waits for it (at most the group's
     timeout, then raises like a blocking collective) and returns its values."""
@@ -270,16 +283,3 @@ class StragglerExchange:
         job = self._pending.result()
         mine = self._pipeline_time
         return (None if mine == self.MISSING else mine), -job[1], job[0], job[2], job[3]
-
-
-def check_pipeline_rank(pp_group: Any, stage: int) -> None:
-    """The pipeline group's ranks must be ordered by stage (what the plan's stage index means)."""
-    if pp_group is None:
-        return
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_rank(pp_group) != stage:
-        from perseus_ext.errors import PerseusError
-
-        raise PerseusError(f"stage {stage} is rank {dist.get_rank(pp_group)} of its pipeline group; "
-                           f"perseus-ext expects pipeline-group ranks ordered by stage")
