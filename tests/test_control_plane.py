@@ -1,7 +1,10 @@
 """The control plane's groups and message counts on a real gloo job: PP=2 x TP=2 x DP=2 (8 ranks).
 
 Job-wide reductions and straggler checks run within a rank's pipeline (PP x TP ranks) and among
-its data-parallel peers (DP ranks), never on the world group after set-up.
+its data-parallel peers (DP ranks), never on the world group after set-up. A straggler check
+started at one iteration boundary is collected at later ones: starting it never waits for the
+other ranks, and a deployment starts each check three boundaries before the one where its
+plan switches.
 """
 
 from __future__ import annotations
@@ -9,17 +12,19 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runtime_helpers import run_gloo_job  # noqa: E402
+from runtime_helpers import make_config, run_gloo_job, sim_gpu, train  # noqa: E402
 
 PP, TP, DP = 2, 2, 2
 WORLD = PP * TP * DP
 TIMEOUT_S = 240
+LATE_S = 1.0  # how late rank 0 starts the non-blocking straggler check
 
 
 def _layout(rank: int) -> tuple[int, int, int]:
@@ -30,7 +35,7 @@ def _layout(rank: int) -> tuple[int, int, int]:
 def worker(out_dir: str) -> None:
     import torch.distributed as dist
 
-    from perseus_ext.runtime.comm import ControlPlane
+    from perseus_ext.runtime.comm import ControlPlane, StragglerExchange
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -46,11 +51,18 @@ def worker(out_dir: str) -> None:
     lowest = comm.all_min([float(rank)])[0]
     own = 0.1 + 0.01 * rank  # this rank's compute time; the pipeline's is its slowest stage's
     mine, normal, slowest, factor, announced = comm.straggler_exchange(own, 1.0 if rank == 5 else 0.0, 0.0)
+    if rank == 0:
+        time.sleep(LATE_S)
+    started = time.perf_counter()
+    exchange = StragglerExchange(comm, own, 1.0 if rank == 5 else 0.0, 0.0)
+    start_s = time.perf_counter() - started
+    steps = [exchange.advance(), exchange.advance()]  # two later iteration boundaries
     result = {
         "pipeline": comm.pipeline, "gpus_per_stage": comm.gpus_per_stage, "peers": comm.peer_ranks,
         "pipeline_members": sorted(m.rank for m in comm.pipeline_members), "setup": setup,
         "stats": dict(comm.stats), "total": total, "lowest": lowest,
         "straggler": [mine, normal, slowest, factor, announced],
+        "started_without_waiting": {"start_s": start_s, "steps": [list(s) if s else None for s in steps]},
     }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -83,10 +95,50 @@ def test_message_counts_per_rank(job):
     for result in job:
         assert result["setup"] == {}  # membership is learnt with plain torch.distributed calls
         stats = result["stats"]
-        # all_sum + all_min: one reduction in each group each; the straggler check: one more each.
-        assert stats["pipeline collectives"] == 3 and stats["peers collectives"] == 3
-        assert stats["pipeline payload bytes"] == (1 + 1 + 3) * 8 and stats["peers payload bytes"] == (1 + 1 + 4) * 8
+        # all_sum + all_min: one reduction in each group each; each straggler check: one more each.
+        assert stats["pipeline collectives"] == 4 and stats["peers collectives"] == 4
+        assert stats["pipeline payload bytes"] == (1 + 1 + 3 + 3) * 8 and stats["peers payload bytes"] == (1 + 1 + 4 + 4) * 8
         assert "world collectives" not in stats
+
+
+def test_a_straggler_check_starts_without_waiting_for_the_other_ranks(job):
+    for rank, result in enumerate(job):
+        started = result["started_without_waiting"]
+        first, second = started["steps"]
+        assert first is None and second == pytest.approx(result["straggler"])  # the blocking check's result
+        if rank != 0:  # rank 0 started a second late; nobody waited for it at the start
+            assert started["start_s"] < LATE_S / 4, started
+
+
+def test_a_deployment_starts_each_check_three_boundaries_before_its_plan_switch():
+    from perseus_ext.planning.schedule import build_schedule
+    from perseus_ext.runtime import Phase, PerseusRuntime
+
+    interval = 5
+    runtime = PerseusRuntime(make_config(straggler_check_interval=interval), schedule=build_schedule("1f1b", 1, 4),
+                             stage=0, gpu=sim_gpu())
+    try:
+        while runtime.phase is not Phase.DEPLOYED:
+            train(runtime, 1)
+        deployed_at = runtime.deployment.switches[0].iteration
+        runtime.announce_slowdown(1.3)  # read by checks starting at deployed iterations 2 and 7
+        train(runtime, 2 * interval)
+        slowed = [s for s in runtime.deployment.switches if s.factor > 1.0]
+        # the second check confirms it; its plan switches on the check boundary, as a blocking check's would
+        assert [s.iteration for s in slowed] == [deployed_at + 2 * interval], runtime.deployment.switches
+        assert slowed[0].factor == pytest.approx(1.3, rel=0.1)
+        train(runtime, 3)
+        # iterations are recorded with the factor of the plan they ran, never the next check's
+        slowed_iterations = [r.iteration for r in runtime.history if (r.setting.factor or 1.0) > 1.0]
+        assert slowed_iterations and min(slowed_iterations) == slowed[0].iteration + 1
+        runtime.announce_slowdown(None)  # after the next check started (deployed iteration 12): it still sees it
+        train(runtime, 2)
+        assert runtime.deployment.switches[-1] is slowed[0]
+        train(runtime, interval)  # the one after recovers, which needs no confirmation
+        assert runtime.deployment.switches[-1].factor == 1.0
+        assert runtime.deployment.switches[-1].iteration == deployed_at + 4 * interval
+    finally:
+        runtime.close()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Schedule changes and non-pipeline engines.
 
 `PerseusRuntime.reschedule` (what `set_train_batch_size()` and Megatron's batch-size ramp-up
-lead to) is checked on a single-process runtime with a virtual-clock simulated GPU; the DeepSpeed
+lead to) and `PerseusRuntime.reprofile` (what `set_train_micro_batch_size()` leads to) are checked on a single-process runtime with a virtual-clock simulated GPU; the DeepSpeed
 pieces run `examples/deepspeed/train.py` under torchrun over gloo with simulated A100s: a pipeline
 engine whose batch size changes after deployment, and a plain (non-pipeline) engine in observe
 and power-limit modes, which is all a job without a pipeline can use.
@@ -79,6 +79,54 @@ def test_reschedule_while_profiling_keeps_the_measurements():
         assert runtime.phase is Phase.DEPLOYED and runtime.fallback_reason is None
         assert runtime.profiling_iterations > profiled
         assert runtime.frontier.fastest.time > 0 and runtime.schedule.num_microbatches == 3
+    finally:
+        runtime.close()
+
+
+def train_until_deployed(runtime: PerseusRuntime, max_iterations: int = 40) -> None:
+    for _ in range(max_iterations):
+        train(runtime, 1)
+        if runtime.phase is Phase.DEPLOYED:
+            return
+    raise AssertionError(f"not deployed after {max_iterations} iterations: {runtime.phase}")
+
+
+def test_reprofile_measures_the_new_work_and_deploys_its_frontier(tmp_path):
+    path = tmp_path / "profile.csv"
+    runtime = PerseusRuntime(make_config(profile_path=str(path)), schedule=build_schedule("1f1b", 1, 4),
+                             stage=0, gpu=sim_gpu())
+    try:
+        runtime.reprofile("still warming up")  # nothing measured yet: nothing to redo
+        assert runtime.phase is Phase.WARMUP
+        train_until_deployed(runtime)
+        first, saved = runtime.frontier, path.read_bytes()
+        changed_at = runtime.iteration
+
+        runtime.gpu.slowdown = 2.0  # every computation now does twice the work
+        runtime.reprofile("micro batch 4 -> 8")
+        assert runtime.phase is Phase.WARMUP and runtime.frontier is None
+        train_until_deployed(runtime)
+        assert runtime.fallback_reason is None
+        assert 1.7 < runtime.frontier.fastest.time / first.fastest.time < 2.3  # measured, not reused
+        phases = [record.phase for record in runtime.history if record.iteration >= changed_at]
+        assert phases[0] is Phase.WARMUP and Phase.PROFILING in phases
+        assert path.read_bytes() == saved  # profile_path keeps the job's configured profile
+
+        runtime.reschedule(build_schedule("1f1b", 1, 6))  # a cached frontier of the old work is gone
+        train_until_deployed(runtime)
+        assert runtime.solve_outcome.solve_s > 0.0
+    finally:
+        runtime.close()
+
+
+def test_reprofile_leaves_observe_mode_alone():
+    runtime = PerseusRuntime(make_config(mode="observe"), schedule=build_schedule("1f1b", 1, 4),
+                             stage=0, gpu=sim_gpu())
+    try:
+        train(runtime, 2)
+        runtime.reprofile("micro batch 4 -> 8")
+        train(runtime, 2)
+        assert runtime.phase is Phase.OBSERVING and runtime.fallback_reason is None
     finally:
         runtime.close()
 
@@ -171,6 +219,34 @@ def test_set_train_batch_size_replans_instead_of_falling_back(tmp_path):
         assert phases[11] == "deployed" and phases[12] == "solving"
         assert all(phases[i] == "deployed" for i in range(13, 18))
     assert "microbatches': 6" in output  # gradient accumulation 4 -> 6
+
+
+@needs_deepspeed
+def test_set_train_micro_batch_size_profiles_again_instead_of_keeping_a_stale_profile(tmp_path):
+    """Micro batch 4 -> 8 before iteration 10 (the simulated work per computation doubles with
+    it): every rank warms up, profiles and deploys again, on a frontier twice as long."""
+    config = json.loads((REPO / "examples/deepspeed/ds_config.json").read_text())
+    config["perseus"] = {**config["perseus"], **FAST_PROFILING, "profile_path": None,
+                         "log_path": str(tmp_path / "log-{rank}.jsonl"),
+                         "summary_path": str(tmp_path / "summary-{rank}.json")}
+    (tmp_path / "ds_config.json").write_text(json.dumps(config))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    completed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+         str(REPO / "tests/deepspeed_microbatch_worker.py"), str(tmp_path / "ds_config.json"), str(tmp_path), "10", "22"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    output = completed.stdout + completed.stderr
+    assert completed.returncode == 0, output[-4000:]
+    for rank, summary in enumerate(summaries(tmp_path, 2)):
+        assert summary["fallback_reason"] is None and summary["final_phase"] == "deployed"
+        phases = log_phases(tmp_path, rank)
+        assert phases[9] == "deployed" and phases[10] == "warmup" and phases[11] == "profiling"
+        assert phases[21] == "deployed"
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["micro_batch_size"] == 8
+        assert 1.7 < result["fastest_after_s"] / result["fastest_before_s"] < 2.3
+    assert "train_micro_batch_size_per_gpu 4 -> 8" in output
 
 
 PLAIN_WORKLOAD = {"simulated_workload": {"forward_seconds": 0.01, "backward_seconds": 0.02}}

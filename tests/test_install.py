@@ -161,7 +161,7 @@ def test_wheel_ships_profiles_patches_and_the_autoload_hook(built) -> None:
     metadata = zipfile.ZipFile(built["wheel"]).read(
         next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "Requires-Dist: nvidia-ml-py" in metadata
-    assert "Requires-Dist: deepspeed>=0.14; extra" in metadata
+    assert "Requires-Dist: deepspeed>=0.14.4; extra" in metadata
 
 
 def test_wheel_install_runs_frontier_with_a_shipped_profile(built) -> None:

@@ -5,7 +5,9 @@ How it hooks the stock engines that `deepspeed.initialize` builds, without forki
 * `install()` wraps `deepspeed.initialize`; when the config's `"perseus"` section is enabled,
   `attach()` validates the section (ConfigError naming the key) and hooks that engine instance.
 * A `PipelineEngine` gets every mode. `set_train_batch_size()` (a new number of microbatches)
-  re-plans through `PerseusRuntime.reschedule` at the next `train_batch`.
+  re-plans through `PerseusRuntime.reschedule` at the next `train_batch`;
+  `set_train_micro_batch_size()` (more or less work per computation) profiles again through
+  `PerseusRuntime.reprofile`.
 * Any other engine has no pipeline, so only observe and power-limit modes apply (`optimize` is a
   ConfigError naming the alternatives): its instance `forward`/`backward`/`step` are wrapped, one
   iteration being the forward/backward pairs up to the optimizer step at the gradient
@@ -139,7 +141,8 @@ def _one_f_one_b(stages: int, micro_batches: int) -> Any:
 
 
 def _attach_pipeline(engine: Any, config: Any) -> Any:
-    """Tagged TrainSchedule, per-instance instruction map; `set_train_batch_size` re-plans."""
+    """Tagged TrainSchedule, per-instance instruction map; `set_train_batch_size` re-plans,
+    `set_train_micro_batch_size` re-profiles (both seen at the next `train_batch`)."""
     from deepspeed.runtime.pipe import schedule as ds_schedule
 
     from perseus_ext.planning.schedule import Kind
@@ -178,10 +181,16 @@ def _attach_pipeline(engine: Any, config: Any) -> Any:
     engine._INSTRUCTION_MAP = instruction_map
 
     original_exec_schedule = engine._exec_schedule
+    profiled_micro_batch = {"size": engine.train_micro_batch_size_per_gpu()}
 
     def exec_schedule(self: Any, pipe_schedule: Any) -> None:
         if type(pipe_schedule) is not ds_schedule.TrainSchedule:
             return original_exec_schedule(pipe_schedule)  # evaluation runs untouched
+        size = self.train_micro_batch_size_per_gpu()
+        if size != profiled_micro_batch["size"]:
+            # set_train_micro_batch_size(): every computation's work changed, the profile is stale
+            runtime.reprofile(f"train_micro_batch_size_per_gpu {profiled_micro_batch['size']} -> {size}")
+            profiled_micro_batch["size"] = size
         if pipe_schedule.micro_batches != runtime.schedule.num_microbatches:
             # set_train_batch_size(): every rank changes it between the same two batches
             runtime.reschedule(_one_f_one_b(pipe_schedule.stages, pipe_schedule.micro_batches))

@@ -156,29 +156,40 @@ class ControlPlane:
 
     def straggler_exchange(self, own_s: float | None, announced_factor: float,
                            announced_time_s: float) -> tuple[float | None, float, float, float, float]:
-        """One straggler check: (this pipeline's time, the fastest pipeline's, the slowest one's,
-        the largest announced factor, the largest announced time). A pipeline's time is its
-        slowest stage's; a pipeline whose ranks have no measurement yet is left out (None when it
-        is this one)."""
-        missing = -math.inf
-        own = missing if own_s is None else own_s
-        pipeline = self._reduce_in(self._pipeline_group, len(self.pipeline_members), "pipeline",
-                                   [own, announced_factor, announced_time_s])
-        mine = pipeline[0]
-        job = self._reduce_in(self._peer_group, len(self.peer_ranks), "peers",
-                              [mine, -mine if mine != missing else missing, pipeline[1], pipeline[2]])
-        return (None if mine == missing else mine), -job[1], job[0], job[2], job[3]
+        """One straggler check, waited for at once (`StragglerExchange` spreads it over
+        iteration boundaries instead)."""
+        exchange = StragglerExchange(self, own_s, announced_factor, announced_time_s)
+        result = None
+        while result is None:
+            result = exchange.advance()
+        return result
 
-    def _reduce_in(self, group: Any, size: int, name: str, values: list[float]) -> list[float]:
-        """Element-wise max within one group."""
+    def start_max(self, group: str, values: Sequence[float]) -> "Pending":
+        """Element-wise max within this rank's "pipeline" or "peers" group, started without
+        waiting: gloo runs it on its own threads while training goes on."""
+        handle, size = {"pipeline": (self._pipeline_group, len(self.pipeline_members)),
+                        "peers": (self._peer_group, len(self.peer_ranks))}[group]
         if self._dist is None or size <= 1:
-            return values
+            return Pending([float(v) for v in values])
         import torch
 
-        tensor = torch.tensor(values, dtype=torch.float64)
-        self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=group)
-        self._count(name, len(values))
-        return tensor.tolist()
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        work = self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=handle, async_op=True)
+        self._count(group, len(values))
+        return Pending(tensor, work)
+
+    def start_broadcast_pipeline(self, values: Sequence[float] | None, length: int) -> "Pending":
+        """The pipeline leader's `values` (`length` floats; None on the other ranks) on every
+        rank of the pipeline, started without waiting."""
+        if self._dist is None or len(self.pipeline_members) <= 1:
+            return Pending([float(v) for v in values])
+        import torch
+
+        tensor = (torch.tensor([float(v) for v in values], dtype=torch.float64) if values is not None
+                  else torch.zeros(length, dtype=torch.float64))
+        work = self._dist.broadcast(tensor, src=self.pipeline_leader(), group=self._pipeline_group, async_op=True)
+        self._count("pipeline", length)
+        return Pending(tensor, work)
 
     def gather_pipeline(self, obj: Any) -> list[tuple[Member, Any]]:
         """Every pipeline member's `obj`, with who sent it."""
@@ -251,3 +262,52 @@ def check_pipeline_rank(pp_group: Any, stage: int) -> None:
 
         raise PerseusError(f"stage {stage} is rank {dist.get_rank(pp_group)} of its pipeline group; "
                            f"perseus-ext expects pipeline-group ranks ordered by stage")
+
+
+class Pending:
+    """A collective started on a gloo group; `result()` waits for it (at most the group's
+    timeout, then raises like a blocking collective) and returns its values."""
+
+    def __init__(self, values: Any, work: Any = None) -> None:
+        self._values = values  # a list, or the tensor the collective writes into
+        self._work = work
+
+    def result(self) -> list[float]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._values.tolist() if hasattr(self._values, "tolist") else list(self._values)
+
+
+class StragglerExchange:
+    """One straggler check as two reductions that each run between two iteration boundaries.
+
+    Boundary n starts the element-wise max within the pipeline (own time, announced factor,
+    announced time); `advance()` at n + 1 collects it (the pipeline's time is its slowest
+    stage's) and starts the max among the DP peers of (pipeline time, -pipeline time,
+    announcements); `advance()` at n + 2 returns (this pipeline's time, the fastest pipeline's,
+    the slowest one's, the largest announced factor, the largest announced time). Every rank
+    advances at the same boundaries, so all issue the same collectives in the same order and
+    no agreement on "which iteration does the answer belong to" is needed. A pipeline whose
+    ranks have no measurement yet is left out (its time is None when it is this one)."""
+
+    MISSING = -math.inf
+
+    def __init__(self, comm: ControlPlane, own_s: float | None, announced_factor: float,
+                 announced_time_s: float) -> None:
+        self._comm = comm
+        own = self.MISSING if own_s is None else own_s
+        self._pending = comm.start_max("pipeline", [own, announced_factor, announced_time_s])
+        self._pipeline_time: float | None = None
+
+    def advance(self) -> tuple[float | None, float, float, float, float] | None:
+        """The next step; the check's result after the second call, None before."""
+        if self._pipeline_time is None:
+            mine, factor, time_s = self._pending.result()
+            self._pipeline_time = mine
+            self._pending = self._comm.start_max(
+                "peers", [mine, -mine if mine != self.MISSING else self.MISSING, factor, time_s])
+            return None
+        job = self._pending.result()
+        mine = self._pipeline_time
+        return (None if mine == self.MISSING else mine), -job[1], job[0], job[2], job[3]

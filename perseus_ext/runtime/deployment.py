@@ -1,11 +1,15 @@
 """A pipeline's frontier in force on one rank: which plan runs, straggler checks, policy choice.
 
 Every `straggler_check_interval` deployed iterations all ranks exchange their pipeline's
-normalised compute time (one small all-gather) -- what the iteration would have taken at the
+normalised compute time (two small all-reduces) -- what the iteration would have taken at the
 fastest plan: plans lengthen the compute by their model time difference, while communication
 and optimizer overheads stay put, so a pipeline that slowed down on purpose never looks like a
 straggler. Each pipeline then deploys the plan its leader's policy picks for "the iteration may
 take as long as the slowest pipeline", broadcast to the pipeline's stages so they never disagree.
+A check's three collectives are started at three consecutive iteration boundaries and each
+collected at the next one, so the training thread never waits on a round trip: a check starts
+`CHECK_BOUNDARIES` deployed iterations before its boundary (every `straggler_check_interval`
+deployed iterations, as the baseline probes expect) and its plan switches there, on every rank.
 Measurements come from device-side records, which arrive an iteration or so after launch; a
 check simply uses the records that have arrived. A frontier with a wait-aware extension keeps one
 plan numbering; the policy sees the extension only when there is a deadline (the iteration then
@@ -26,13 +30,14 @@ from perseus_ext.errors import PerseusError
 from perseus_ext.planning.frontier import Frontier, Plan
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
-from perseus_ext.runtime.comm import ControlPlane
+from perseus_ext.runtime.comm import ControlPlane, Pending, StragglerExchange
 from perseus_ext.runtime.config import PerseusConfig
 from perseus_ext.runtime.records import IterationRecord, MeasuredProfile, PlanChoice, PlanSwitch
 from perseus_ext.runtime.straggler import SlowdownTracker
 
 logger = logging.getLogger(__name__)
 
+CHECK_BOUNDARIES = 3  # iteration boundaries from a straggler check's start to its plan switch
 MODEL_DISAGREEMENT = 0.10  # warn when the fastest pipeline's compute time is this far off the model
 
 
@@ -61,6 +66,8 @@ class PlanDeployment:
         self._check_times: list[float] = []
         self._deadline: float | None = None
         self._policy_check_at: int | None = None
+        self._plan_factor = 1.0
+        self._checks: list[_CheckInFlight] = []  # straggler checks in flight, oldest first
         self._recent_times: list[float] = []
         self._clock_cache: dict[tuple[int, int], tuple] = {}
         self._model_warned = False
@@ -96,7 +103,8 @@ class PlanDeployment:
 
     @property
     def factor(self) -> float:
-        return self.tracker.factor
+        """The slowdown the deployed plan was chosen for (the tracker's may be a check ahead)."""
+        return self._plan_factor
 
     def deploy(self, iteration: int) -> None:
         """First deployment (every rank of the job, same iteration); announced slowdowns count
@@ -104,7 +112,8 @@ class PlanDeployment:
         self._agree(iteration, None, factor=1.0, reason="deploy")
 
     def on_iteration(self, iteration: int, records: list[IterationRecord], announced: tuple[str, float] | None) -> None:
-        """End of a deployed iteration on every rank: feed records, check when due."""
+        """End of a deployed iteration on every rank: feed records, move the straggler checks in
+        flight one step on, start a check when due."""
         fastest = self.frontier.fastest.time
         for record in records:
             self._recent_times.append(record.time_s)
@@ -113,20 +122,32 @@ class PlanDeployment:
                 self._check_times.append(record.compute_s - (planned - fastest))
         del self._recent_times[:-10]
         self._deployed_iterations += 1
-        if self._deployed_iterations % self.config.straggler_check_interval == 0:
-            self._straggler_check(iteration, announced)
-        elif self._policy_check_at is not None and self._deployed_iterations >= self._policy_check_at:
+        for check in list(self._checks):
+            if check.advance(iteration):
+                self._checks.remove(check)
+        interval = self.config.straggler_check_interval
+        if (self._deployed_iterations + CHECK_BOUNDARIES) % interval == 0:
+            self._start_check(announced)
+        if self._deployed_iterations % interval == 0:
+            return  # a straggler check's plan switch lands here
+        if self._policy_check_at is not None and self._deployed_iterations >= self._policy_check_at:
             self._agree(iteration, self._deadline, factor=self.tracker.factor,
                         reason=f"{self.policy.name} re-evaluated (period {self.policy.period_s:g} s)")
 
-    def _straggler_check(self, iteration: int, announced: tuple[str, float] | None) -> None:
+    def _start_check(self, announced: tuple[str, float] | None) -> None:
         own = statistics.median(self._check_times) if self._check_times else None
         self._check_times = []
         kind, value = announced or ("", 0.0)
-        mine, normal, slowest, factor_announced, time_announced = self.comm.straggler_exchange(
-            own, value if kind == "factor" else 0.0, value if kind == "time" else 0.0)
-        if mine is None:  # no device record yet on this pipeline: keep the plan
-            return
+        exchange = StragglerExchange(self.comm, own, value if kind == "factor" else 0.0,
+                                     value if kind == "time" else 0.0)
+        self._checks.append(_CheckInFlight(self, exchange))
+
+    def _decide(self, exchanged: tuple[float | None, float, float, float, float]) -> tuple[float, str] | None:
+        """A check's exchanged times -> (slowdown factor, reason); None keeps the plan (no device
+        record yet on this pipeline). Sets the deadline the policy plans for."""
+        mine, normal, slowest, factor_announced, time_announced = exchanged
+        if mine is None:
+            return None
         self._check_model(normal)
         straggler = max(slowest, factor_announced * normal, time_announced)
         # This pipeline may take (straggler - mine) longer without slowing the job down.
@@ -137,8 +158,7 @@ class PlanDeployment:
         # below it keeps this pipeline from ever becoming the slowest one.
         margin = self.config.straggler_hysteresis
         self._deadline = None if factor <= 1.0 else self.frontier.fastest.time * (factor - margin)
-        self._agree(iteration, self._deadline, factor=factor,
-                    reason=f"slowest pipeline {straggler:.4f} s, this one {mine:.4f} s")
+        return factor, f"slowest pipeline {straggler:.4f} s, this one {mine:.4f} s"
 
     def _check_model(self, measured_s: float) -> None:
         """Straggler targets are model times: warn once when the model misjudges the fastest
@@ -154,7 +174,13 @@ class PlanDeployment:
                            modelled, measured_s, 100 * (measured_s / modelled - 1), "perseus")
 
     def _agree(self, iteration: int, deadline: float | None, *, factor: float, reason: str) -> None:
-        """Deploy the pipeline leader's choice on every rank of the pipeline.
+        """Deploy the pipeline leader's choice on every rank of the pipeline, at once (the first
+        deployment and policy re-evaluations; straggler checks broadcast without waiting)."""
+        choice: PlanChoice = self.comm.broadcast_pipeline(self._propose(deadline))
+        self._apply(iteration, choice, factor=factor, reason=reason)
+
+    def _propose(self, deadline: float | None) -> PlanChoice | None:
+        """The plan for `deadline` and when to evaluate again; only the pipeline leader's counts.
 
         Every rank evaluates the policy (which keeps its own carbon reading current for its
         emissions ledger), but ranks may read a time-varying signal at slightly different
@@ -163,12 +189,14 @@ class PlanDeployment:
         offered = self._ordinary if deadline is None else self.frontier
         try:
             chosen = self._index_of[id(self.policy.select(offered, deadline))]
-        except Exception as err:  # a failing policy must not skip the broadcast below
+        except Exception as err:  # a failing policy must not skip the broadcast
             logger.error("perseus-ext: the %s policy failed (%r); deploying the fastest plan",
                          getattr(self.policy, "name", "?"), err)
             chosen = 0
-        proposal = PlanChoice(chosen, self._policy_interval()) if self.comm.is_pipeline_leader else None
-        choice: PlanChoice = self.comm.broadcast_pipeline(proposal)
+        return PlanChoice(chosen, self._policy_interval()) if self.comm.is_pipeline_leader else None
+
+    def _apply(self, iteration: int, choice: PlanChoice, *, factor: float, reason: str) -> None:
+        self._plan_factor = factor
         interval = choice.reevaluate_in_iterations
         self._policy_check_at = None if interval is None else self._deployed_iterations + interval
         self._switch(iteration, choice.index, factor=factor, reason=reason)
@@ -196,6 +224,42 @@ class PlanDeployment:
                         "%.4f s, energy %.1f J (fastest %.4f s, all-max-clock %.1f J)",
                         self.comm.pipeline, iteration, index, len(self.frontier.plans), reason,
                         plan.time, plan.energy, self.frontier.fastest.time, self.frontier.baseline.energy)
+
+
+class _CheckInFlight:
+    """One straggler check spread over the `CHECK_BOUNDARIES` iteration boundaries after the
+    one that started it: the two reductions of `StragglerExchange`, then the leader's plan
+    broadcast (two floats: plan index, re-evaluation interval or -1). Nothing waits on a round
+    trip: each collective had a whole iteration to finish. The plan switches at the last
+    boundary, on every rank of the pipeline alike."""
+
+    def __init__(self, deployment: PlanDeployment, exchange: StragglerExchange) -> None:
+        self._deployment = deployment
+        self._exchange: StragglerExchange | None = exchange
+        self._choice: Pending | None = None
+        self._decision: tuple[float, str] | None = None
+
+    def advance(self, iteration: int) -> bool:
+        """One step at this boundary; True when the check is over."""
+        deployment = self._deployment
+        if self._exchange is not None:
+            exchanged = self._exchange.advance()
+            if exchanged is None:
+                return False
+            self._exchange = None
+            self._decision = deployment._decide(exchanged)
+            if self._decision is None:  # every rank of this pipeline agrees: the time is the pipeline's
+                return True
+            proposal = deployment._propose(deployment._deadline)
+            values = None if proposal is None else [
+                proposal.index, -1 if proposal.reevaluate_in_iterations is None else proposal.reevaluate_in_iterations]
+            self._choice = deployment.comm.start_broadcast_pipeline(values, 2)
+            return False
+        index, interval = self._choice.result()
+        factor, reason = self._decision
+        deployment._apply(iteration, PlanChoice(int(index), None if interval < 0 else int(interval)),
+                          factor=factor, reason=reason)
+        return True
 
 
 def parse_announcement(factor_or_time: float | datetime.timedelta | None) -> tuple[str, float] | None:

@@ -276,6 +276,26 @@ class PerseusRuntime:
         self._set_phase(Phase.SOLVING)
         self._leader_outcome = dataclasses.replace(cached, solve_s=0.0, in_background=False)
 
+    def reprofile(self, reason: str) -> None:
+        """Measure the profile again from the next iteration on: each computation's work changed
+        (e.g. DeepSpeed's `set_train_micro_batch_size()`), so the profile and every frontier
+        solved from it are stale. Every rank calls it at the same iteration boundary. A pipeline
+        that was profiling, solving or deployed warms up again at default clocks, then profiles,
+        solves and deploys as at the start; the new profile is not written to `profile_path`,
+        which keeps describing the job as configured. Warm-up, observe and power-limit mode go on."""
+        if self._closed or self.phase not in (Phase.PROFILING, Phase.SOLVING, Phase.DEPLOYED):
+            return
+        if self._solver is not None:
+            self._solver.cancel()
+            self._solver = None
+        self._leader_outcome = self._measured = self.saved_profile = None
+        self._solved.clear()
+        self.store.path = None
+        self.deployment = None
+        logger.info("perseus-ext: stage %d profiles again from iteration %d on (%s)", self.stage,
+                    self.iteration, reason)
+        self._set_phase(Phase.WARMUP)
+
     # ------------------------------------------------------------------ state
     @property
     def _profiling_now(self) -> bool:
