@@ -8,11 +8,12 @@ c_i = e_i - P_block t_i: a discrete time–cost tradeoff on the DAG (NP-hard in 
 Method. Plans are columns of one (computations x plans) matrix, and every step below works on
 all of them at once with numpy, so there is no per-deadline graph algorithm in Python:
 
-1. *Convex relaxation at anchor deadlines.* Each computation's cost is replaced by the lower
-   convex hull of its (time, cost) points; the problem becomes an LP (start times + hull-segment
-   fills) solved exactly with HiGHS, warm-started from one anchor to the next. Between anchors,
-   the convex combination of the two neighbouring LP solutions is feasible for the interpolated
-   deadline (the constraints are linear), so every grid deadline gets a relaxed plan in O(N).
+1. *Convex relaxation at anchor deadlines* (`relaxation.py`). Each computation's cost is
+   replaced by the lower convex hull of its (time, cost) points; the problem becomes an LP
+   (start times + hull-segment fills) solved exactly with HiGHS, warm-started from one anchor to
+   the next. Between anchors, the convex combination of the two neighbouring LP solutions is
+   feasible for the interpolated deadline (the constraints are linear), so every grid deadline
+   gets a relaxed plan in O(N).
 2. *Rounding.* Relaxed durations are rounded down to a profiled clock (the deadline holds), and
    also up / to the nearest clock (plans that are best at their own, slightly longer, time).
 3. *Slack reclaim.* Rounding leaves slack; forward and backward passes over the DAG give each
@@ -34,14 +35,14 @@ all no cheaper than the plan before it.
 from __future__ import annotations
 
 import logging
-import highspy
+
 import numpy as np
 
-from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier
 from perseus_ext.planning.options import SolverOptions, check_problem_size
 from perseus_ext.planning.profile import Profile, pareto_indices
+from perseus_ext.planning.relaxation import interpolate, relaxed_anchors
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.planning.switching import merge_switches, repair_latency
 
@@ -53,115 +54,6 @@ _FILL_BIN = 0.5  # gap-fill bin width as a fraction of the resolution
 _MERGE_FASTEST, _MERGE_SAMPLE = 64, 64  # Pareto plans the latency merge pass works on
 _REPAIR_STRIDE = 2  # the latency repair works on every other grid deadline
 _CELLS = 4_000_000  # (computation, plan) cells per batched DAG pass (bounds peak memory)
-
-
-class _ConvexRelaxation:
-    """The LP over start times and convex-hull segment fills, kept warm across deadlines."""
-
-    def __init__(self, model: CostModel):
-        self.model = model
-        dag = model.dag
-        n = len(dag)
-        p = model.blocking_power
-        # Lower convex hull of (time, cost) per node; nodes sharing options share hulls.
-        seg_node, seg_len, seg_slope = [], [], []
-        cache: dict[bytes, np.ndarray] = {}
-        for i in range(n):
-            k = model.num_options[i]
-            t = model.times[i, :k]
-            c = model.energies[i, :k] - p * t
-            key = t.tobytes() + c.tobytes()
-            if key not in cache:
-                cache[key] = _lower_hull(t, c)
-            hull = cache[key]
-            ht, hc = t[hull], c[hull]
-            for j in range(len(hull) - 1):
-                seg_node.append(i)
-                seg_len.append(ht[j + 1] - ht[j])
-                seg_slope.append((hc[j + 1] - hc[j]) / (ht[j + 1] - ht[j]))
-        self.seg_node = np.array(seg_node, dtype=np.int64)
-        self.seg_len = np.array(seg_len)
-        seg_slope = np.array(seg_slope)
-        self.t_min = model.times[:, 0].copy()
-        self.base_cost = float((model.energies[:, 0] - p * self.t_min).sum())  # all fastest
-        m = len(seg_node)
-
-        # Variables: [start_0..start_{n-1}, fill_0..fill_{m-1}, T]. Every row says "node a
-        # finishes before b starts" (b a successor's start, or T for a sink):
-        #   start_a + sum fills(a) - x_b <= -t_min_a
-        t_col = n + m
-        fills_of = [[] for _ in range(n)]
-        for s, node in enumerate(seg_node):
-            fills_of[node].append(n + s)
-        rows, cols, vals, rhs = [], [], [], []
-        sinks = np.flatnonzero((dag.succs == -1).all(axis=1))
-        for r, (node, later) in enumerate([*dag.edges(), *((int(i), t_col) for i in sinks)]):
-            row_cols = [node, later, *fills_of[node]]
-            rows += [r] * len(row_cols)
-            cols += row_cols
-            vals += [1.0, -1.0] + [1.0] * len(fills_of[node])
-            rhs.append(-self.t_min[node])
-        r = len(rhs)
-        start, index, value = _csc(np.array(rows), np.array(cols), np.array(vals, dtype=float), n + m + 1)
-
-        lp = highspy.HighsLp()
-        lp.num_col_ = n + m + 1
-        lp.num_row_ = r
-        lp.col_cost_ = np.concatenate([np.zeros(n), seg_slope, [0.0]])
-        lp.col_lower_ = np.zeros(n + m + 1)
-        lp.col_upper_ = np.concatenate([np.full(n, highspy.kHighsInf), self.seg_len, [0.0]])
-        lp.row_lower_ = np.full(r, -highspy.kHighsInf)
-        lp.row_upper_ = np.array(rhs)
-        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-        lp.a_matrix_.start_ = start
-        lp.a_matrix_.index_ = index
-        lp.a_matrix_.value_ = value
-        self.highs = highspy.Highs()
-        self.highs.setOptionValue("output_flag", False)
-        self.highs.setOptionValue("solver", "simplex")
-        self.highs.passModel(lp)
-        self.t_col = t_col
-        self.n, self.m = n, m
-
-    def energy(self, deadline: float) -> float:
-        """Relaxed minimum energy at `deadline` (after `durations` solved it)."""
-        objective = self.highs.getInfo().objective_function_value
-        return self.base_cost + objective + self.model.blocking_power * self.model.num_stage_gpus * deadline
-
-    def durations(self, deadline: float) -> np.ndarray:
-        """Relaxed optimal durations at `deadline` (warm-started from the previous solve)."""
-        h = self.highs
-        h.changeColBounds(self.t_col, deadline, deadline)
-        h.run()
-        status = h.getModelStatus()
-        if status != highspy.HighsModelStatus.kOptimal:
-            raise SolverError(f"LP relaxation at T={deadline:.6f}s ended with {h.modelStatusToString(status)}")
-        x = np.asarray(h.getSolution().col_value)
-        fills = np.clip(x[self.n : self.n + self.m], 0.0, self.seg_len)
-        return self.t_min + np.bincount(self.seg_node, weights=fills, minlength=self.n)
-
-
-def _csc(rows: np.ndarray, cols: np.ndarray, values: np.ndarray, num_cols: int):
-    """(column starts, row indices, values) of a sparse matrix given as distinct triplets
-    (what HiGHS takes; building it with numpy spares the CLI scipy's import time)."""
-    order = np.lexsort((rows, cols))
-    starts = np.r_[0, np.cumsum(np.bincount(cols, minlength=num_cols))]
-    return starts, rows[order], values[order]
-
-
-def _lower_hull(t: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """Indices of the lower convex hull of points sorted by increasing t."""
-    hull: list[int] = []
-    for i in range(len(t)):
-        while len(hull) >= 2:
-            a, b = hull[-2], hull[-1]
-            # b lies on or above segment a-i: drop it.
-            if (c[b] - c[a]) * (t[i] - t[a]) >= (c[i] - c[a]) * (t[b] - t[a]):
-                hull.pop()
-            else:
-                break
-        hull.append(i)
-    return np.array(hull, dtype=np.int64)
 
 
 def _slowest_fitting(option_times: np.ndarray, window: np.ndarray) -> np.ndarray:
@@ -394,7 +286,9 @@ class FrontierSolver:
             self.options, model.num_nodes, grid_bound,
             _anchor_count(self.options, model.num_nodes), t_slowest - t_min,
         )
-        anchors, anchor_durations = self._relaxed_anchors(t_min, t_slowest)
+        anchors, anchor_durations = relaxed_anchors(
+            model, _anchor_count(self.options, model.num_nodes), t_min, t_slowest, self.options.progress
+        )
         grid = self._deadline_grid(t_min, float(anchors[-1]))
         pool = _CandidatePool(model, fastest[:, None])
         # Deadlines in blocks: the float and int64 intermediates of one block stay small, only
@@ -402,7 +296,7 @@ class FrontierSolver:
         block = 2 * max(32, _CELLS // (2 * model.num_nodes))
         for k in range(0, len(grid), block):
             deadlines = grid[k : k + block]
-            rounded = round_to_options(model, _interpolate(anchors, anchor_durations, deadlines))
+            rounded = round_to_options(model, interpolate(anchors, anchor_durations, deadlines))
             feasible = reclaim_slack(model, rounded["down"], deadlines)
             pool.add(feasible)
             if model.switch_latency_s > 0:
@@ -468,39 +362,6 @@ class FrontierSolver:
         grid[-1] = max(grid[-1], t_max)
         return grid
 
-    def _relaxed_anchors(self, t_min: float, t_slowest: float) -> tuple[np.ndarray, np.ndarray]:
-        """Convex-relaxation durations (N, anchors) at evenly spaced deadlines from T_min.
-
-        The walk stops once the relaxed energy has risen at two anchors past its minimum:
-        slower than the minimum-energy plan, energy only grows (blocking power outweighs what
-        slower clocks save), so deadlines there are not worth planning.
-        """
-        n = self.model.num_nodes
-        count = _anchor_count(self.options, n)
-        if t_slowest - t_min < _EPS:  # slower clocks save no time: a single deadline
-            count = 1
-        spacing = (t_slowest - t_min) / max(count - 1, 1)
-        relaxation = _ConvexRelaxation(self.model)
-        anchors, durations, energies = [], [], []
-        progress = None
-        if self.options.progress:
-            from tqdm import tqdm
-
-            progress = tqdm(total=count, desc="frontier LP anchors", unit="anchor")
-        for k in range(count):
-            deadline = t_min + k * spacing if k < count - 1 else max(t_slowest, t_min)
-            durations.append(relaxation.durations(deadline))
-            energies.append(relaxation.energy(deadline))
-            anchors.append(deadline)
-            if progress is not None:
-                progress.update()
-            if k >= 2 and min(energies[-2:]) > min(energies):
-                break
-        if progress is not None:
-            progress.close()
-        return np.array(anchors), np.stack(durations, axis=1)
-
-
 class _CandidatePool:
     """Every candidate plan found so far (columns), with its replayed time and energy."""
 
@@ -551,17 +412,6 @@ def _chunk_columns(num_nodes: int) -> int:
 def _anchor_count(options: SolverOptions, num_nodes: int) -> int:
     """LP anchors: `anchors`, more for small pipelines (up to `anchor_budget` / computations)."""
     return max(options.anchors, options.anchor_budget // max(num_nodes, 1), 2)
-
-
-def _interpolate(anchors: np.ndarray, durations: np.ndarray, deadlines: np.ndarray) -> np.ndarray:
-    """Relaxed durations at each deadline: the convex combination of the two neighbouring
-    anchors' LP solutions, which is feasible for the interpolated deadline."""
-    if len(anchors) == 1:
-        return np.repeat(durations, len(deadlines), axis=1)
-    hi = np.clip(np.searchsorted(anchors, deadlines, side="left"), 1, len(anchors) - 1)
-    lo = hi - 1
-    weight = np.clip((deadlines - anchors[lo]) / (anchors[hi] - anchors[lo]), 0.0, 1.0)
-    return durations[:, lo] * (1 - weight) + durations[:, hi] * weight
 
 
 def _best_so_far(times: np.ndarray, energies: np.ndarray, deadlines: np.ndarray) -> np.ndarray:
