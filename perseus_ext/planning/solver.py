@@ -35,6 +35,7 @@ all no cheaper than the plan before it.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import numpy as np
 
@@ -61,26 +62,72 @@ def _slowest_fitting(option_times: np.ndarray, window: np.ndarray) -> np.ndarray
     return np.maximum(np.searchsorted(option_times, window + _EPS, side="right") - 1, 0)
 
 
+class _OptionTables:
+    """Computations of one stage and kind share their option table, so searches for the best
+    clock run once per table (and, in the DAG passes, once per table and level), not per node."""
+
+    def __init__(self, model: CostModel):
+        tables, table_of = np.unique(model.times, axis=0, return_inverse=True)
+        table_of = table_of.ravel()
+        self.options = [table[np.isfinite(table)] for table in tables]
+        self.nodes = [np.flatnonzero(table_of == t) for t in range(len(tables))]
+        # Per DAG level: (rows within the level, or None for all of them; table) pairs.
+        self.by_level: list[list[tuple[np.ndarray | None, np.ndarray]]] = []
+        for lv in model.dag.levels:
+            ids = table_of[lv]
+            present = np.unique(ids)
+            if len(present) == 1:
+                self.by_level.append([(None, self.options[present[0]])])
+            else:
+                self.by_level.append([(np.flatnonzero(ids == t), self.options[t]) for t in present])
+
+    @classmethod
+    def of(cls, model: CostModel) -> "_OptionTables":
+        tables = _TABLES.get(model)
+        if tables is None:
+            tables = _TABLES[model] = cls(model)
+        return tables
+
+    def refit(
+        self, level: int, window: np.ndarray, choice: np.ndarray, durations: np.ndarray,
+        cap: np.ndarray | None,
+    ) -> None:
+        """Give every node of DAG level `level` the slowest option that fits in its `window`
+        (rows), no faster than its `choice` and no slower than its `cap`; `choice` and
+        `durations` are the level's rows and are updated in place."""
+        for rows, options in self.by_level[level]:
+            part = slice(None) if rows is None else rows
+            best = _slowest_fitting(options, window[part])
+            if cap is not None:
+                np.minimum(best, cap[part], out=best)
+            np.maximum(best, choice[part], out=best)
+            choice[part] = best
+            durations[part] = options[best]
+
+
+_TABLES: "weakref.WeakKeyDictionary[CostModel, _OptionTables]" = weakref.WeakKeyDictionary()
+
+
 def round_to_options(model: CostModel, durations: np.ndarray) -> dict[str, np.ndarray]:
     """Per plan (column), each relaxed duration rounded to a profiled clock, three ways.
 
     `down`: the slowest clock no slower than the duration, so the relaxation's deadline holds.
     `up` / `nearest`: the next slower / the nearest clock; such plans overshoot the deadline a
     little but are often the best plans at their own, slightly longer, time.
+    Option indices come as int16 (what the candidate pool stores): a third of the memory traffic.
     """
-    down = np.empty(durations.shape, dtype=np.int64)
-    # Computations of one stage and kind share their option table: one search per table.
-    tables, table_of = np.unique(model.times, axis=0, return_inverse=True)
-    for t, table in enumerate(tables):
-        nodes = np.flatnonzero(table_of.ravel() == t)
-        options = table[np.isfinite(table)]
-        down[nodes] = _slowest_fitting(options, durations[nodes])
-    t_down = np.take_along_axis(model.times, down, axis=1)
-    last = (model.num_options - 1)[:, None]
-    up = np.where(t_down < durations - _EPS, np.minimum(down + 1, last), down)
-    t_up = np.take_along_axis(model.times, up, axis=1)
-    nearest = np.where(t_up - durations < durations - t_down, up, down)
-    return {"down": down, "up": up, "nearest": nearest}
+    rounded = {way: np.empty(durations.shape, dtype=_CandidatePool.DTYPE) for way in ("down", "up", "nearest")}
+    tables = _OptionTables.of(model)
+    for nodes, options in zip(tables.nodes, tables.options):
+        wanted = durations[nodes]
+        down = _slowest_fitting(options, wanted)
+        t_down = options[down]
+        up = np.minimum(down + (t_down < wanted - _EPS), len(options) - 1)
+        t_up = options[up]
+        rounded["down"][nodes] = down
+        rounded["up"][nodes] = up
+        rounded["nearest"][nodes] = np.where(t_up - wanted < wanted - t_down, up, down)
+    return rounded
 
 
 def reclaim_slack(
@@ -98,7 +145,8 @@ def reclaim_slack(
     backward pass mirrors it (latest starts), handing leftover slack to later computations;
     `backward_first` swaps the passes, favouring late computations.
     Durations only grow and every plan still meets its deadline. `cap` (same shape as
-    `choice`), if given, bounds how slow each computation may become.
+    `choice`), if given, bounds how slow each computation may become. The passes go level by
+    level (no edge joins two nodes of one level, so a level's nodes are independent).
     """
     step = _chunk_columns(model.num_nodes)
     if choice.shape[1] > step:  # bound memory: a few (N, step) matrices at a time
@@ -113,37 +161,33 @@ def reclaim_slack(
             axis=1,
         )
     dag = model.dag
-    option_times = model.option_times
-    choice = np.ascontiguousarray(choice, dtype=np.int64)  # row-wise passes need C order
+    tables = _OptionTables.of(model)
+    choice = np.array(choice, dtype=np.int64, order="C")  # a copy in C order: row-wise passes write into it
     durations = np.take_along_axis(model.times, choice, axis=1)
 
-    def refit(node: int, window: np.ndarray) -> None:
-        best = _slowest_fitting(option_times[node], window)
-        if cap is not None:
-            best = np.minimum(best, cap[node])
-        best = np.maximum(best, choice[node])
-        choice[node] = best
-        durations[node] = option_times[node][best]
+    def refit(level: int, lv: slice, window: np.ndarray) -> None:
+        tables.refit(level, window, choice[lv], durations[lv], None if cap is None else cap[lv])
 
     def forward_pass() -> None:
         latest_finish = dag.latest_finish_times(durations, deadlines)
         finish = np.zeros((len(dag) + 1, choice.shape[1]))
-        for node, (p0, p1) in enumerate(preds):
-            start = np.maximum(finish[p0], finish[p1])
-            refit(node, latest_finish[node] - start)
-            finish[node] = start + durations[node]
+        p0, p1 = dag.preds[:, 0], dag.preds[:, 1]
+        for level, lv in enumerate(dag.levels):
+            start = np.maximum(finish[p0[lv]], finish[p1[lv]])
+            refit(level, lv, latest_finish[lv] - start)
+            finish[lv] = start + durations[lv]
 
     def backward_pass() -> None:
         earliest_start = dag.finish_times(durations) - durations
         latest_start = np.empty((len(dag) + 1, choice.shape[1]))
         latest_start[-1] = deadlines
-        for node in range(len(dag) - 1, -1, -1):
-            s0, s1 = succs[node]
-            end = np.minimum(latest_start[s0], latest_start[s1])
-            refit(node, end - earliest_start[node])
-            latest_start[node] = end - durations[node]
+        s0, s1 = dag.succs[:, 0], dag.succs[:, 1]
+        for level in range(len(dag.levels) - 1, -1, -1):
+            lv = dag.levels[level]
+            end = np.minimum(latest_start[s0[lv]], latest_start[s1[lv]])
+            refit(level, lv, end - earliest_start[lv])
+            latest_start[lv] = end - durations[lv]
 
-    preds, succs = dag.preds.tolist(), dag.succs.tolist()
     passes = (backward_pass, forward_pass) if backward_first else (forward_pass, backward_pass)
     for run_pass in passes:
         run_pass()
