@@ -55,6 +55,9 @@ _FILL_BIN = 0.5  # gap-fill bin width as a fraction of the resolution
 _MERGE_FASTEST, _MERGE_SAMPLE = 64, 64  # Pareto plans the latency merge pass works on
 _REPAIR_STRIDE = 2  # the latency repair works on every other grid deadline
 _CELLS = 4_000_000  # (computation, plan) cells per batched DAG pass (bounds peak memory)
+# Cells per batched replay: a latency-aware replay makes a dozen (N, plans) arrays, and these
+# stay in cache at this size (3-5x faster at 8 x 96 than 4M cells; a plain replay is unaffected).
+_REPLAY_CELLS = 400_000
 
 
 def _slowest_fitting(option_times: np.ndarray, window: np.ndarray) -> np.ndarray:
@@ -347,7 +350,12 @@ class FrontierSolver:
                 # Latency makes most of these plans late; win their deadlines back (every
                 # other deadline: neighbours differ by little and the pass costs a few replays).
                 stride = slice(None, None, _REPAIR_STRIDE)
-                pool.add(repair_latency(model, feasible[:, stride], deadlines[stride]))
+                late = feasible[:, stride]
+                step = _chunk_columns(model.num_nodes, _REPLAY_CELLS)  # its latency replays stay in cache
+                pool.add(np.concatenate([
+                    repair_latency(model, late[:, j : j + step], deadlines[stride][j : j + step])
+                    for j in range(0, late.shape[1], step)
+                ], axis=1))
             pool.add(rounded["up"])
             pool.add(rounded["nearest"])
         # Rounding loses more at some deadlines than at others. Give every deadline a second
@@ -426,7 +434,7 @@ class _CandidatePool:
         return self._buffer[:, : self.size]
 
     def add(self, choices: np.ndarray) -> None:
-        step = _chunk_columns(self.model.num_nodes)
+        step = _chunk_columns(self.model.num_nodes, _REPLAY_CELLS)
         parts = [self.model.replay(choices[:, k : k + step]) for k in range(0, choices.shape[1], step)]
         times, energies = np.concatenate([t for t, _ in parts]), np.concatenate([e for _, e in parts])
         end = self.size + choices.shape[1]
@@ -448,9 +456,9 @@ class _CandidatePool:
         return np.array(_fill_gaps(self.times, self.energies, _pareto(self.times, self.energies), resolution))
 
 
-def _chunk_columns(num_nodes: int) -> int:
-    """Plans per batched DAG pass: `_CELLS` cells, at least 64 plans."""
-    return max(64, _CELLS // max(num_nodes, 1))
+def _chunk_columns(num_nodes: int, cells: int = _CELLS) -> int:
+    """Plans per batched DAG pass: `cells` cells, at least 64 plans."""
+    return max(64, cells // max(num_nodes, 1))
 
 
 def _anchor_count(options: SolverOptions, num_nodes: int) -> int:
