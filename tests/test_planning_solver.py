@@ -179,7 +179,7 @@ def _reclaim_node_by_node(model: CostModel, choice: np.ndarray, deadlines: np.nd
 
 @pytest.mark.parametrize("schedule", [one_f_one_b(4, 6), interleaved(4, 8, 2)], ids=["1f1b", "interleaved"])
 def test_level_batched_passes_match_their_node_by_node_definition(raw_a100: Profile, schedule) -> None:
-    from perseus_ext.planning.solver import reclaim_slack, round_to_options
+    from perseus_ext.planning.passes import reclaim_slack, round_to_options
 
     model = CostModel(schedule, sub_profile(raw_a100, 4, tuple(range(1410, 900, -45))), P_BLOCK_A100)
     rng = np.random.default_rng(7)

@@ -10,6 +10,8 @@ in O(N) (`interpolate`).
 
 from __future__ import annotations
 
+import threading
+
 import highspy
 import numpy as np
 
@@ -128,38 +130,83 @@ def lower_hull(t: np.ndarray, c: np.ndarray) -> np.ndarray:
     return np.array(hull, dtype=np.int64)
 
 
-def relaxed_anchors(
-    model: CostModel, count: int, t_min: float, t_slowest: float, progress: bool = False
-) -> tuple[np.ndarray, np.ndarray]:
-    """Convex-relaxation durations (N, anchors) at `count` evenly spaced deadlines from T_min
-    to `t_slowest` (all clocks slowest); `progress` shows a tqdm bar.
+class AnchorWalk:
+    """The LP walk over `count` evenly spaced anchor deadlines from T_min to `t_slowest` (all
+    clocks slowest), on a background thread.
 
-    The walk stops once the relaxed energy has risen at two anchors past its minimum:
-    slower than the minimum-energy plan, energy only grows (blocking power outweighs what
-    slower clocks save), so deadlines there are not worth planning.
+    HiGHS releases the GIL while it solves, so the solver rounds the deadlines the walk has
+    passed (`wait`) while later anchors are solved. The walk stops once the relaxed energy has
+    risen at two anchors past its minimum: slower than the minimum-energy plan, energy only
+    grows (blocking power outweighs what slower clocks save), so deadlines there are not worth
+    planning. `progress` shows a tqdm bar.
     """
-    if t_slowest - t_min < _EPS:  # slower clocks save no time: a single deadline
-        count = 1
-    spacing = (t_slowest - t_min) / max(count - 1, 1)
-    relaxation = ConvexRelaxation(model)
-    anchors, durations, energies = [], [], []
-    bar = None
-    if progress:
-        from tqdm import tqdm
 
-        bar = tqdm(total=count, desc="frontier LP anchors", unit="anchor")
-    for k in range(count):
-        deadline = t_min + k * spacing if k < count - 1 else max(t_slowest, t_min)
-        durations.append(relaxation.durations(deadline))
-        energies.append(relaxation.energy(deadline))
-        anchors.append(deadline)
-        if bar is not None:
-            bar.update()
-        if k >= 2 and min(energies[-2:]) > min(energies):
-            break
-    if bar is not None:
-        bar.close()
-    return np.array(anchors), np.stack(durations, axis=1)
+    def __init__(self, model: CostModel, count: int, t_min: float, t_slowest: float, progress: bool = False):
+        if t_slowest - t_min < _EPS:  # slower clocks save no time: a single deadline
+            count = 1
+        self._deadlines = np.empty(count)
+        self._durations = np.empty((model.num_nodes, count))
+        self._solved = 0  # anchors solved so far (columns of `_durations`)
+        self._finished = self._cancelled = False
+        self._error: BaseException | None = None
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(
+            target=self._walk, args=(model, count, t_min, t_slowest, progress), name="frontier-lp-walk",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _walk(self, model: CostModel, count: int, t_min: float, t_slowest: float, progress: bool) -> None:
+        bar = None
+        try:
+            relaxation = ConvexRelaxation(model)
+            if progress:
+                from tqdm import tqdm
+
+                bar = tqdm(total=count, desc="frontier LP anchors", unit="anchor")
+            spacing = (t_slowest - t_min) / max(count - 1, 1)
+            energies: list[float] = []
+            for k in range(count):
+                if self._cancelled:
+                    break
+                deadline = t_min + k * spacing if k < count - 1 else max(t_slowest, t_min)
+                self._durations[:, k] = relaxation.durations(deadline)
+                self._deadlines[k] = deadline
+                energies.append(relaxation.energy(deadline))
+                with self._changed:
+                    self._solved = k + 1
+                    self._changed.notify_all()
+                if bar is not None:
+                    bar.update()
+                if k >= 2 and min(energies[-2:]) > min(energies):
+                    break
+        except BaseException as err:  # raised again in the solver's thread by `result`
+            self._error = err
+        finally:
+            if bar is not None:
+                bar.close()
+            with self._changed:
+                self._finished = True
+                self._changed.notify_all()
+
+    def wait(self, solved: int) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Block until more than `solved` anchors are solved or the walk has ended; return the
+        anchors so far (deadlines, durations (N, anchors); views) and whether it has ended."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._solved > solved or self._finished)
+            k, finished = self._solved, self._finished
+        return self._deadlines[:k], self._durations[:, :k], finished
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every anchor: (deadlines, relaxed durations (N, anchors)), once the walk has ended."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._deadlines[: self._solved], self._durations[:, : self._solved]
+
+    def close(self) -> None:
+        """Stop the walk after the anchor in progress (the solve failed or is done)."""
+        self._cancelled = True
 
 
 def interpolate(anchors: np.ndarray, durations: np.ndarray, deadlines: np.ndarray) -> np.ndarray:
