@@ -204,3 +204,25 @@ def test_level_batched_passes_match_their_node_by_node_definition(raw_a100: Prof
             np.testing.assert_array_equal(got, want)
             assert np.all(got >= rounded["down"])
             assert np.all(model.dag.makespan(model.times[rows, got]) <= deadlines + 1e-9)
+
+
+def test_lp_walk_failure_reaches_the_caller_and_stops_the_walk(raw_a100: Profile, monkeypatch) -> None:
+    """The LP walk runs on a background thread: its errors must surface in the solving thread."""
+    import threading
+
+    from perseus_ext.planning import relaxation
+
+    real = relaxation.ConvexRelaxation.durations
+    calls = []
+
+    def failing(self, deadline: float):
+        calls.append(deadline)
+        if len(calls) == 5:
+            raise SolverError(f"LP relaxation at T={deadline:.6f}s ended with Infeasible")
+        return real(self, deadline)
+
+    monkeypatch.setattr(relaxation.ConvexRelaxation, "durations", failing)
+    with pytest.raises(SolverError, match="ended with Infeasible"):
+        solve_frontier(one_f_one_b(4, 8), sub_profile(raw_a100, 4, (1410, 1200, 1000)), P_BLOCK_A100)
+    assert len(calls) == 5
+    assert not [t for t in threading.enumerate() if t.name == "frontier-lp-walk"]
