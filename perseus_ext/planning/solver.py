@@ -82,7 +82,7 @@ def solve_frontier(
 
 
 class FrontierSolver:
-    """Runs the three steps of the module docstring on one `CostModel`."""
+    """Runs the steps of the module docstring on one `CostModel`."""
 
     def __init__(self, model: CostModel, options: SolverOptions):
         self.model = model
@@ -103,7 +103,8 @@ class FrontierSolver:
         # Deadlines in blocks: the float and int64 intermediates of one block stay small, only
         # the int16 candidates accumulate (peak memory ~ the pool, not 10x the pool).
         block = 2 * max(32, CELLS // (2 * model.num_nodes))
-        walk = AnchorWalk(model, _anchor_count(self.options, model.num_nodes), t_min, t_slowest, self.options.progress)
+        anchor_count = _anchor_count(self.options, model.num_nodes)
+        walk = AnchorWalk(model, anchor_count, t_min, t_slowest, self.options.progress)
         try:
             anchors, grid = self._first_pass(walk, _FirstPass(model, pool, block), t_min, t_slowest)
         finally:
