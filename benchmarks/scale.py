@@ -1,6 +1,8 @@
 """Solver wall time and peak memory vs pipeline size, up to tens of thousands of computations.
 
-    python benchmarks/scale.py --sizes 8x96 16x128 16x256x2
+    python benchmarks/scale.py --sizes 8x24 8x96 16x128 16x256x2 32x256x2
+
+(32 x 256 x 2 is 32,768 computations.)
 
 A size is STAGESxMICROBATCHES[xVIRTUAL]. Profiles for more stages than the published 8 are
 built from them: each published stage is split into `stages / 8` equal stages (its layers

@@ -1,9 +1,13 @@
 """Frontier solver benchmark: perseus-ext vs the public reference (`lowtime`), side by side.
 
-For each microbatch count, both solvers compute the frontier of the same profile; every plan of
+For each microbatch count, both solvers compute the frontier of the same profile, each as a
+whole process timed from the outside (interpreter start-up, imports and writing the plans
+included): perseus-ext is the `perseus-ext frontier --out F.json` command, lowtime a fresh
+interpreter that imports it, builds its DAG, runs its solver and writes its plans. Every plan of
 both is replayed on the *raw* (unfiltered) profile with the same energy model, and the table
-reports points, wall time, the speed ratio, peak memory, and the energy gap: at every lowtime
-point (T_L, E_L), perseus-ext's best plan with time <= T_L minus E_L (negative = we are better).
+reports points, wall and CPU time, the wall-time ratio, peak memory, and the energy gap: at
+every lowtime point (T_L, E_L), perseus-ext's best plan with time <= T_L minus E_L (negative =
+we are better).
 
     python benchmarks/solver.py --microbatches 12 24 48 96 [--lowtime-limit 3600]
 
@@ -17,8 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import resource
+import os
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -28,23 +35,28 @@ from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Plan
 from perseus_ext.planning.profile import load_profile
 from perseus_ext.planning.schedule import one_f_one_b
-from perseus_ext.planning.solver import solve_frontier
 
 DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "examples/profiles/gpt3-175b-a100_sxm.csv"
 
 
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def run_perseus(profile_path: str, stages: int, microbatches: int, power: float, out: Path) -> list[str]:
+    """The `perseus-ext frontier` command line that writes the frontier to `out`."""
+    return [
+        sys.executable, "-m", "perseus_ext", "frontier", "--profile", profile_path,
+        "--stages", str(stages), "--microbatches", str(microbatches), "--blocking-power", str(power),
+        "--out", str(out),
+    ]
 
 
-def run_perseus(profile_path: str, stages: int, microbatches: int, power: float, queue) -> None:
-    start = time.perf_counter()
-    frontier = solve_frontier(one_f_one_b(stages, microbatches), load_profile(profile_path), power)
-    elapsed = time.perf_counter() - start
-    queue.put((elapsed, [p.frequencies for p in frontier.plans], _peak_rss_mib()))
+def run_lowtime(profile_path: str, stages: int, microbatches: int, power: float, out: Path) -> list[str]:
+    """The command line of a fresh interpreter that runs `lowtime_main` and writes to `out`."""
+    return [
+        sys.executable, __file__, "--lowtime-child", profile_path, str(stages), str(microbatches),
+        str(power), str(out),
+    ]
 
 
-def run_lowtime(profile_path: str, stages: int, microbatches: int, power: float, queue) -> None:
+def lowtime_main(profile_path: str, stages: int, microbatches: int, power: float, out: Path) -> None:
     """Drive lowtime's Phillips–Dessouky solver the way its Perseus example does (1 ms units)."""
     import csv
 
@@ -57,7 +69,6 @@ def run_lowtime(profile_path: str, stages: int, microbatches: int, power: float,
     from lowtime.solver import PhillipsDessouky
 
     rows = list(csv.DictReader(open(profile_path)))
-    start = time.perf_counter()
     specs: dict[int, dict[type, OperationSpec]] = {s: {} for s in range(stages)}
     for stage in range(stages):
         for cls in (Forward, Backward):
@@ -104,22 +115,28 @@ def run_lowtime(profile_path: str, stages: int, microbatches: int, power: float,
 
     plans = []
     for _ in PhillipsDessouky(dag).run():
-        plans.append(tuple(tuple(inst.assigned_knob for inst in insts) for insts in per_stage))
-    queue.put((time.perf_counter() - start, plans, _peak_rss_mib()))
+        plans.append([[inst.assigned_knob for inst in insts] for insts in per_stage])
+    out.write_text(json.dumps({"plans": plans}))
 
 
-def _run(target, args, limit: float):
-    """Run one solver in a fresh process (fair memory figures, hard time limit)."""
-    queue = mp.get_context("fork").Queue()
-    proc = mp.get_context("fork").Process(target=target, args=(*args, queue))
-    proc.start()
-    try:
-        result = queue.get(timeout=limit)
-    except Exception:
-        proc.kill()
-        return None
-    proc.join()
-    return result
+def _run(command: list[str], limit: float) -> tuple[float, float, float] | None:
+    """Run one solver as a whole process: (wall s, CPU s, peak MiB) of that process alone;
+    None past `limit` seconds or on failure (its stderr is shown)."""
+    with tempfile.TemporaryFile() as stderr:
+        start = time.perf_counter()
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        timer = threading.Timer(limit, proc.kill)
+        timer.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            stderr.seek(0)
+            print(f"{command[:4]}... exit {proc.returncode}", stderr.read().decode(errors="replace")[-2000:],
+                  file=sys.stderr)
+            return None
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
 def replay(model: CostModel, frequencies) -> tuple[np.ndarray, np.ndarray]:
@@ -168,43 +185,58 @@ def main() -> None:
 
     raw = load_profile(args.profile, pareto=False)
     header = (
-        f"{'M':>4} {'ours pts':>8} {'ours s':>8} {'ours MiB':>8} {'lowtime pts':>11} {'lowtime s':>10} "
-        f"{'speedup':>8} {'max dE J':>9} {'mean dE J':>9} {'saving %':>8}"
+        f"{'M':>4} {'ours pts':>8} {'ours s':>7} {'CPU s':>6} {'MiB':>5} {'lowtime pts':>11} "
+        f"{'lowtime s':>9} {'CPU s':>8} {'MiB':>5} {'speedup':>8} {'max dE J':>9} {'mean dE J':>9} {'saving %':>8}"
     )
     print(header)
     print("-" * len(header))
+    work = Path(tempfile.mkdtemp(prefix="perseus-solver-bench-"))
     for m in args.microbatches:
         model = CostModel(one_f_one_b(args.stages, m), raw, args.blocking_power)
-        ours = _run(run_perseus, (args.profile, args.stages, m, args.blocking_power), 600)
-        t_ours, freqs_ours, mem_ours = ours
+        problem = (args.profile, args.stages, m, args.blocking_power)
+        ours_file = work / f"ours-{m}.json"
+        wall, cpu, mem = _run(run_perseus(*problem, ours_file), 600)
+        freqs_ours = [np.array(p["frequencies"]) for p in json.loads(ours_file.read_text())["plans"]]
         ours_te = replay(model, freqs_ours)
         baseline_e = model.replay(model.fastest_choice())[1]
         saving = 100 * (1 - ours_te[1][np.argmin(ours_te[0])] / baseline_e)
-        row = f"{m:>4} {len(freqs_ours):>8} {t_ours:>8.2f} {mem_ours:>8.0f} "
-        ref = None
+        row = f"{m:>4} {len(freqs_ours):>8} {wall:>7.2f} {cpu:>6.2f} {mem:>5.0f} "
+        ref = measured = None
         saved = args.reference / f"lowtime-{m}.json" if args.reference else None
         if saved is not None and saved.is_file():
             data = json.loads(saved.read_text())
-            ref = (data["seconds"], [np.array(f) for f in data["plans"]], None)
+            ref = (data["seconds"], data.get("cpu_seconds", float("nan")), float("nan"), data["plans"])
         elif have_lowtime and m <= args.lowtime_max_microbatches:
-            ref = _run(run_lowtime, (args.profile, args.stages, m, args.blocking_power), args.lowtime_limit)
+            ref_file = work / f"lowtime-{m}.json"
+            measured = _run(run_lowtime(*problem, ref_file), args.lowtime_limit)
+            if measured is not None:
+                ref = (*measured, json.loads(ref_file.read_text())["plans"])
         if ref is None:
-            row += f"{'-':>11} {'-':>10} {'-':>8} {'-':>9} {'-':>9}"
+            row += f"{'-':>11} {'-':>9} {'-':>8} {'-':>5} {'-':>8} {'-':>9} {'-':>9}"
         else:
-            t_ref, freqs_ref, _ = ref
-            if args.save_reference:
+            t_ref, cpu_ref, mem_ref, plans_ref = ref
+            if args.save_reference and measured is not None:
                 args.save_reference.mkdir(parents=True, exist_ok=True)
                 (args.save_reference / f"lowtime-{m}.json").write_text(
-                    json.dumps({"seconds": t_ref, "plans": [[list(row) for row in f] for f in freqs_ref]})
+                    json.dumps({"seconds": t_ref, "cpu_seconds": cpu_ref, "plans": plans_ref})
                 )
-            gmax, gmean, _ = energy_gap(ours_te, replay(model, freqs_ref))
-            row += f"{len(freqs_ref):>11} {t_ref:>10.2f} {t_ref / t_ours:>7.0f}x {gmax:>9.2f} {gmean:>9.2f}"
+            gmax, gmean, _ = energy_gap(ours_te, replay(model, [np.array(f) for f in plans_ref]))
+            row += (
+                f"{len(plans_ref):>11} {t_ref:>9.2f} {cpu_ref:>8.2f} {mem_ref:>5.0f} "
+                f"{t_ref / wall:>7.0f}x {gmax:>9.2f} {gmean:>9.2f}"
+            )
         print(row + f" {saving:>8.2f}", flush=True)
     print(
-        "\nmax/mean dE: our best plan's energy at each lowtime point's time minus lowtime's "
-        "(<= 0: ours is no worse). saving %: fastest plan vs all-max-clock at the same time."
+        "\nours s / lowtime s: wall time of the whole process (start-up, imports, solve, writing the "
+        "plans); speedup: their ratio. max/mean dE: our best plan's energy at each lowtime point's "
+        "time minus lowtime's (<= 0: ours is no worse). saving %: fastest plan vs all-max-clock at "
+        "the same time."
     )
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 7 and sys.argv[1] == "--lowtime-child":
+        _, _, path, stages, microbatches, power, out = sys.argv
+        lowtime_main(path, int(stages), int(microbatches), float(power), Path(out))
+    else:
+        main()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -80,3 +82,23 @@ def test_bad_input_exits_2_with_a_clear_message(args: list[str], message: str, c
 def test_unknown_gpu_needs_blocking_power(four_stage_profile: Path, capsys) -> None:
     assert main(["frontier", "--profile", str(four_stage_profile), "--microbatches", "4"]) == 2
     assert "--blocking-power is needed" in capsys.readouterr().err
+
+
+def test_frontier_command_imports_only_what_it_needs(tmp_path: Path) -> None:
+    """Start-up is part of the command's time: no SQLAlchemy (policies), torch, plotting or
+    config machinery on the way to a frontier (reading the blocking power once pulled in the
+    emulator package and with it the policies and SQLAlchemy, ~0.8 s)."""
+    out = tmp_path / "f.json"
+    code = (
+        "import sys\n"
+        "from perseus_ext.cli import main\n"
+        f"assert main(['frontier', '--profile', 'gpt3-175b-a100_sxm', '--microbatches', '2', "
+        f"'--blocking-power', 'a100', '--out', {str(out)!r}]) == 0\n"
+        "heavy = ('sqlalchemy', 'torch', 'matplotlib', 'pydantic', 'scipy', 'tqdm', 'networkx',\n"
+        "         'perseus_ext.emulator', 'perseus_ext.policies', 'perseus_ext.runtime')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+    assert json.loads(out.read_text())["blocking_power"] == 83.64

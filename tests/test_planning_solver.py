@@ -140,3 +140,89 @@ def test_profile_whose_slower_clocks_save_no_time(recwarn) -> None:
     # 1410 MHz is dominated (same time, more energy): every computation runs at 1200 MHz.
     assert set(frontier.fastest.frequencies.ravel().tolist()) == {1200}
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+def _reclaim_node_by_node(model: CostModel, choice: np.ndarray, deadlines: np.ndarray, cap, backward_first):
+    """The slack reclaim's definition, one node at a time (the solver batches DAG levels)."""
+    dag, choice = model.dag, choice.astype(np.int64).copy()
+    rows = np.arange(model.num_nodes)[:, None]
+
+    def refit(node: int, window: np.ndarray) -> None:
+        options = model.times[node, : model.num_options[node]]
+        best = np.maximum(np.searchsorted(options, window + 1e-9, side="right") - 1, 0)
+        if cap is not None:
+            best = np.minimum(best, cap[node])
+        choice[node] = np.maximum(best, choice[node])
+
+    def forward() -> None:
+        latest = dag.latest_finish_times(model.times[rows, choice], deadlines)
+        finish = np.zeros((model.num_nodes + 1, choice.shape[1]))
+        for node in range(model.num_nodes):
+            start = np.maximum(finish[dag.preds[node, 0]], finish[dag.preds[node, 1]])
+            refit(node, latest[node] - start)
+            finish[node] = start + model.times[node, choice[node]]
+
+    def backward() -> None:
+        durations = model.times[rows, choice]
+        earliest = dag.finish_times(durations) - durations
+        latest_start = np.empty((model.num_nodes + 1, choice.shape[1]))
+        latest_start[-1] = deadlines
+        for node in range(model.num_nodes - 1, -1, -1):
+            end = np.minimum(latest_start[dag.succs[node, 0]], latest_start[dag.succs[node, 1]])
+            refit(node, end - earliest[node])
+            latest_start[node] = end - model.times[node, choice[node]]
+
+    for run_pass in (backward, forward) if backward_first else (forward, backward):
+        run_pass()
+    return choice
+
+
+@pytest.mark.parametrize("schedule", [one_f_one_b(4, 6), interleaved(4, 8, 2)], ids=["1f1b", "interleaved"])
+def test_level_batched_passes_match_their_node_by_node_definition(raw_a100: Profile, schedule) -> None:
+    from perseus_ext.planning.passes import reclaim_slack, round_to_options
+
+    model = CostModel(schedule, sub_profile(raw_a100, 4, tuple(range(1410, 900, -45))), P_BLOCK_A100)
+    rng = np.random.default_rng(7)
+    plans = 40
+    fastest = model.times[:, :1]
+    slowest = model.times[np.arange(model.num_nodes), model.num_options - 1][:, None]
+    relaxed = fastest + rng.random((model.num_nodes, plans)) * (slowest - fastest)
+    rounded = round_to_options(model, relaxed)
+    rows = np.arange(model.num_nodes)[:, None]
+    t_down, t_up = model.times[rows, rounded["down"]], model.times[rows, rounded["up"]]
+    # down: the slowest clock no slower than the relaxed duration; up: the next slower one.
+    assert np.all(t_down <= relaxed + 1e-9)
+    assert np.all((t_up >= relaxed - 1e-9) | (rounded["up"] == (model.num_options - 1)[:, None]))
+    assert np.all((rounded["nearest"] == rounded["down"]) | (rounded["nearest"] == rounded["up"]))
+
+    deadlines = model.dag.makespan(t_down) + rng.random(plans) * 0.05
+    cap = np.minimum(rounded["down"] + rng.integers(0, 3, rounded["down"].shape), (model.num_options - 1)[:, None])
+    for backward_first in (False, True):
+        for bound in (None, cap):
+            got = reclaim_slack(model, rounded["down"], deadlines, bound, backward_first)
+            want = _reclaim_node_by_node(model, rounded["down"], deadlines, bound, backward_first)
+            np.testing.assert_array_equal(got, want)
+            assert np.all(got >= rounded["down"])
+            assert np.all(model.dag.makespan(model.times[rows, got]) <= deadlines + 1e-9)
+
+
+def test_lp_walk_failure_reaches_the_caller_and_stops_the_walk(raw_a100: Profile, monkeypatch) -> None:
+    """The LP walk runs on a background thread: its errors must surface in the solving thread."""
+    import threading
+
+    from perseus_ext.planning import relaxation
+
+    real = relaxation.ConvexRelaxation.durations
+    calls = []
+
+    def failing(self, deadline: float):
+        calls.append(deadline)
+        if len(calls) == 5:
+            raise SolverError(f"LP relaxation at T={deadline:.6f}s ended with Infeasible")
+        return real(self, deadline)
+
+    monkeypatch.setattr(relaxation.ConvexRelaxation, "durations", failing)
+    with pytest.raises(SolverError, match="ended with Infeasible"):
+        solve_frontier(one_f_one_b(4, 8), sub_profile(raw_a100, 4, (1410, 1200, 1000)), P_BLOCK_A100)
+    assert len(calls) == 5
+    assert not [t for t in threading.enumerate() if t.name == "frontier-lp-walk"]

@@ -94,8 +94,8 @@ def resolve_profile(name: str) -> Path:
 def blocking_power_w(value: str | None, profile: Path) -> float:
     """--blocking-power as watts; without it, the published value of the GPU that a shipped
     profile's file name names (e.g. `...-a100_sxm.csv` -> a100)."""
-    from perseus_ext.emulator.layout import resolve_blocking_power
-    from perseus_ext.planning.energy import BLOCKING_POWER_W
+    # Not through perseus_ext.emulator: its package imports the policies (and SQLAlchemy), ~0.8 s.
+    from perseus_ext.planning.energy import BLOCKING_POWER_W, resolve_blocking_power
 
     if value is not None:
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from perseus_ext.errors import ConfigError
-from perseus_ext.planning.energy import BLOCKING_POWER_W
+from perseus_ext.planning.energy import resolve_blocking_power  # noqa: F401 (re-exported by perseus_ext.emulator)
 from perseus_ext.planning.schedule import PipelineSchedule, ScheduleKind, build_schedule
 
 
@@ -70,22 +70,3 @@ class JobLayout:
             "schedule": self.schedule,
             "chunks": self.chunks,
         }
-
-
-def resolve_blocking_power(value: str | float) -> float:
-    """Watts one GPU draws while blocked on communication: a number, or a GPU name
-    with a published value (`a100`, `a40`)."""
-    if isinstance(value, str):
-        key = value.strip().lower()
-        if key in BLOCKING_POWER_W:
-            return BLOCKING_POWER_W[key]
-        try:
-            value = float(key)
-        except ValueError:
-            names = ", ".join(sorted(BLOCKING_POWER_W))
-            raise ConfigError(
-                f"blocking power {value!r} is neither a number of watts nor a known GPU ({names})"
-            ) from None
-    if not value >= 0 or value == float("inf"):
-        raise ConfigError(f"blocking power must be a finite number of watts >= 0, got {value!r}")
-    return float(value)

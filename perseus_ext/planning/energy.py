@@ -24,13 +24,32 @@ from functools import cached_property
 
 import numpy as np
 
-from perseus_ext.errors import ProfileError
+from perseus_ext.errors import ConfigError, ProfileError
 from perseus_ext.planning.dag import PipelineDAG
 from perseus_ext.planning.frontier import Plan
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
 
 BLOCKING_POWER_W = {"a100": 83.64, "a40": 70.38}  # published, Perseus artifact
+
+
+def resolve_blocking_power(value: str | float) -> float:
+    """Watts one GPU draws while blocked on communication: a number, or a GPU name
+    with a published value (`a100`, `a40`)."""
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key in BLOCKING_POWER_W:
+            return BLOCKING_POWER_W[key]
+        try:
+            value = float(key)
+        except ValueError:
+            names = ", ".join(sorted(BLOCKING_POWER_W))
+            raise ConfigError(
+                f"blocking power {value!r} is neither a number of watts nor a known GPU ({names})"
+            ) from None
+    if not value >= 0 or value == float("inf"):
+        raise ConfigError(f"blocking power must be a finite number of watts >= 0, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
