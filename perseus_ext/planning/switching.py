@@ -27,6 +27,7 @@ from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.planning.wait_aware import distinct_plans, pareto_plans, wait_useful_profile
 
 _EPS = 1e-9
+CHUNK_CELLS = 400_000  # computations x plans merged at once by `with_fewer_switches`
 
 
 def _with_clock(
@@ -253,8 +254,11 @@ def with_fewer_switches(frontier: Frontier, schedule: PipelineSchedule, profile:
     model = CostModel(schedule, wait_useful_profile(profile, blocking_power), blocking_power, switch_latency_s)
     plans = frontier.plans
     choices = np.stack([model.choice_of(plan) for plan in plans], axis=1)
-    merged = merge_switches(model, choices, np.array([plan.time for plan in plans]),
-                            switch_cost_j=switch_cost_j)
+    deadlines = np.array([plan.time for plan in plans])
+    width = max(1, CHUNK_CELLS // len(choices))  # plans per batch: the replays stay in cache
+    merged = np.concatenate([
+        merge_switches(model, choices[:, i:i + width], deadlines[i:i + width], switch_cost_j=switch_cost_j)
+        for i in range(0, len(plans), width)], axis=1)
     changed = np.flatnonzero((merged != choices).any(axis=0))
     if not changed.size:
         return frontier
