@@ -47,6 +47,14 @@ OVERHEAD_PERCENTILE = 20  # of the gaps between computations: framework work wit
 COARSE_STEPS_PER_MAX_CLOCK = 16  # coarse search step = max clock / 16 (90 MHz on an A100)
 CONFIDENCE_Z = 2.0  # "costs more" = more than this many combined standard errors more
 MIN_RESIDUAL_DOF = 3  # windows beyond the unknowns before a standard error is trusted
+PERIOD_REFITS = 3  # rounds of re-rounding update ordinals against the midpoint fit
+PERIOD_SEARCH = 0.4  # relative period range first searched around the midpoint fit
+ZOOM_START_PERIODS = 16  # the period search starts on this many counter periods of the run
+ZOOM_START_INTERVALS = 64  # and on at least this many read intervals
+ZOOM_MARGIN_S = 0.03  # each zoom searches periods that drift this much over the previous stretch
+PHASE_RESOLUTION_S = 0.0005  # phase bins and period steps resolve updates to this
+PHASE_BINS = 200  # phase bins per counter period (0.5 ms at NVML's 100 ms)
+MAX_PERIOD_CANDIDATES = 2001
 
 
 @dataclass(frozen=True)
@@ -72,28 +80,117 @@ class StageMeasurements:
     overhead_measured: bool = True  # False: no gap free of pipeline waits; rows hold no overhead
 
 
-def locate_updates(changes: list[tuple[float, float]]) -> list[float]:
-    """Times of counter updates, each known to lie in (after, at] of `changes`.
+def _rough_period(mids: np.ndarray) -> tuple[float, float]:
+    """(period, phase) of a line through the change midpoints, ordinals refined by rounding."""
+    period = float(np.median(np.diff(mids)))
+    if period <= 0:
+        return period, float(mids[0])
+    # Count updates step by step (a gap of ~2 periods means a missed update), so a small error
+    # in the first period estimate cannot accumulate over a long run; then re-round against the fit.
+    steps = np.maximum(1.0, np.round(np.diff(mids) / period))
+    ordinals = np.concatenate([[0.0], np.cumsum(steps)])
+    phase = float(mids[0])
+    for _ in range(PERIOD_REFITS):
+        period, phase = (float(v) for v in np.polyfit(ordinals, mids, 1))
+        ordinals = np.round((mids - phase) / period)
+    return period, phase
 
-    The counter updates on a steady period, so the interval midpoints are fitted with
-    t_k = phase + n_k * period (n_k = the update's ordinal); each fitted time is then clipped
-    into its interval, which also keeps an irregular counter within the read resolution.
+
+def _arc_scores(after: np.ndarray, width: np.ndarray, sign: np.ndarray, period: float,
+                origin: float) -> np.ndarray:
+    """Per phase bin of [0, period): +1 for each change interval holding a tick at that phase,
+    -1 for each quiet interval holding one (intervals as long as a period hold one anyway)."""
+    bins = PHASE_BINS
+    keep = width < period
+    first = np.floor(((after[keep] - origin) % period) / period * bins).astype(int) + 1
+    last = np.floor(((after[keep] + width[keep] - origin) % period) / period * bins).astype(int)
+    last = np.where(last < first - 1, last + bins, last)  # arcs that wrap past the period
+    delta = np.zeros(2 * bins + 2)
+    np.add.at(delta, first, sign[keep])
+    np.add.at(delta, last + 1, -sign[keep])
+    covered = np.cumsum(delta)[: 2 * bins]
+    return covered[:bins] + covered[bins:]
+
+
+def _best_phase(scores: np.ndarray, period: float) -> float:
+    """Centre of the circular run of top-scoring bins around the best one."""
+    bins = len(scores)
+    best = int(np.argmax(scores))
+    top = scores[best]
+    low = best
+    while scores[(low - 1) % bins] == top and best - low < bins - 1:
+        low -= 1
+    high = best
+    while scores[(high + 1) % bins] == top and high - low < bins - 1:
+        high += 1
+    return ((low + high + 1) / 2 / bins) * period
+
+
+def locate_updates(changes: list[tuple[float, float]],
+                   quiet: Sequence[tuple[float, float]] = ()) -> list[float]:
+    """Times of counter updates: for each (after, at] of `changes` (at least one update lies
+    in it), the last update at or before `at`, which is when the value read at `at` was set;
+    clipped into the interval where the steady-period fit disagrees with it."""
+    located, _ = _located_updates(changes, quiet)
+    return located
+
+
+def _located_updates(changes: list[tuple[float, float]],
+                     quiet: Sequence[tuple[float, float]]) -> tuple[list[float], list[bool]]:
+    """`locate_updates` plus, per change, whether the fitted update really lies in its interval.
+
+    The counter updates on a steady period. Reads come only at computation boundaries, so a
+    change is often known only to a 30-100 ms interval and a midpoint fit is off by tens of
+    ms; instead the period and phase are the ones that put an update in the most `changes`
+    and in the fewest `quiet` intervals (read pairs without a change), found by zooming in from
+    the midpoint fit. The intersection of these intervals pins the updates down to about a
+    millisecond, and the few stale reads (a counter that trails its device) are outvoted.
+    Without quiet intervals, nothing rules out a shorter period: the midpoint fit is used.
     """
     mids = np.array([(a + b) / 2 for a, b in changes])
     if len(mids) < 3:
-        return mids.tolist()
-    period = float(np.median(np.diff(mids)))
+        return mids.tolist(), [True] * len(mids)
+    period, phase = _rough_period(mids)
     if period <= 0:
-        return mids.tolist()
-    # Count updates step by step (a gap of ~2 periods means a missed update), so a small error
-    # in the first period estimate cannot accumulate over a long run.
-    steps = np.maximum(1.0, np.round(np.diff(mids) / period))
-    ordinals = np.concatenate([[0.0], np.cumsum(steps)])
-    slope, phase = np.polyfit(ordinals, mids, 1)
-    fitted = phase + ordinals * slope
+        return mids.tolist(), [True] * len(mids)
     low = np.array([a for a, _ in changes])
     high = np.array([b for _, b in changes])
-    return np.clip(fitted, low, high).tolist()
+    if quiet:
+        period, phase = _zoomed_period(changes, quiet, period)
+        last = phase + np.floor((high - phase) / period) * period
+    else:  # each change's own fitted update: the midpoint fit is too coarse to take the last one
+        last = phase + np.round((mids - phase) / period) * period
+    return np.clip(last, low, high).tolist(), ((last > low) & (last <= high)).tolist()
+
+
+def _zoomed_period(changes: list[tuple[float, float]], quiet: Sequence[tuple[float, float]],
+                   rough: float) -> tuple[float, float]:
+    """(period, phase) that put an update in the most changes and fewest quiet intervals."""
+    intervals = sorted([(a, b, 1.0) for a, b in changes] + [(a, b, -1.0) for a, b in quiet])
+    after = np.array([a for a, _, _ in intervals])
+    width = np.array([b - a for a, b, _ in intervals])
+    sign = np.array([v for _, _, v in intervals])
+    origin = float(after[0])
+    # Zoom in on the period: first over a short stretch of the run, then over stretches twice
+    # as long around the best period so far; each grid is fine enough that the updates drift by
+    # at most PHASE_RESOLUTION_S over its stretch.
+    period, relative_range = rough, PERIOD_SEARCH
+    ends = np.sort(after + width)
+    span = min(max(ZOOM_START_PERIODS * rough, float(ends[min(ZOOM_START_INTERVALS, len(ends)) - 1]) - origin),
+               float(ends[-1]) - origin)
+    while True:
+        inside = after + width <= origin + span
+        step = PHASE_RESOLUTION_S / max(span / period, 1.0)
+        count = min(MAX_PERIOD_CANDIDATES, 2 * math.ceil(relative_range * period / step) + 1)
+        candidates = period * (1.0 + np.linspace(-relative_range, relative_range, count))
+        scores = np.array([np.max(_arc_scores(after[inside], width[inside], sign[inside], p, origin))
+                           for p in candidates])
+        period = float(np.median(candidates[scores == scores.max()]))  # the middle of the best range
+        if inside.all():
+            break
+        relative_range = ZOOM_MARGIN_S / span  # this far off, the updates drift out of the stretch's reads
+        span *= 2
+    return period, origin + _best_phase(_arc_scores(after, width, sign, period, origin), period)
 
 
 def build_windows(
@@ -105,24 +202,31 @@ def build_windows(
     failed read (None) ends the current run of windows.
     """
     runs: list[list[tuple[float, float, int]]] = [[]]  # per run: (after, at, value) of each change
+    quiet: list[list[tuple[float, float]]] = [[]]  # per run: read pairs without a change
     previous: tuple[float, int] | None = None
     for timestamp, value in reads:
         if value is None:
             previous = None
             runs.append([])
+            quiet.append([])
             continue
         if previous is not None and value != previous[1]:
             runs[-1].append((previous[0], timestamp, value))
+        elif previous is not None and timestamp > previous[0]:
+            quiet[-1].append((previous[0], timestamp))
         previous = (timestamp, value)
     starts = np.array([start for _, start, _ in computations])
     ends = np.array([end for _, _, end in computations])
     labels = [label for label, _, _ in computations]
     records = []
-    for changes in runs:
+    for changes, unchanged in zip(runs, quiet):
         if len(changes) < 2:
             continue
-        times = locate_updates([(a, b) for a, b, _ in changes])
-        for (begin, first), (end, second) in zip(zip(times, changes), zip(times[1:], changes[1:])):
+        times, consistent = _located_updates([(a, b) for a, b, _ in changes], unchanged)
+        # A change whose interval holds no fitted update (a stale read) bounds no window: its
+        # neighbours' window spans it, and the energy between their values is still exact.
+        bounds = [(time, change) for time, change, ok in zip(times, changes, consistent) if ok]
+        for (begin, first), (end, second) in zip(bounds, bounds[1:]):
             overlap = np.clip(np.minimum(ends, end) - np.maximum(starts, begin), 0.0, None)
             counts: dict[str, float] = {}
             busy: dict[str, float] = {}
