@@ -47,6 +47,8 @@ OVERHEAD_PERCENTILE = 20  # of the gaps between computations: framework work wit
 COARSE_STEPS_PER_MAX_CLOCK = 16  # coarse search step = max clock / 16 (90 MHz on an A100)
 CONFIDENCE_Z = 2.0  # "costs more" = more than this many combined standard errors more
 MIN_RESIDUAL_DOF = 3  # windows beyond the unknowns before a standard error is trusted
+OUTLIER_MADS = 6.0  # windows this far off the fit (stale counter reads) are left out of it
+MAX_RELATIVE_STDERR = 0.03  # a clock whose energy is less certain than this stays out of the profile
 PERIOD_REFITS = 3  # rounds of re-rounding update ordinals against the midpoint fit
 PERIOD_SEARCH = 0.4  # relative period range first searched around the midpoint fit
 ZOOM_START_PERIODS = 16  # the period search starts on this many counter periods of the run
@@ -421,7 +423,7 @@ class StageProfiler:
             WindowRecord(dict(record.busy_s), record.duration_s, record.energy_j, dict(record.busy_s))
             for record in self.windows
         ]
-        estimator = EnergyEstimator(self.blocking_power_w)
+        estimator = EnergyEstimator(self.blocking_power_w, outlier_mads=OUTLIER_MADS)
         estimator.extend(seconds_per_clock)
         estimate = estimator.estimate()
         powers = {int(clock): (est.energy_j, est.stderr_j) for clock, est in estimate.labels.items()}
@@ -442,6 +444,24 @@ class StageProfiler:
             result.append(ClockEstimate(clock, power * seconds, stderr * seconds,
                                         (power - max(blocking_w, 0.0)) * seconds))
         return result
+
+    def untrusted_clocks(self) -> set[int]:
+        """Profiled clocks whose energy the windows pin down no better than `MAX_RELATIVE_STDERR`.
+
+        Neighbouring profiled clocks differ by a few percent in energy near the minimum-energy
+        clock, so a clock known only to +-5% may look cheaper than it is and pull plans to it.
+        The fastest profiled clock is always kept (it is the default the planner falls back on);
+        without residual degrees of freedom no clock can be judged, and all are kept.
+        """
+        try:
+            estimates = self.clock_estimates()
+        except MeasurementError:
+            return set()
+        if not estimates or not all(math.isfinite(e.energy_stderr_j) for e in estimates):
+            return set()
+        fastest = max(e.clock for e in estimates)
+        return {e.clock for e in estimates
+                if e.clock != fastest and e.energy_stderr_j > MAX_RELATIVE_STDERR * abs(e.energy_j)}
 
     def _power_model_energies(self) -> dict[int, float]:
         """J of one forward + one backward per clock from the smoothed power model."""
@@ -480,13 +500,19 @@ class StageProfiler:
         Forward and backward share the power of their clock: within an iteration they always
         come in equal numbers, so windows separate them only with many more profiling
         iterations, and GPUs draw nearly the same power for both (the published A100 profiles
-        differ by ~1%). Every profiled clock is kept, also those below the minimum-energy clock:
-        the planner decides which are useful.
+        differ by ~1%). Profiled clocks below the minimum-energy clock are kept (the planner
+        decides which are useful), but not the clocks whose estimate is not confident
+        (`untrusted_clocks`).
         """
         clocks = [c for c in self.profiled_clocks if ("backward", c) in self.durations
                   and (only is None or c in only)]
         if not clocks:
             raise MeasurementError(f"stage {self.stage}: no computation was profiled")
+        untrusted = self.untrusted_clocks()
+        if untrusted:
+            logger.info("perseus-ext: stage %d: profile leaves out %s MHz: energy standard error above %.0f%%",
+                        self.stage, sorted(untrusted, reverse=True), 100 * MAX_RELATIVE_STDERR)
+            clocks = [c for c in clocks if c not in untrusted]
         powers, blocking = self._power_model()
         energies = {
             (kind, clock): powers[clock] * self._median_time(kind, clock)
