@@ -159,10 +159,13 @@ def _located_updates(changes: list[tuple[float, float]],
     high = np.array([b for _, b in changes])
     if quiet:
         period, phase = _zoomed_period(changes, quiet, period)
-        last = phase + np.floor((high - phase) / period) * period
+        # The last update up to the read, allowing for the phase's resolution at the edge.
+        last = phase + np.floor((high + PHASE_RESOLUTION_S - phase) / period) * period
     else:  # each change's own fitted update: the midpoint fit is too coarse to take the last one
         last = phase + np.round((mids - phase) / period) * period
-    return np.clip(last, low, high).tolist(), ((last > low) & (last <= high)).tolist()
+    tolerance = PHASE_RESOLUTION_S if quiet else 0.0
+    consistent = (last > low - tolerance) & (last <= high + tolerance)
+    return np.clip(last, low, high).tolist(), consistent.tolist()
 
 
 def _zoomed_period(changes: list[tuple[float, float]], quiet: Sequence[tuple[float, float]],
