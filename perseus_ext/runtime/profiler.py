@@ -50,13 +50,13 @@ MIN_RESIDUAL_DOF = 3  # windows beyond the unknowns before a standard error is t
 OUTLIER_MADS = 6.0  # windows this far off the fit (stale counter reads) are left out of it
 MAX_RELATIVE_STDERR = 0.03  # a clock whose energy is less certain than this stays out of the profile
 PERIOD_REFITS = 3  # rounds of re-rounding update ordinals against the midpoint fit
-PERIOD_SEARCH = 0.4  # relative period range first searched around the midpoint fit
+PERIOD_SEARCH_FACTOR = 2.0  # the first period search spans the midpoint fit / 2 to x 2
 ZOOM_START_PERIODS = 16  # the period search starts on this many counter periods of the run
 ZOOM_START_INTERVALS = 64  # and on at least this many read intervals
 ZOOM_MARGIN_S = 0.03  # each zoom searches periods that drift this much over the previous stretch
 PHASE_RESOLUTION_S = 0.0005  # phase bins and period steps resolve updates to this
 PHASE_BINS = 200  # phase bins per counter period (0.5 ms at NVML's 100 ms)
-MAX_PERIOD_CANDIDATES = 2001
+MAX_PERIOD_CANDIDATES = 4001
 
 
 @dataclass(frozen=True)
@@ -101,9 +101,11 @@ def _rough_period(mids: np.ndarray) -> tuple[float, float]:
 def _arc_scores(after: np.ndarray, width: np.ndarray, sign: np.ndarray, period: float,
                 origin: float) -> np.ndarray:
     """Per phase bin of [0, period): +1 for each change interval holding a tick at that phase,
-    -1 for each quiet interval holding one (intervals as long as a period hold one anyway)."""
+    -1 for each quiet interval holding one. Intervals as long as a period hold one at every
+    phase: they count too, so that scores of different periods compare."""
     bins = PHASE_BINS
     keep = width < period
+    always = float(np.sum(sign[~keep]))
     first = np.floor(((after[keep] - origin) % period) / period * bins).astype(int) + 1
     last = np.floor(((after[keep] + width[keep] - origin) % period) / period * bins).astype(int)
     last = np.where(last < first - 1, last + bins, last)  # arcs that wrap past the period
@@ -111,7 +113,7 @@ def _arc_scores(after: np.ndarray, width: np.ndarray, sign: np.ndarray, period: 
     np.add.at(delta, first, sign[keep])
     np.add.at(delta, last + 1, -sign[keep])
     covered = np.cumsum(delta)[: 2 * bins]
-    return covered[:bins] + covered[bins:]
+    return covered[:bins] + covered[bins:] + always
 
 
 def _best_phase(scores: np.ndarray, period: float) -> float:
@@ -139,7 +141,8 @@ def locate_updates(changes: list[tuple[float, float]],
 
 def _located_updates(changes: list[tuple[float, float]],
                      quiet: Sequence[tuple[float, float]]) -> tuple[list[float], list[bool]]:
-    """`locate_updates` plus, per change, whether the fitted update really lies in its interval.
+    """`locate_updates` plus, per change, whether the fitted update surely lies in its interval
+    (not outside it, nor so close to an end that a neighbouring update might be the one).
 
     The counter updates on a steady period. Reads come only at computation boundaries, so a
     change is often known only to a 30-100 ms interval and a midpoint fit is off by tens of
@@ -159,12 +162,18 @@ def _located_updates(changes: list[tuple[float, float]],
     high = np.array([b for _, b in changes])
     if quiet:
         period, phase = _zoomed_period(changes, quiet, period)
-        # The last update up to the read, allowing for the phase's resolution at the edge.
-        last = phase + np.floor((high + PHASE_RESOLUTION_S - phase) / period) * period
+        last = phase + np.floor((high - phase) / period) * period  # the last update up to the read
+        # ... or, where that falls before the interval, the next one if the phase's resolution
+        # allows it to lie just inside.
+        just_after = (last <= low) & (last + period <= high + PHASE_RESOLUTION_S)
+        last = np.where(just_after, last + period, last)
     else:  # each change's own fitted update: the midpoint fit is too coarse to take the last one
         last = phase + np.round((mids - phase) / period) * period
-    tolerance = PHASE_RESOLUTION_S if quiet else 0.0
-    consistent = (last > low - tolerance) & (last <= high + tolerance)
+    consistent = (last > low) & (last <= high)
+    if quiet:  # an update within the phase's resolution of a read may lie on either side of it
+        tolerance = PHASE_RESOLUTION_S
+        consistent = (last > low - tolerance) & (last <= high + tolerance) \
+            & (np.abs(last - low) > tolerance) & (np.abs(last - high) > tolerance)
     return np.clip(last, low, high).tolist(), consistent.tolist()
 
 
@@ -176,24 +185,28 @@ def _zoomed_period(changes: list[tuple[float, float]], quiet: Sequence[tuple[flo
     width = np.array([b - a for a, b, _ in intervals])
     sign = np.array([v for _, _, v in intervals])
     origin = float(after[0])
-    # Zoom in on the period: first over a short stretch of the run, then over stretches twice
-    # as long around the best period so far; each grid is fine enough that the updates drift by
-    # at most PHASE_RESOLUTION_S over its stretch.
-    period, relative_range = rough, PERIOD_SEARCH
+    # Zoom in on the period: first over a short stretch of the run, from the longest quiet
+    # interval (no update in it, so the period is longer) to twice the midpoint fit (sparse
+    # reads put that fit tens of percent off), then over stretches twice as long around the
+    # best period so far; each grid is fine enough that the updates drift by at most
+    # PHASE_RESOLUTION_S over its stretch.
+    quiet_width = float(np.max(width[sign < 0], initial=0.0))
+    low, high = max(quiet_width, rough / PERIOD_SEARCH_FACTOR), rough * PERIOD_SEARCH_FACTOR
     ends = np.sort(after + width)
     span = min(max(ZOOM_START_PERIODS * rough, float(ends[min(ZOOM_START_INTERVALS, len(ends)) - 1]) - origin),
                float(ends[-1]) - origin)
     while True:
         inside = after + width <= origin + span
-        step = PHASE_RESOLUTION_S / max(span / period, 1.0)
-        count = min(MAX_PERIOD_CANDIDATES, 2 * math.ceil(relative_range * period / step) + 1)
-        candidates = period * (1.0 + np.linspace(-relative_range, relative_range, count))
+        centre = (low + high) / 2
+        step = PHASE_RESOLUTION_S * centre / max(span, centre)
+        candidates = np.linspace(low, high, min(MAX_PERIOD_CANDIDATES, math.ceil((high - low) / step) + 1))
         scores = np.array([np.max(_arc_scores(after[inside], width[inside], sign[inside], p, origin))
                            for p in candidates])
         period = float(np.median(candidates[scores == scores.max()]))  # the middle of the best range
         if inside.all():
             break
-        relative_range = ZOOM_MARGIN_S / span  # this far off, the updates drift out of the stretch's reads
+        margin = ZOOM_MARGIN_S * period / span  # this far off, the updates drift out of the stretch's reads
+        low, high = period - margin, period + margin
         span *= 2
     return period, origin + _best_phase(_arc_scores(after, width, sign, period, origin), period)
 
