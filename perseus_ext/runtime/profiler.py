@@ -318,6 +318,7 @@ class StageProfiler:
         self.gaps: list[float] = []  # host work between consecutive computations, waits excluded
         self.local_gaps: list[float] = []  # those before a computation whose input is local
         self.waits_s: list[float] = []  # device waits for an input, never counted as overhead
+        self._windows: tuple[tuple[int, ...], list[WindowRecord]] | None = None  # (data key, windows)
         self._last_end: float | None = None
         self._position = 0  # of the next computation in the iteration
 
@@ -431,7 +432,12 @@ class StageProfiler:
 
     @property
     def windows(self) -> list[WindowRecord]:
-        return build_windows(self.reads, self.computations)
+        """Built once per new data: locating the updates takes a few hundred ms of the training
+        thread on a long run, and every stop decision and profile asks again."""
+        key = (len(self.reads), len(self.computations), id(self.reads), id(self.computations))
+        if self._windows is None or self._windows[0] != key:
+            self._windows = (key, build_windows(self.reads, self.computations))
+        return self._windows[1]
 
     def _raw_power(self) -> tuple[dict[int, tuple[float, float]], float, int]:
         """(watts, standard error) per clock, blocking watts, and the residual degrees of
