@@ -59,6 +59,7 @@ ZOOM_MARGIN_S = 0.03  # each zoom searches periods that drift this much over the
 PHASE_RESOLUTION_S = 0.0005  # phase bins and period steps resolve updates to this
 PHASE_BINS = 200  # phase bins per counter period (0.5 ms at NVML's 100 ms)
 MAX_PERIOD_CANDIDATES = 4001
+MAX_PERIOD_RANGES = 8  # separate best-scoring period ranges followed into the next zoom
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,8 @@ def _located_updates(changes: list[tuple[float, float]],
     if quiet:  # an update within the phase's resolution of a read may lie on either side of it
         tolerance = PHASE_RESOLUTION_S
         consistent = (last > low - tolerance) & (last <= high + tolerance) \
-            & (np.abs(last - low) > tolerance) & (np.abs(last - high) > tolerance)
+            & (np.abs(last - low) > tolerance) & (np.abs(last - high) > tolerance) \
+            & (last + period > high + tolerance)
     return np.clip(last, low, high).tolist(), consistent.tolist()
 
 
@@ -189,26 +191,31 @@ def _zoomed_period(changes: list[tuple[float, float]], quiet: Sequence[tuple[flo
     origin = float(after[0])
     # Zoom in on the period: first over a short stretch of the run, from the longest quiet
     # interval (no update in it, so the period is longer) to twice the midpoint fit (sparse
-    # reads put that fit tens of percent off), then over stretches twice as long around the
-    # best period so far; each grid is fine enough that the updates drift by at most
-    # PHASE_RESOLUTION_S over its stretch.
+    # reads put that fit tens of percent off), then over stretches twice as long around every
+    # range of periods that scored best so far (a short stretch may not tell them apart); each
+    # grid is fine enough that the updates drift by at most PHASE_RESOLUTION_S over its stretch.
     quiet_width = float(np.max(width[sign < 0], initial=0.0))
-    low, high = max(quiet_width, rough / PERIOD_SEARCH_FACTOR), rough * PERIOD_SEARCH_FACTOR
+    ranges = [(max(quiet_width, rough / PERIOD_SEARCH_FACTOR), rough * PERIOD_SEARCH_FACTOR)]
     ends = np.sort(after + width)
     span = min(max(ZOOM_START_PERIODS * rough, float(ends[min(ZOOM_START_INTERVALS, len(ends)) - 1]) - origin),
                float(ends[-1]) - origin)
     while True:
         inside = after + width <= origin + span
-        centre = (low + high) / 2
-        step = PHASE_RESOLUTION_S * centre / max(span, centre)
-        candidates = np.linspace(low, high, min(MAX_PERIOD_CANDIDATES, math.ceil((high - low) / step) + 1))
+        step = PHASE_RESOLUTION_S * rough / max(span, rough)
+        budget = MAX_PERIOD_CANDIDATES // len(ranges)
+        candidates = np.concatenate([np.linspace(low, high, min(budget, math.ceil((high - low) / step) + 1))
+                                     for low, high in ranges])
         scores = np.array([np.max(_arc_scores(after[inside], width[inside], sign[inside], p, origin))
                            for p in candidates])
-        period = float(np.median(candidates[scores == scores.max()]))  # the middle of the best range
-        if inside.all():
+        best = candidates[scores == scores.max()]
+        if inside.all():  # the midpoint fit if it is among the best, else the best range's middle
+            runs = np.split(best, np.flatnonzero(np.diff(best) > 2 * step) + 1)
+            run = min(runs, key=lambda r: abs(float(np.median(r)) - rough))
+            period = rough if run[0] - step <= rough <= run[-1] + step else float(np.median(run))
             break
-        margin = ZOOM_MARGIN_S * period / span  # this far off, the updates drift out of the stretch's reads
-        low, high = period - margin, period + margin
+        margin = ZOOM_MARGIN_S * float(best.max()) / span  # this far off, updates drift out of the stretch
+        clusters = np.split(best, np.flatnonzero(np.diff(best) > 2 * margin) + 1)
+        ranges = [(float(c.min()) - margin, float(c.max()) + margin) for c in clusters[:MAX_PERIOD_RANGES]]
         span *= 2
     return period, origin + _best_phase(_arc_scores(after, width, sign, period, origin), period)
 
