@@ -61,6 +61,29 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 '''
 
 
+def print_summaries(out: Path) -> None:
+    """Each rank's profiling figures, then the model check: the fastest plan's modelled energy
+    against the deployed iterations' energy (the counter's, summed over the ranks), and both
+    against the warmup iterations at default clocks."""
+    summaries = [json.loads((out / f"summary-{rank}.json").read_text()) for rank in (0, 1)]
+    for rank, summary in enumerate(summaries):
+        frontier = summary.get("frontier") or {}
+        print(json.dumps({"rank": rank, "profiling_iterations": summary.get("profiling_iterations"),
+                          "profiled_clocks": summary.get("profiled_clocks"),
+                          "overhead_ms": round(1000 * summary.get("profile_overhead_s", 0.0), 2),
+                          "frontier": {k: frontier.get(k) for k in ("intrinsic_saving", "fastest", "all_max_clock")
+                                       if k in frontier}}))
+    frontier = summaries[0].get("frontier") or {}
+    deployed = [s.get("deployed_intrinsic") or {} for s in summaries]
+    warmup = [((s.get("phase_costs") or {}).get("warmup") or {}).get("energy_per_iteration_j") for s in summaries]
+    if "fastest" in frontier and all(d.get("energy_j") for d in deployed) and all(warmup):
+        planned, measured, default = frontier["fastest"]["energy_j"], sum(d["energy_j"] for d in deployed), sum(warmup)
+        print(f"model check (fastest plan, {deployed[0]['iterations']} deployed iterations): energy {planned:.1f} J "
+              f"planned vs {measured:.1f} J measured ({100 * (planned / measured - 1):+.1f}%); warmup at default "
+              f"clocks {default:.1f} J/iteration: saving {100 * (1 - measured / default):.1f}% measured, "
+              f"{100 * frontier.get('intrinsic_saving', 0.0):.1f}% modelled")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--example", default=os.environ.get("DSE_PIPELINE_DIR"),
@@ -101,14 +124,7 @@ def main() -> int:
     if finished.returncode:
         print(f"the job failed (exit {finished.returncode}); see {out / 'torchrun.log'}")
         return finished.returncode
-    for rank in (0, 1):
-        summary = json.loads((out / f"summary-{rank}.json").read_text())
-        frontier = summary.get("frontier") or {}
-        print(json.dumps({"rank": rank, "profiling_iterations": summary.get("profiling_iterations"),
-                          "profiled_clocks": summary.get("profiled_clocks"),
-                          "overhead_ms": round(1000 * summary.get("profile_overhead_s", 0.0), 2),
-                          "frontier": {k: frontier.get(k) for k in ("intrinsic_saving", "fastest", "all_max_clock")
-                                       if k in frontier}}))
+    print_summaries(out)
     print(f"logs: {out}")
     return 0
 

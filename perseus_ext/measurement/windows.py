@@ -312,14 +312,25 @@ class EnergyEstimate:
         return self.labels[label]
 
 
+OUTLIER_ROUNDS = 3  # fits after the first one, each without the previous fit's outliers
+ROBUST_SD_PER_MAD = 1.4826  # standard deviation per median absolute deviation (normal noise)
+
+
 class EnergyEstimator:
     """Least-squares per-computation energy from many WindowRecords (see module doc)."""
 
-    def __init__(self, idle_power_w: float | None = None) -> None:
-        """idle_power_w: the GPU's idle/blocking power if known; None = estimate it too."""
+    def __init__(self, idle_power_w: float | None = None, *, outlier_mads: float | None = None) -> None:
+        """idle_power_w: the GPU's idle/blocking power if known; None = estimate it too.
+        outlier_mads: leave out windows whose residual exceeds this many robust standard
+        deviations (1.4826 x the residuals' median absolute deviation), then fit again: a
+        window bounded by a stale counter read carries another window's energy, and one such
+        pair inflates every standard error several times. None keeps every window."""
         if idle_power_w is not None and not (math.isfinite(idle_power_w) and idle_power_w >= 0):
             raise MeasurementError(f"idle_power_w={idle_power_w}; it must be a finite number >= 0")
+        if outlier_mads is not None and not outlier_mads > 0:
+            raise MeasurementError(f"outlier_mads={outlier_mads}; it must be > 0 or None")
         self.idle_power_w = idle_power_w
+        self.outlier_mads = outlier_mads
         self.records: list[WindowRecord] = []
 
     def add(self, record: WindowRecord) -> None:
@@ -330,6 +341,25 @@ class EnergyEstimator:
 
     def estimate(self) -> EnergyEstimate:
         usable = [r for r in self.records if r.energy_j is not None and r.counts]
+        estimate = self._fit(usable)
+        for _ in range(OUTLIER_ROUNDS if self.outlier_mads is not None else 0):
+            residuals = np.array([r.energy_j - self._predicted(r, estimate) for r in usable])
+            spread = ROBUST_SD_PER_MAD * float(np.median(np.abs(residuals - np.median(residuals))))
+            inliers = [r for r, res in zip(usable, residuals) if abs(res) <= self.outlier_mads * spread]
+            if spread <= 0 or len(inliers) == len(usable):
+                break
+            try:
+                estimate, usable = self._fit(inliers), inliers
+            except MeasurementError:  # the outliers were needed to separate the unknowns
+                break
+        return estimate
+
+    @staticmethod
+    def _predicted(record: WindowRecord, estimate: EnergyEstimate) -> float:
+        return (sum(count * estimate.labels[label].energy_j for label, count in record.counts.items())
+                + estimate.idle_power_w * record.idle_s)
+
+    def _fit(self, usable: list[WindowRecord]) -> EnergyEstimate:
         labels = sorted({label for r in usable for label in r.counts})
         if not labels:
             raise MeasurementError(

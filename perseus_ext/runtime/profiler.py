@@ -3,13 +3,15 @@
 The stage runs whole iterations at one candidate clock (fastest first), records the start and end
 of every forward and backward, and reads the GPU energy counter at every computation boundary.
 The counter is coarse (it changes every ~100 ms), so single computations cannot be metered.
-Instead its updates are located in time -- each lies between the last read showing the old value
-and the first showing the new one, and updates come at a steady period, so a line fitted through
-them pins every update down to well below one read interval -- and consecutive updates delimit
-windows of exactly known energy. Each window holds known amounts of computing time at each clock
-(computations cut by a boundary count fractionally) and of blocking time, and the device layer's
-least-squares `EnergyEstimator` recovers the power at each clock, with its standard error, and the
-blocking power from many such windows.
+Instead its updates are located in time and consecutive updates delimit windows of exactly known
+energy. In a pipeline, reads come only at computation boundaries, often 30-250 ms apart, so one
+read interval says little; but updates come at a steady period, and the period and phase that put
+an update in every interval whose reads differ and in none whose reads agree pin every update
+down to about a millisecond (`locate_updates`). Each window holds known amounts of computing time
+at each clock (computations cut by a boundary count fractionally) and of blocking time, and the
+device layer's least-squares `EnergyEstimator` recovers the power at each clock, with its
+standard error, and the blocking power from many such windows, leaving out the few windows a
+stale read has garbled. A clock whose energy stays uncertain is left out of the profile.
 
 The search walks the whole clock range downwards in coarse steps (about 1/16 of the maximum clock,
 e.g. 90 MHz on an A100; the frontier's fastest plan gains nothing from finer steps) and stops only
@@ -47,6 +49,17 @@ OVERHEAD_PERCENTILE = 20  # of the gaps between computations: framework work wit
 COARSE_STEPS_PER_MAX_CLOCK = 16  # coarse search step = max clock / 16 (90 MHz on an A100)
 CONFIDENCE_Z = 2.0  # "costs more" = more than this many combined standard errors more
 MIN_RESIDUAL_DOF = 3  # windows beyond the unknowns before a standard error is trusted
+OUTLIER_MADS = 6.0  # windows this far off the fit (stale counter reads) are left out of it
+MAX_RELATIVE_STDERR = 0.03  # a clock whose energy is less certain than this stays out of the profile
+PERIOD_REFITS = 3  # rounds of re-rounding update ordinals against the midpoint fit
+PERIOD_SEARCH_FACTOR = 2.0  # the first period search spans the midpoint fit / 2 to x 2
+ZOOM_START_PERIODS = 16  # the period search starts on this many counter periods of the run
+ZOOM_START_INTERVALS = 64  # and on at least this many read intervals
+ZOOM_MARGIN_S = 0.03  # each zoom searches periods that drift this much over the previous stretch
+PHASE_RESOLUTION_S = 0.0005  # phase bins and period steps resolve updates to this
+PHASE_BINS = 200  # phase bins per counter period (0.5 ms at NVML's 100 ms)
+MAX_PERIOD_CANDIDATES = 4001
+MAX_PERIOD_RANGES = 8  # separate best-scoring period ranges followed into the next zoom
 
 
 @dataclass(frozen=True)
@@ -72,28 +85,139 @@ class StageMeasurements:
     overhead_measured: bool = True  # False: no gap free of pipeline waits; rows hold no overhead
 
 
-def locate_updates(changes: list[tuple[float, float]]) -> list[float]:
-    """Times of counter updates, each known to lie in (after, at] of `changes`.
+def _rough_period(mids: np.ndarray) -> tuple[float, float]:
+    """(period, phase) of a line through the change midpoints, ordinals refined by rounding."""
+    period = float(np.median(np.diff(mids)))
+    if period <= 0:
+        return period, float(mids[0])
+    # Count updates step by step (a gap of ~2 periods means a missed update), so a small error
+    # in the first period estimate cannot accumulate over a long run; then re-round against the fit.
+    steps = np.maximum(1.0, np.round(np.diff(mids) / period))
+    ordinals = np.concatenate([[0.0], np.cumsum(steps)])
+    phase = float(mids[0])
+    for _ in range(PERIOD_REFITS):
+        period, phase = (float(v) for v in np.polyfit(ordinals, mids, 1))
+        ordinals = np.round((mids - phase) / period)
+    return period, phase
 
-    The counter updates on a steady period, so the interval midpoints are fitted with
-    t_k = phase + n_k * period (n_k = the update's ordinal); each fitted time is then clipped
-    into its interval, which also keeps an irregular counter within the read resolution.
+
+def _arc_scores(after: np.ndarray, width: np.ndarray, sign: np.ndarray, period: float,
+                origin: float) -> np.ndarray:
+    """Per phase bin of [0, period): +1 for each change interval holding a tick at that phase,
+    -1 for each quiet interval holding one. Intervals as long as a period hold one at every
+    phase: they count too, so that scores of different periods compare."""
+    bins = PHASE_BINS
+    keep = width < period
+    always = float(np.sum(sign[~keep]))
+    first = np.floor(((after[keep] - origin) % period) / period * bins).astype(int) + 1
+    last = np.floor(((after[keep] + width[keep] - origin) % period) / period * bins).astype(int)
+    last = np.where(last < first - 1, last + bins, last)  # arcs that wrap past the period
+    delta = np.zeros(2 * bins + 2)
+    np.add.at(delta, first, sign[keep])
+    np.add.at(delta, last + 1, -sign[keep])
+    covered = np.cumsum(delta)[: 2 * bins]
+    return covered[:bins] + covered[bins:] + always
+
+
+def _best_phase(scores: np.ndarray, period: float) -> float:
+    """Centre of the circular run of top-scoring bins around the best one."""
+    bins = len(scores)
+    best = int(np.argmax(scores))
+    top = scores[best]
+    low = best
+    while scores[(low - 1) % bins] == top and best - low < bins - 1:
+        low -= 1
+    high = best
+    while scores[(high + 1) % bins] == top and high - low < bins - 1:
+        high += 1
+    return ((low + high + 1) / 2 / bins) * period
+
+
+def locate_updates(changes: list[tuple[float, float]],
+                   quiet: Sequence[tuple[float, float]] = ()) -> list[float]:
+    """Times of counter updates: for each (after, at] of `changes` (at least one update lies
+    in it), the last update at or before `at`, which is when the value read at `at` was set;
+    clipped into the interval where the steady-period fit disagrees with it."""
+    located, _ = _located_updates(changes, quiet)
+    return located
+
+
+def _located_updates(changes: list[tuple[float, float]],
+                     quiet: Sequence[tuple[float, float]]) -> tuple[list[float], list[bool]]:
+    """`locate_updates` plus, per change, whether the fitted update surely lies in its interval
+    (not outside it, nor so close to an end that a neighbouring update might be the one).
+
+    The counter updates on a steady period. Reads come only at computation boundaries, so a
+    change is often known only to a 30-100 ms interval and a midpoint fit is off by tens of
+    ms; instead the period and phase are the ones that put an update in the most `changes`
+    and in the fewest `quiet` intervals (read pairs without a change), found by zooming in from
+    the midpoint fit. The intersection of these intervals pins the updates down to about a
+    millisecond, and the few stale reads (a counter that trails its device) are outvoted.
+    Without quiet intervals, nothing rules out a shorter period: the midpoint fit is used.
     """
     mids = np.array([(a + b) / 2 for a, b in changes])
     if len(mids) < 3:
-        return mids.tolist()
-    period = float(np.median(np.diff(mids)))
+        return mids.tolist(), [True] * len(mids)
+    period, phase = _rough_period(mids)
     if period <= 0:
-        return mids.tolist()
-    # Count updates step by step (a gap of ~2 periods means a missed update), so a small error
-    # in the first period estimate cannot accumulate over a long run.
-    steps = np.maximum(1.0, np.round(np.diff(mids) / period))
-    ordinals = np.concatenate([[0.0], np.cumsum(steps)])
-    slope, phase = np.polyfit(ordinals, mids, 1)
-    fitted = phase + ordinals * slope
+        return mids.tolist(), [True] * len(mids)
     low = np.array([a for a, _ in changes])
     high = np.array([b for _, b in changes])
-    return np.clip(fitted, low, high).tolist()
+    if quiet:
+        period, phase = _zoomed_period(changes, quiet, period)
+        last = phase + np.floor((high - phase) / period) * period  # the last update up to the read
+        # ... or, where that falls before the interval, the next one if the phase's resolution
+        # allows it to lie just inside.
+        just_after = (last <= low) & (last + period <= high + PHASE_RESOLUTION_S)
+        last = np.where(just_after, last + period, last)
+    else:  # each change's own fitted update: the midpoint fit is too coarse to take the last one
+        last = phase + np.round((mids - phase) / period) * period
+    consistent = (last > low) & (last <= high)
+    if quiet:  # an update within the phase's resolution of a read may lie on either side of it
+        tolerance = PHASE_RESOLUTION_S
+        consistent = (last > low - tolerance) & (last <= high + tolerance) \
+            & (np.abs(last - low) > tolerance) & (np.abs(last - high) > tolerance) \
+            & (last + period > high + tolerance)
+    return np.clip(last, low, high).tolist(), consistent.tolist()
+
+
+def _zoomed_period(changes: list[tuple[float, float]], quiet: Sequence[tuple[float, float]],
+                   rough: float) -> tuple[float, float]:
+    """(period, phase) that put an update in the most changes and fewest quiet intervals."""
+    intervals = sorted([(a, b, 1.0) for a, b in changes] + [(a, b, -1.0) for a, b in quiet])
+    after = np.array([a for a, _, _ in intervals])
+    width = np.array([b - a for a, b, _ in intervals])
+    sign = np.array([v for _, _, v in intervals])
+    origin = float(after[0])
+    # Zoom in on the period: first over a short stretch of the run, from the longest quiet
+    # interval (no update in it, so the period is longer) to twice the midpoint fit (sparse
+    # reads put that fit tens of percent off), then over stretches twice as long around every
+    # range of periods that scored best so far (a short stretch may not tell them apart); each
+    # grid is fine enough that the updates drift by at most PHASE_RESOLUTION_S over its stretch.
+    quiet_width = float(np.max(width[sign < 0], initial=0.0))
+    ranges = [(max(quiet_width, rough / PERIOD_SEARCH_FACTOR), rough * PERIOD_SEARCH_FACTOR)]
+    ends = np.sort(after + width)
+    span = min(max(ZOOM_START_PERIODS * rough, float(ends[min(ZOOM_START_INTERVALS, len(ends)) - 1]) - origin),
+               float(ends[-1]) - origin)
+    while True:
+        inside = after + width <= origin + span
+        step = PHASE_RESOLUTION_S * rough / max(span, rough)
+        budget = MAX_PERIOD_CANDIDATES // len(ranges)
+        candidates = np.concatenate([np.linspace(low, high, min(budget, math.ceil((high - low) / step) + 1))
+                                     for low, high in ranges])
+        scores = np.array([np.max(_arc_scores(after[inside], width[inside], sign[inside], p, origin))
+                           for p in candidates])
+        best = candidates[scores == scores.max()]
+        if inside.all():  # the midpoint fit if it is among the best, else the best range's middle
+            runs = np.split(best, np.flatnonzero(np.diff(best) > 2 * step) + 1)
+            run = min(runs, key=lambda r: abs(float(np.median(r)) - rough))
+            period = rough if run[0] - step <= rough <= run[-1] + step else float(np.median(run))
+            break
+        margin = ZOOM_MARGIN_S * float(best.max()) / span  # this far off, updates drift out of the stretch
+        clusters = np.split(best, np.flatnonzero(np.diff(best) > 2 * margin) + 1)
+        ranges = [(float(c.min()) - margin, float(c.max()) + margin) for c in clusters[:MAX_PERIOD_RANGES]]
+        span *= 2
+    return period, origin + _best_phase(_arc_scores(after, width, sign, period, origin), period)
 
 
 def build_windows(
@@ -105,24 +229,31 @@ def build_windows(
     failed read (None) ends the current run of windows.
     """
     runs: list[list[tuple[float, float, int]]] = [[]]  # per run: (after, at, value) of each change
+    quiet: list[list[tuple[float, float]]] = [[]]  # per run: read pairs without a change
     previous: tuple[float, int] | None = None
     for timestamp, value in reads:
         if value is None:
             previous = None
             runs.append([])
+            quiet.append([])
             continue
         if previous is not None and value != previous[1]:
             runs[-1].append((previous[0], timestamp, value))
+        elif previous is not None and timestamp > previous[0]:
+            quiet[-1].append((previous[0], timestamp))
         previous = (timestamp, value)
     starts = np.array([start for _, start, _ in computations])
     ends = np.array([end for _, _, end in computations])
     labels = [label for label, _, _ in computations]
     records = []
-    for changes in runs:
+    for changes, unchanged in zip(runs, quiet):
         if len(changes) < 2:
             continue
-        times = locate_updates([(a, b) for a, b, _ in changes])
-        for (begin, first), (end, second) in zip(zip(times, changes), zip(times[1:], changes[1:])):
+        times, consistent = _located_updates([(a, b) for a, b, _ in changes], unchanged)
+        # A change whose interval holds no fitted update (a stale read) bounds no window: its
+        # neighbours' window spans it, and the energy between their values is still exact.
+        bounds = [(time, change) for time, change, ok in zip(times, changes, consistent) if ok]
+        for (begin, first), (end, second) in zip(bounds, bounds[1:]):
             overlap = np.clip(np.minimum(ends, end) - np.maximum(starts, begin), 0.0, None)
             counts: dict[str, float] = {}
             busy: dict[str, float] = {}
@@ -194,6 +325,7 @@ class StageProfiler:
         self.gaps: list[float] = []  # host work between consecutive computations, waits excluded
         self.local_gaps: list[float] = []  # those before a computation whose input is local
         self.waits_s: list[float] = []  # device waits for an input, never counted as overhead
+        self._windows: tuple[tuple[int, ...], list[WindowRecord]] | None = None  # (data key, windows)
         self._last_end: float | None = None
         self._position = 0  # of the next computation in the iteration
 
@@ -307,7 +439,12 @@ class StageProfiler:
 
     @property
     def windows(self) -> list[WindowRecord]:
-        return build_windows(self.reads, self.computations)
+        """Built once per new data: locating the updates takes a few hundred ms of the training
+        thread on a long run, and every stop decision and profile asks again."""
+        key = (len(self.reads), len(self.computations), id(self.reads), id(self.computations))
+        if self._windows is None or self._windows[0] != key:
+            self._windows = (key, build_windows(self.reads, self.computations))
+        return self._windows[1]
 
     def _raw_power(self) -> tuple[dict[int, tuple[float, float]], float, int]:
         """(watts, standard error) per clock, blocking watts, and the residual degrees of
@@ -317,7 +454,7 @@ class StageProfiler:
             WindowRecord(dict(record.busy_s), record.duration_s, record.energy_j, dict(record.busy_s))
             for record in self.windows
         ]
-        estimator = EnergyEstimator(self.blocking_power_w)
+        estimator = EnergyEstimator(self.blocking_power_w, outlier_mads=OUTLIER_MADS)
         estimator.extend(seconds_per_clock)
         estimate = estimator.estimate()
         powers = {int(clock): (est.energy_j, est.stderr_j) for clock, est in estimate.labels.items()}
@@ -338,6 +475,24 @@ class StageProfiler:
             result.append(ClockEstimate(clock, power * seconds, stderr * seconds,
                                         (power - max(blocking_w, 0.0)) * seconds))
         return result
+
+    def untrusted_clocks(self) -> set[int]:
+        """Profiled clocks whose energy the windows pin down no better than `MAX_RELATIVE_STDERR`.
+
+        Neighbouring profiled clocks differ by a few percent in energy near the minimum-energy
+        clock, so a clock known only to +-5% may look cheaper than it is and pull plans to it.
+        The fastest profiled clock is always kept (it is the default the planner falls back on);
+        without residual degrees of freedom no clock can be judged, and all are kept.
+        """
+        try:
+            estimates = self.clock_estimates()
+        except MeasurementError:
+            return set()
+        if not estimates or not all(math.isfinite(e.energy_stderr_j) for e in estimates):
+            return set()
+        fastest = max(e.clock for e in estimates)
+        return {e.clock for e in estimates
+                if e.clock != fastest and e.energy_stderr_j > MAX_RELATIVE_STDERR * abs(e.energy_j)}
 
     def _power_model_energies(self) -> dict[int, float]:
         """J of one forward + one backward per clock from the smoothed power model."""
@@ -376,13 +531,19 @@ class StageProfiler:
         Forward and backward share the power of their clock: within an iteration they always
         come in equal numbers, so windows separate them only with many more profiling
         iterations, and GPUs draw nearly the same power for both (the published A100 profiles
-        differ by ~1%). Every profiled clock is kept, also those below the minimum-energy clock:
-        the planner decides which are useful.
+        differ by ~1%). Profiled clocks below the minimum-energy clock are kept (the planner
+        decides which are useful), but not the clocks whose estimate is not confident
+        (`untrusted_clocks`).
         """
         clocks = [c for c in self.profiled_clocks if ("backward", c) in self.durations
                   and (only is None or c in only)]
         if not clocks:
             raise MeasurementError(f"stage {self.stage}: no computation was profiled")
+        untrusted = self.untrusted_clocks()
+        if untrusted:
+            logger.info("perseus-ext: stage %d: profile leaves out %s MHz: energy standard error above %.0f%%",
+                        self.stage, sorted(untrusted, reverse=True), 100 * MAX_RELATIVE_STDERR)
+            clocks = [c for c in clocks if c not in untrusted]
         powers, blocking = self._power_model()
         energies = {
             (kind, clock): powers[clock] * self._median_time(kind, clock)

@@ -2,8 +2,10 @@
 
 Profiling iterations are the one place the host waits for the device: each candidate clock is
 put in force before the iteration (the controller is flushed and the switching latency waited
-out), and the device is synchronised around every computation so host timestamps and counter
-reads bracket exactly that computation. Deployed iterations never do either.
+out), and the device is synchronised around every computation so counter reads bracket exactly
+that computation. The computation itself is timed by device markers around it: the host wakes
+from the synchronisation late (about a millisecond on a loaded host), and that idle time must
+not count as computing. Deployed iterations never do either.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import statistics
 from typing import Any
 
 from perseus_ext.errors import PerseusError
-from perseus_ext.measurement.gpu.timeline import DeviceTimeline
+from perseus_ext.measurement.gpu.timeline import DeviceMarker, DeviceTimeline
 from perseus_ext.measurement.windows import EnergyMeter
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
@@ -42,6 +44,8 @@ class ProfilingRun:
         self.overhead_s = 0.0
         self._start_s = 0.0
         self._ready_s = 0.0
+        self._start_marker: DeviceMarker | None = None
+        self._end_marker: DeviceMarker | None = None
 
     @classmethod
     def create(cls, config: PerseusConfig, stage: int, setup: RankSetup, controller: Any,
@@ -75,13 +79,24 @@ class ProfilingRun:
         self.timeline.synchronize()  # the computation's input has arrived: timing starts now
         self._start_s, energy = self.meter.read()
         self.profiler.on_counter(self._start_s, energy)
+        self._start_marker = self.timeline.record_marker()
 
     def after_computation(self, kind: str, clock: int | None) -> None:
+        self._end_marker = self.timeline.record_marker()  # reached when its work is done
         self.timeline.synchronize()
         end, energy = self.meter.read()
         if clock is not None:
-            self.profiler.on_computation(kind, clock, self._start_s, end, ready=self._ready_s)
+            start_s, end_s = self._device_span(end)
+            self.profiler.on_computation(kind, clock, start_s, end_s, ready=min(self._ready_s, start_s))
         self.profiler.on_counter(end, energy)
+
+    def _device_span(self, host_end_s: float) -> tuple[float, float]:
+        """The computation's start and end on the device (host times where a marker has none)."""
+        start = self._start_marker.device_time_s() if self._start_marker is not None else None
+        end = self._end_marker.device_time_s() if self._end_marker is not None else None
+        start = self._start_s if start is None else min(max(start, self._start_s), host_end_s)
+        end = host_end_s if end is None else min(max(end, start), host_end_s)
+        return start, end
 
     def end_iteration(self, fallback_reason: str | None) -> None:
         profiler = self.profiler
