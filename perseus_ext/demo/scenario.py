@@ -49,7 +49,7 @@ class Scenario:
             "gpu": "sim:a100_sxm",
             "warmup_iterations": 2,
             "clock_stride": 6,
-            "straggler_check_interval": 4,
+            "straggler_check_interval": 2,
             "log_interval": 10,
             "control_timeout_s": 120.0,
             "solver": {"min_grid_points": 300},  # a coarser grid: the toy frontier solves in ~1 s
