@@ -140,6 +140,7 @@ def test_deepspeed_destroy_still_runs_when_the_summary_cannot_be_written(tmp_pat
         grid=SimpleNamespace(get_data_parallel_group=lambda: None, get_pipe_parallel_group=lambda: None),
         num_stages=1, micro_batches=4, stage_id=0, local_rank=0, _exec_schedule=lambda schedule: None,
         destroy=lambda: destroyed.append(True), perseus=None, _parameters={}, _buffers={}, _modules={},
+        train_micro_batch_size_per_gpu=lambda: 1,
     )
     monkeypatch.setenv("PERSEUS_GPU", "sim:a100_sxm?pace=0")
     runtime = attach(engine, make_config(summary_path=str(out / "summary.json")))

@@ -310,11 +310,13 @@ def test_communication_clock_fills_the_gaps_between_computations(schedule):
     runtime.controller.flush()
     planned = [int(c) for c in runtime.plan.frequencies[0]]
     # Each computation at its planned clock, the lowest clock after each one (the device waits
-    # for its next input there), default clocks after the last one. A worker that falls behind
-    # skips targets the device has already passed, so only the order is exact.
+    # for its next input there), default clocks after the last one -- or the last clock kept,
+    # when the gap between iterations is too short for a reset to land (ClockSequencer). A
+    # worker that falls behind skips targets the device has already passed, so only the order
+    # is exact.
     expected = [c for clock in planned for c in (clock, lowest)][:-1] + [None]
     history = gpu.clock_history
-    assert lowest in history and history[-1] is None
+    assert lowest in history and history[-1] in (None, planned[-1])
     assert all(clock in expected for clock in history)
     runtime.close()
     assert gpu.locked_clock is None

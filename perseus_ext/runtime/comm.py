@@ -251,6 +251,23 @@ class ControlPlane:
         return tensor.tolist()
 
 
+    def settle(self, name: str, deadline_s: float) -> None:
+        """Wait (on the rendezvous store, not gloo) until every rank of the job has reached
+        `name`, or until `deadline_s` (`time.monotonic()`). After the last collective at close:
+        a rank whose gloo peers are still inside that collective must not exit under them."""
+        if self._dist is None:
+            return
+        import time
+
+        from torch.distributed import distributed_c10d
+
+        store = distributed_c10d._get_default_store()
+        key = f"perseus-ext/{name}"
+        store.add(key, 1)
+        while store.add(key, 0) < len(self.members) and time.monotonic() < deadline_s:
+            time.sleep(0.005)
+
+
 def check_pipeline_rank(pp_group: Any, stage: int) -> None:
     """The pipeline group's ranks must be ordered by stage (what the plan's stage index means)."""
     if pp_group is None:

@@ -491,8 +491,16 @@ class StageProfiler:
         if not estimates or not all(math.isfinite(e.energy_stderr_j) for e in estimates):
             return set()
         fastest = max(e.clock for e in estimates)
-        return {e.clock for e in estimates
-                if e.clock != fastest and e.energy_stderr_j > MAX_RELATIVE_STDERR * abs(e.energy_j)}
+        untrusted = {e.clock for e in estimates
+                     if e.clock != fastest and e.energy_stderr_j > MAX_RELATIVE_STDERR * abs(e.energy_j)}
+        if len(untrusted) == len(estimates) - 1 > 0:
+            # Every clock equally uncertain (computations short next to the counter's steps):
+            # dropping them all would leave nothing to plan with; the estimates stay, flagged.
+            logger.warning("perseus-ext: stage %d: every profiled clock's energy is uncertain by more "
+                           "than %.0f%%; planning on the estimates as they are", self.stage,
+                           100 * MAX_RELATIVE_STDERR)
+            return set()
+        return untrusted
 
     def _power_model_energies(self) -> dict[int, float]:
         """J of one forward + one backward per clock from the smoothed power model."""

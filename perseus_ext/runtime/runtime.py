@@ -87,8 +87,8 @@ class PerseusRuntime:
             logger.warning("perseus-ext: stage %d runs in DRY-RUN mode (%s): clock changes are "
                            "recorded, not applied", stage, why)
         self.comm = ControlPlane(stage=stage, dp_group=dp_group, timeout_s=config.control_timeout_s)
-        job_id = self.comm.broadcast_job(secrets.token_hex(8))
-        self.timeline = self.setup.timeline(job_id, self.comm.rank)
+        self.job_id = self.comm.broadcast_job(secrets.token_hex(8))  # the same on every rank
+        self.timeline = self.setup.timeline(self.job_id, self.comm.rank)
         self.pacer = self.setup.pacer(config, self.timeline, schedule, stage=stage,
                                       pipeline=self.comm.pipeline, num_pipelines=self.comm.num_pipelines)
         self.sequencer = ClockSequencer(self.controller, self.timeline,

@@ -226,6 +226,10 @@ def gather_job_summary(runtime: "PerseusRuntime", summary: dict[str, Any]) -> tu
         sums, maxes = comm.all_reduce_by(sums, "sum", deadline_s), comm.all_reduce_by(maxes, "max", deadline_s)
     except Exception as err:
         return None, f"gathering the ranks' figures failed: {err}"
+    try:
+        comm.settle(f"job-summary/{runtime.job_id}", time.monotonic() + min(timeout_s, JOB_SUMMARY_WAIT_S))
+    except Exception as err:  # the figures are complete; only the exit's ordering is at stake
+        logger.debug("perseus-ext: settling the ranks after the job summary failed: %s", err)
     length = int(length)
     fell_back, coverage_sum, coverage_count = sums[-3:]
     first_fallback = maxes[-1]
