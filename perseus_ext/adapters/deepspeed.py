@@ -229,6 +229,15 @@ def _attach_engine(engine: Any, config: Any) -> Any:
     state = {"forwards": 0, "backwards": 0, "in_iteration": False}
     original_forward, original_backward, original_step = engine.forward, engine.backward, engine.step
 
+    def hooked(kind: Kind, counter: str, call: Any, args: tuple, kwargs: dict) -> Any:
+        """One forward or backward between the runtime's hooks; `counter` numbers its microbatch."""
+        microbatch = state[counter]
+        state[counter] += 1
+        runtime.before_computation(kind, microbatch)
+        result = call(*args, **kwargs)
+        runtime.after_computation(kind, microbatch)
+        return result
+
     @functools.wraps(original_forward)
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not engine.training or not torch.is_grad_enabled():
@@ -239,23 +248,13 @@ def _attach_engine(engine: Any, config: Any) -> Any:
                 runtime.reschedule(_one_f_one_b(1, micro_batches))
             state.update(forwards=0, backwards=0, in_iteration=True)
             runtime.iteration_start()
-        microbatch = state["forwards"]
-        state["forwards"] += 1
-        runtime.before_computation(Kind.FORWARD, microbatch)
-        result = original_forward(*args, **kwargs)
-        runtime.after_computation(Kind.FORWARD, microbatch)
-        return result
+        return hooked(Kind.FORWARD, "forwards", original_forward, args, kwargs)
 
     @functools.wraps(original_backward)
     def backward(*args: Any, **kwargs: Any) -> Any:
         if not state["in_iteration"]:
             return original_backward(*args, **kwargs)
-        microbatch = state["backwards"]
-        state["backwards"] += 1
-        runtime.before_computation(Kind.BACKWARD, microbatch)
-        result = original_backward(*args, **kwargs)
-        runtime.after_computation(Kind.BACKWARD, microbatch)
-        return result
+        return hooked(Kind.BACKWARD, "backwards", original_backward, args, kwargs)
 
     @functools.wraps(original_step)
     def step(*args: Any, **kwargs: Any) -> Any:
