@@ -70,6 +70,12 @@ def one_run(spec: dict) -> dict:
         "schedule_microbatches": schedule.num_microbatches,
         "frontier_plans": (summary.get("frontier") or {}).get("plans"),
         "final_phase": summary.get("final_phase"),
+        # why a run was not deployed, for the test's failure message
+        "fallback_reason": summary.get("fallback_reason"),
+        "solve_error": getattr(runtime.solve_outcome, "error", "no solve"),
+        "profiling_iterations": summary.get("profiling_iterations"),
+        "phase_iterations": summary.get("phase_costs") and {
+            phase: cost.get("iterations") for phase, cost in summary["phase_costs"].items()},
         "outcome": outcome,
         "iterations": iterations,
         "stop_message": stop_message,

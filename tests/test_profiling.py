@@ -17,6 +17,7 @@ from perseus_ext.measurement.windows import EnergyMeter
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.planning.solver import SolverOptions, solve_frontier
+from perseus_ext.runtime import profiler as profiler_module
 from perseus_ext.runtime.profiler import StageProfiler, coarse_stride
 from perseus_ext.runtime.profiling import ProfilingRun
 
@@ -151,3 +152,38 @@ def test_profile_is_worth_ninety_percent_of_a_full_sweep():
     searched = _frontier_saving(profilers, gpus, full_sweep=False)
     assert full > 0.05
     assert searched >= 0.9 * full, (searched, full)
+
+
+def _profile_short_iterations(read_counter: bool) -> StageProfiler:
+    """Two microbatches of 6 + 12 ms per iteration: a round over three clocks spans about one
+    update period of the counter (100 ms), too few windows to tell the clocks apart."""
+    gpu = virtual_gpu(seed=5)
+    profiler = StageProfiler(0, [1410, 1200, 990], iterations_per_clock=1, early_stop=False, patience=2)
+    meter = EnergyMeter(gpu)
+    while not profiler.done:
+        gpu.set_locked_sm_clocks(profiler.current_clock)
+        gpu.wait(gpu.switch_latency.switch_s + gpu.switch_latency.transition_s)
+        for kind, seconds in [("forward", 0.006), ("forward", 0.006), ("backward", 0.012), ("backward", 0.012)]:
+            timestamp, energy = meter.read()
+            profiler.on_counter(timestamp, energy if read_counter else None)
+            start = gpu.timestamp()
+            gpu.run(seconds, kind)
+            profiler.on_computation(kind, profiler.current_clock, start, gpu.timestamp())
+        gpu.wait(0.002)
+        profiler.end_iteration()
+    return profiler
+
+
+def test_profiling_goes_round_the_clocks_again_until_the_windows_separate_them():
+    profiler = _profile_short_iterations(read_counter=True)
+    assert 3 < profiler.iterations <= 3 * profiler_module.MAX_PROFILING_ROUNDS
+    assert profiler.iterations % 3 == 0 and "rounds" in profiler.stop_reason
+    assert "cannot" not in profiler.stop_reason
+    measured = profiler.measurements()
+    assert {row.frequency for row in measured.rows} == {1410, 1200, 990}
+
+
+def test_profiling_rounds_are_bounded_when_the_counter_never_answers():
+    profiler = _profile_short_iterations(read_counter=False)
+    assert profiler.iterations == 3 * profiler_module.MAX_PROFILING_ROUNDS
+    assert "still cannot tell them apart" in profiler.stop_reason

@@ -51,6 +51,7 @@ CONFIDENCE_Z = 2.0  # "costs more" = more than this many combined standard error
 MIN_RESIDUAL_DOF = 3  # windows beyond the unknowns before a standard error is trusted
 OUTLIER_MADS = 6.0  # windows this far off the fit (stale counter reads) are left out of it
 MAX_RELATIVE_STDERR = 0.03  # a clock whose energy is less certain than this stays out of the profile
+MAX_PROFILING_ROUNDS = 4  # rounds over the search clocks while the counter's windows cannot separate them
 PERIOD_REFITS = 3  # rounds of re-rounding update ordinals against the midpoint fit
 PERIOD_SEARCH_FACTOR = 2.0  # the first period search spans the midpoint fit / 2 to x 2
 ZOOM_START_PERIODS = 16  # the period search starts on this many counter periods of the run
@@ -335,7 +336,12 @@ class StageProfiler:
         """The clock this stage profiles in its next iteration, None once done."""
         if self.done:
             return None
-        return self.search_clocks[self.iterations // self.iterations_per_clock]
+        return self._search_clock(self.iterations // self.iterations_per_clock)
+
+    def _search_clock(self, block: int) -> int:
+        """The clock of the `block`-th block of iterations: the search clocks in turn, round
+        after round while the windows cannot yet separate them (`end_iteration`)."""
+        return self.search_clocks[block % len(self.search_clocks)]
 
     @property
     def profiled_clocks(self) -> list[int]:
@@ -374,11 +380,33 @@ class StageProfiler:
         self.iterations += 1
         if self.iterations % self.iterations_per_clock:
             return
-        clock = self.search_clocks[self.iterations // self.iterations_per_clock - 1]
-        self._judge(clock)
-        if not self.done and self.iterations // self.iterations_per_clock >= len(self.search_clocks):
-            self._finish(f"all {len(self.search_clocks)} search clocks profiled "
-                         f"({self.search_clocks[0]}-{self.search_clocks[-1]} MHz)")
+        block = self.iterations // self.iterations_per_clock
+        self._judge(self._search_clock(block - 1))
+        if self.done or block % len(self.search_clocks):
+            return
+        rounds = block // len(self.search_clocks)
+        searched = (f"all {len(self.search_clocks)} search clocks profiled "
+                    f"({self.search_clocks[0]}-{self.search_clocks[-1]} MHz)")
+        unresolved = self._unresolved()
+        if unresolved is None:
+            self._finish(searched + (f" in {rounds} rounds" if rounds > 1 else ""))
+        elif rounds >= MAX_PROFILING_ROUNDS:
+            self._finish(f"{searched} in {rounds} rounds; the energy counter still cannot tell them "
+                         f"apart ({unresolved})")
+        else:
+            # Short iterations next to the counter's update period (NVML: ~100 ms), or windows
+            # left out as outliers on a busy host: one more round adds windows at every clock.
+            logger.info("perseus-ext: stage %d: after %d round(s) over the search clocks: %s; profiling "
+                        "them once more", self.stage, rounds, unresolved)
+
+    def _unresolved(self) -> str | None:
+        """Why the windows cannot yet give every profiled clock a power, None when they can."""
+        try:
+            powers, _, _ = self._raw_power()
+        except MeasurementError as err:
+            return str(err)
+        missing = [clock for clock in self.profiled_clocks if clock not in powers]
+        return f"no window measured {missing} MHz" if missing else None
 
     def _judge(self, clock: int) -> None:
         """Stop once each of the last `patience` profiled clocks lies below the most efficient
