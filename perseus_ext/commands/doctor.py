@@ -16,7 +16,6 @@ import os
 import site
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def installation() -> dict[str, Any]:
     """Where perseus-ext is installed, whether its autoload hook is, and framework versions."""
+    from importlib import metadata  # here: every command's start-up imports this module
+
     import perseus_ext
     from perseus_ext.autoload import AUTOLOAD_ENV, autoload_enabled
     from perseus_ext.data import patches_dir

@@ -44,7 +44,7 @@ class _OptionTables:
         self.by_level: list[list[tuple[np.ndarray | None, np.ndarray]]] = []
         for lv in model.dag.levels:
             ids = table_of[lv]
-            present = np.unique(ids)
+            present = np.flatnonzero(np.bincount(ids))  # np.unique would import numpy.ma: start-up time
             if len(present) == 1:
                 self.by_level.append([(None, self.options[present[0]])])
             else:
