@@ -345,7 +345,7 @@ def _fill_gaps(times: np.ndarray, energies: np.ndarray, keep: list[int], resolut
         if not inside.size:
             continue
         bins = np.floor((times[inside] - a) / bin_width).astype(np.int64)
-        for bin_id in np.unique(bins):
+        for bin_id in np.flatnonzero(np.bincount(bins)):  # np.unique imports numpy.ma (start-up)
             members = inside[bins == bin_id]
             out.append(int(members[np.argmin(energies[members])]))
     return sorted(set(out), key=lambda j: (times[j], energies[j]))
