@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from perseus_ext.actuation.controller import FrequencyController  # noqa: E402
 from perseus_ext.actuation.sequencer import ClockSequencer  # noqa: E402
 from perseus_ext.measurement.gpu import SimulatedGPU  # noqa: E402
-from perseus_ext.measurement.gpu.timeline import HostOnlyTimeline, open_timeline  # noqa: E402
+from perseus_ext.measurement.gpu.cuda_timeline import POLL_S as CUDA_POLL_S  # noqa: E402
+from perseus_ext.measurement.gpu.timeline import HostMarker, HostOnlyTimeline, open_timeline  # noqa: E402
 
 CLOCKS_MHZ = (1050, 1410)
 
@@ -70,12 +71,44 @@ def run(ordering: str, work_s: float, *, iterations: int, computations: int, gap
     return {"coverage": tally.coverage, "hook_us": statistics.median(hook_ns) / 1000.0}
 
 
-def hook_cost(plan: tuple[int, ...], iterations: int = 300) -> tuple[float, float]:
+class LaggingMarker(HostMarker):
+    """Reached `lag_s` after it was recorded, as a CUDA event is once the device, behind the
+    host, has run the work launched before it."""
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self._at_s
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Polls like `CudaMarker.wait` with a timeout (each query takes the GIL)."""
+        deadline = time.perf_counter() + (timeout_s if timeout_s is not None else float("inf"))
+        while not self.query():
+            if time.perf_counter() >= deadline:
+                return False
+            time.sleep(CUDA_POLL_S)
+        return True
+
+    def device_time_s(self) -> float | None:
+        return self._at_s if self.query() else None
+
+
+class LaggingTimeline(HostOnlyTimeline):
+    """Markers the device reaches `lag_s` after the host records them (the host leads)."""
+
+    def __init__(self, lag_s: float) -> None:
+        self.lag_s = lag_s
+
+    def record_marker(self) -> LaggingMarker:
+        return LaggingMarker(time.perf_counter() + self.lag_s)
+
+
+def hook_cost(plan: tuple[int, ...], iterations: int = 300, device_lag_s: float = 0.0) -> tuple[float, float]:
     """Median and p99 µs the training thread pays per computation (both hooks) on the real-GPU
-    path with host-only markers (a CUDA event record adds its own few µs on a GPU)."""
+    path: host-only markers, or markers reached `device_lag_s` after they are recorded (a CUDA
+    event record adds its own few µs on a GPU)."""
     gpu = SimulatedGPU("a100_sxm", seed=1)
     controller = FrequencyController(gpu, dry_run=True, watchdog=False, handle_signals=False)
-    sequencer = ClockSequencer(controller, HostOnlyTimeline(), latency=gpu.switch_latency)
+    timeline = LaggingTimeline(device_lag_s) if device_lag_s > 0 else HostOnlyTimeline()
+    sequencer = ClockSequencer(controller, timeline, latency=gpu.switch_latency)
     durations = tuple(0.01 for _ in plan)
     costs = []
     for iteration in range(iterations):
@@ -111,11 +144,14 @@ def main() -> int:
         print(f"{duration_ms:>9.0f} ms" + "".join(f"{100 * results[o]['coverage']:>21.1f}%" for o in orderings)
               + "".join(f"{results[o]['hook_us']:>21.2f}" for o in orderings))
     print()
-    print("# training-thread cost per computation (both hooks), host-only markers, dry-run controller")
+    print("# training-thread cost per computation (both hooks), dry-run controller; markers reached when "
+          "recorded (no device), or 10 ms later (a host that leads its GPU, as with CUDA events)")
     for label, plan in (("one clock change per iteration", (1050,) * 12 + (1410,) * 4),
                         ("a clock change at every computation", (1410, 1050) * 8)):
-        median, p99 = hook_cost(plan)
-        print(f"{label:<40} median {median:6.2f} us   p99 {p99:6.2f} us")
+        for lag_s in (0.0, 0.01):
+            median, p99 = hook_cost(plan, device_lag_s=lag_s)
+            markers = "host-only markers" if lag_s == 0 else f"device {1000 * lag_s:.0f} ms behind"
+            print(f"{label:<38} {markers:<22} median {median:6.2f} us   p99 {p99:6.2f} us")
     return 0
 
 
