@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from perseus_ext.measurement.windows import EnergyEstimator, EnergyMeter, WindowRecord
-from perseus_ext.runtime.profiler import StageProfiler, _located_updates, build_windows, locate_updates
+from perseus_ext.measurement.counter_updates import _located_updates, build_windows, locate_updates
+from perseus_ext.runtime.profiler import StageProfiler
 
 from runtime_helpers import virtual_gpu
 

@@ -17,7 +17,8 @@ from perseus_ext.errors import ConfigError, PerseusError
 from perseus_ext.measurement.windows import EnergyMeter
 from perseus_ext.planning.schedule import Kind, build_schedule
 from perseus_ext.runtime import PerseusConfig, PerseusRuntime, Phase
-from perseus_ext.runtime.profiler import StageProfiler, build_windows, locate_updates
+from perseus_ext.measurement.counter_updates import build_windows, locate_updates
+from perseus_ext.runtime.profiler import StageProfiler
 from perseus_ext.runtime.straggler import SlowdownTracker
 
 from runtime_helpers import BACKWARD_S, FORWARD_S, make_config, sim_gpu, train, virtual_gpu  # noqa: E402
