@@ -155,7 +155,7 @@ def test_profile_is_worth_ninety_percent_of_a_full_sweep():
 
 
 def _profile_short_iterations(read_counter: bool) -> StageProfiler:
-    """Two microbatches of 6 + 12 ms per iteration: a round over three clocks spans about one
+    """Two microbatches of 8 + 16 ms per iteration: a round over three clocks spans about one
     update period of the counter (100 ms), too few windows to tell the clocks apart."""
     gpu = virtual_gpu(seed=5)
     profiler = StageProfiler(0, [1410, 1200, 990], iterations_per_clock=1, early_stop=False, patience=2)
@@ -163,7 +163,7 @@ def _profile_short_iterations(read_counter: bool) -> StageProfiler:
     while not profiler.done:
         gpu.set_locked_sm_clocks(profiler.current_clock)
         gpu.wait(gpu.switch_latency.switch_s + gpu.switch_latency.transition_s)
-        for kind, seconds in [("forward", 0.006), ("forward", 0.006), ("backward", 0.012), ("backward", 0.012)]:
+        for kind, seconds in [("forward", 0.008), ("forward", 0.008), ("backward", 0.016), ("backward", 0.016)]:
             timestamp, energy = meter.read()
             profiler.on_counter(timestamp, energy if read_counter else None)
             start = gpu.timestamp()

@@ -226,8 +226,8 @@ class PerseusConfig(Section):
         description="Iterations each searched clock is profiled for. `1` suffices: the search stops only on "
                     "confident estimates and smooths power over the clocks; more = less noise, longer profiling. "
                     "While the energy counter's windows (NVML: an update about every 100 ms) cannot yet tell the "
-                    "clocks apart, e.g. with iterations of a few tens of ms, the clocks are profiled again, at most "
-                    "4 rounds in all.")] = 1
+                    "clocks apart, e.g. with iterations of a few tens of ms, the clocks are profiled once more (2 "
+                    "rounds at most).")] = 1
     candidate_clocks: Annotated[
         Annotated[listing(Clock, what="clocks in MHz", example=[1410, 1200, 990], distinct=True),
                   AfterValidator(lambda clocks: tuple(sorted(clocks, reverse=True)))] | None,

@@ -52,7 +52,7 @@ CONFIDENCE_Z = 2.0  # "costs more" = more than this many combined standard error
 MIN_RESIDUAL_DOF = 3  # windows beyond the unknowns before a standard error is trusted
 OUTLIER_MADS = 6.0  # windows this far off the fit (stale counter reads) are left out of it
 MAX_RELATIVE_STDERR = 0.03  # a clock whose energy is less certain than this stays out of the profile
-MAX_PROFILING_ROUNDS = 4  # rounds over the search clocks while the counter's windows cannot separate them
+MAX_PROFILING_ROUNDS = 2  # rounds over the search clocks while the counter's windows cannot separate them
 
 
 @dataclass(frozen=True)
