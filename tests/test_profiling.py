@@ -187,3 +187,13 @@ def test_profiling_rounds_are_bounded_when_the_counter_never_answers():
     profiler = _profile_short_iterations(read_counter=False)
     assert profiler.iterations == 3 * profiler_module.MAX_PROFILING_ROUNDS
     assert "still cannot tell them apart" in profiler.stop_reason
+
+
+def test_a_stage_left_without_a_profile_is_told_which_keys_fix_it(caplog):
+    from types import SimpleNamespace
+
+    profiler = _profile_short_iterations(read_counter=False)
+    run = ProfilingRun(profiler, SimpleNamespace(gpu=virtual_gpu(), candidate_clocks=[1410, 1200, 990]), None, None)
+    with caplog.at_level("ERROR", logger="perseus_ext"):
+        assert run.measurements(fell_back=False) is None
+    assert "perseus.profiling_iterations_per_clock" in caplog.text and "perseus.blocking_power_w" in caplog.text

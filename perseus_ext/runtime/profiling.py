@@ -21,7 +21,7 @@ from perseus_ext.measurement.windows import EnergyMeter
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.runtime.comm import Member
-from perseus_ext.runtime.config import PerseusConfig
+from perseus_ext.runtime.config import PREFIX, PerseusConfig
 from perseus_ext.runtime.profiler import StageMeasurements, StageProfiler
 from perseus_ext.runtime.rank_setup import RankSetup
 from perseus_ext.runtime.records import MeasuredProfile
@@ -114,8 +114,11 @@ class ProfilingRun:
             measured = self.profiler.measurements(clocks)
         except Exception as err:  # this stage's gap is reported by the pipeline leader
             level = logging.WARNING if fell_back else logging.ERROR
-            logger.log(level, "perseus-ext: stage %d: profiling produced no usable data (%s)",
-                       self.profiler.stage, err)
+            fix = "" if fell_back else (
+                f"; the energy counter needs more time per clock: raise {PREFIX}.profiling_iterations_per_clock, "
+                f"or set {PREFIX}.blocking_power_w (one unknown less)")
+            logger.log(level, "perseus-ext: stage %d: profiling produced no usable data (%s)%s",
+                       self.profiler.stage, err, fix)
             return None
         self.overhead_s = measured.overhead_s
         return measured
