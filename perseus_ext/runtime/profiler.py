@@ -3,15 +3,14 @@
 The stage runs whole iterations at one candidate clock (fastest first), records the start and end
 of every forward and backward, and reads the GPU energy counter at every computation boundary.
 The counter is coarse (it changes every ~100 ms), so single computations cannot be metered.
-Instead its updates are located in time and consecutive updates delimit windows of exactly known
-energy. In a pipeline, reads come only at computation boundaries, often 30-250 ms apart, so one
-read interval says little; but updates come at a steady period, and the period and phase that put
-an update in every interval whose reads differ and in none whose reads agree pin every update
-down to about a millisecond (`measurement/counter_updates.py`). Each window holds known amounts
-of computing time at each clock (computations cut by a boundary count fractionally) and of blocking time, and the
+Instead its updates are located in time from the reads at computation boundaries, and
+consecutive updates delimit windows of exactly known energy (`measurement/counter_updates.py`).
+Each window holds known amounts of computing time at each clock and of blocking time, and the
 device layer's least-squares `EnergyEstimator` recovers the power at each clock, with its
 standard error, and the blocking power from many such windows, leaving out the few windows a
-stale read has garbled. A clock whose energy stays uncertain is left out of the profile.
+stale read has garbled. A clock whose energy stays uncertain is left out of the profile. While
+the windows cannot yet separate the clocks, the search goes round them once more
+(`MAX_PROFILING_ROUNDS`).
 
 The search walks the whole clock range downwards in coarse steps (about 1/16 of the maximum clock,
 e.g. 90 MHz on an A100; the frontier's fastest plan gains nothing from finer steps) and stops only

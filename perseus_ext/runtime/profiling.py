@@ -17,7 +17,7 @@ from typing import Any
 
 from perseus_ext.errors import PerseusError
 from perseus_ext.measurement.gpu.timeline import DeviceMarker, DeviceTimeline
-from perseus_ext.measurement.windows import EnergyMeter
+from perseus_ext.measurement.windows import EnergyMeter, MeasurementError
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.runtime.comm import Member
@@ -114,7 +114,7 @@ class ProfilingRun:
             measured = self.profiler.measurements(clocks)
         except Exception as err:  # this stage's gap is reported by the pipeline leader
             level = logging.WARNING if fell_back else logging.ERROR
-            fix = "" if fell_back else (
+            fix = "" if fell_back or not isinstance(err, MeasurementError) else (
                 f"; the energy counter needs more time per clock: raise {PREFIX}.profiling_iterations_per_clock, "
                 f"or set {PREFIX}.blocking_power_w (one unknown less)")
             logger.log(level, "perseus-ext: stage %d: profiling produced no usable data (%s)%s",
