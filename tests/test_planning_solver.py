@@ -207,7 +207,8 @@ def test_level_batched_passes_match_their_node_by_node_definition(raw_a100: Prof
 
 
 def test_lp_walk_failure_reaches_the_caller_and_stops_the_walk(raw_a100: Profile, monkeypatch) -> None:
-    """The LP walk runs on a background thread: its errors must surface in the solving thread."""
+    """The LP walk runs on two background threads: an error in either surfaces in the solving
+    thread and stops both ends of the walk."""
     import threading
 
     from perseus_ext.planning import relaxation
@@ -224,5 +225,5 @@ def test_lp_walk_failure_reaches_the_caller_and_stops_the_walk(raw_a100: Profile
     monkeypatch.setattr(relaxation.ConvexRelaxation, "durations", failing)
     with pytest.raises(SolverError, match="ended with Infeasible"):
         solve_frontier(one_f_one_b(4, 8), sub_profile(raw_a100, 4, (1410, 1200, 1000)), P_BLOCK_A100)
-    assert len(calls) == 5
+    assert 5 <= len(calls) <= 8  # the other end finishes the anchor it was solving (of ~100)
     assert not [t for t in threading.enumerate() if t.name == "frontier-lp-walk"]

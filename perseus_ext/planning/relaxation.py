@@ -10,6 +10,7 @@ in O(N) (`interpolate`).
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import highspy
@@ -82,12 +83,30 @@ class ConvexRelaxation:
         lp.a_matrix_.start_ = start
         lp.a_matrix_.index_ = index
         lp.a_matrix_.value_ = value
-        self.highs = highspy.Highs()
-        self.highs.setOptionValue("output_flag", False)
-        self.highs.setOptionValue("solver", "simplex")
-        self.highs.passModel(lp)
+        self._lp = lp
+        self.highs = _simplex(lp)
         self.t_col = t_col
         self.n, self.m = n, m
+
+    def twin(self) -> "ConvexRelaxation":
+        """The same LP in a second HiGHS instance (another thread can walk it)."""
+        twin = copy.copy(self)
+        twin.highs = _simplex(self._lp)
+        return twin
+
+    def min_energy_deadline(self, t_min: float, t_slowest: float) -> float:
+        """The relaxed minimum-energy deadline in [t_min, t_slowest]: the LP with the deadline
+        free and priced at the blocking power of every GPU."""
+        h = self.highs
+        h.changeColCost(self.t_col, self.model.blocking_power * self.model.num_stage_gpus)
+        h.changeColBounds(self.t_col, t_min, t_slowest)
+        h.run()
+        status = h.getModelStatus()
+        if status != highspy.HighsModelStatus.kOptimal:
+            raise SolverError(f"LP relaxation with a free deadline ended with {h.modelStatusToString(status)}")
+        t_star = float(h.getSolution().col_value[self.t_col])
+        h.changeColCost(self.t_col, 0.0)
+        return t_star
 
     def energy(self, deadline: float) -> float:
         """Relaxed minimum energy at `deadline` (after `durations` solved it)."""
@@ -105,6 +124,15 @@ class ConvexRelaxation:
         x = np.asarray(h.getSolution().col_value)
         fills = np.clip(x[self.n : self.n + self.m], 0.0, self.seg_len)
         return self.t_min + np.bincount(self.seg_node, weights=fills, minlength=self.n)
+
+
+def _simplex(lp: "highspy.HighsLp") -> "highspy.Highs":
+    """A quiet HiGHS instance holding `lp`, solved by simplex (warm starts)."""
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("solver", "simplex")
+    highs.passModel(lp)
+    return highs
 
 
 def csc_matrix(rows: np.ndarray, cols: np.ndarray, values: np.ndarray, num_cols: int):
@@ -131,82 +159,136 @@ def lower_hull(t: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 class AnchorWalk:
-    """The LP walk over `count` evenly spaced anchor deadlines from T_min to `t_slowest` (all
-    clocks slowest), on a background thread.
+    """The LP walk over evenly spaced anchor deadlines from T_min to just past the relaxed
+    minimum-energy deadline T*, solved from both ends at once on two background threads.
 
-    HiGHS releases the GIL while it solves, so the solver rounds the deadlines the walk has
-    passed (`wait`) while later anchors are solved. The walk stops once the relaxed energy has
-    risen at two anchors past its minimum: slower than the minimum-energy plan, energy only
-    grows (blocking power outweighs what slower clocks save), so deadlines there are not worth
-    planning. `progress` shows a tqdm bar.
+    HiGHS releases the GIL while it solves, so the two ends run on two cores, and the solver
+    rounds the deadlines the low end has passed (`wait`) meanwhile. The high end first solves
+    the LP with the deadline free and priced at the blocking power, which gives T* (slower than
+    that, energy only grows: blocking power outweighs what slower clocks save); the walk ends
+    two anchors past T*. The low end walks up from T_min, the high end down from the last
+    anchor, and they meet at a fixed share of the anchors (`LOW_END_SHARE`): which end solves an
+    anchor must not depend on thread timing, because a degenerate LP has several optimal
+    solutions and the one found depends on the basis the solve starts from.
+    `progress` shows a tqdm bar.
     """
+
+    # Most simplex iterations, and the cold start, lie near T_min: the low end takes fewer
+    # anchors (8 x 24 to 16 x 128: the two ends finish within ~15 % of each other).
+    LOW_END_SHARE = 0.4
 
     def __init__(self, model: CostModel, count: int, t_min: float, t_slowest: float, progress: bool = False):
         if t_slowest - t_min < _EPS:  # slower clocks save no time: a single deadline
             count = 1
-        self._deadlines = np.empty(count)
+        self._spacing = (t_slowest - t_min) / max(count - 1, 1)
+        self._deadlines = t_min + self._spacing * np.arange(count)
+        self._deadlines[-1] = max(t_slowest, t_min)
         self._durations = np.empty((model.num_nodes, count))
-        self._solved = 0  # anchors solved so far (columns of `_durations`)
-        self._finished = self._cancelled = False
+        self._solved = np.zeros(count, dtype=bool)
+        self._prefix = 0  # anchors 0.. solved without a gap
+        self._end: int | None = 1 if count == 1 else None  # anchors kept (the high end sets it)
+        self._cancelled = False
         self._error: BaseException | None = None
         self._changed = threading.Condition()
-        self._thread = threading.Thread(
-            target=self._walk, args=(model, count, t_min, t_slowest, progress), name="frontier-lp-walk",
-            daemon=True,
-        )
-        self._thread.start()
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
 
-    def _walk(self, model: CostModel, count: int, t_min: float, t_slowest: float, progress: bool) -> None:
-        bar = None
+            self._bar = tqdm(total=count, desc="frontier LP anchors", unit="anchor")
+        relaxation = ConvexRelaxation(model)
+        ends = [(self._walk_low, relaxation)]
+        if count > 1:
+            ends.append((self._walk_high, relaxation.twin()))
+        self._threads = [
+            threading.Thread(target=self._guard, args=end, name="frontier-lp-walk", daemon=True) for end in ends
+        ]
+        self._running = len(self._threads)
+        for thread in self._threads:
+            thread.start()
+
+    def _guard(self, walk, *args: object) -> None:
+        """Run one end of the walk; keep its error for `result` and stop the other end."""
         try:
-            relaxation = ConvexRelaxation(model)
-            if progress:
-                from tqdm import tqdm
-
-                bar = tqdm(total=count, desc="frontier LP anchors", unit="anchor")
-            spacing = (t_slowest - t_min) / max(count - 1, 1)
-            energies: list[float] = []
-            for k in range(count):
-                if self._cancelled:
-                    break
-                deadline = t_min + k * spacing if k < count - 1 else max(t_slowest, t_min)
-                self._durations[:, k] = relaxation.durations(deadline)
-                self._deadlines[k] = deadline
-                energies.append(relaxation.energy(deadline))
-                with self._changed:
-                    self._solved = k + 1
-                    self._changed.notify_all()
-                if bar is not None:
-                    bar.update()
-                if k >= 2 and min(energies[-2:]) > min(energies):
-                    break
+            walk(*args)
         except BaseException as err:  # raised again in the solver's thread by `result`
-            self._error = err
-        finally:
-            if bar is not None:
-                bar.close()
             with self._changed:
-                self._finished = True
+                self._error = self._error or err
+                self._cancelled = True
+        finally:
+            with self._changed:
+                self._running -= 1
                 self._changed.notify_all()
 
-    def wait(self, solved: int) -> tuple[np.ndarray, np.ndarray, bool]:
-        """Block until more than `solved` anchors are solved or the walk has ended; return the
-        anchors so far (deadlines, durations (N, anchors); views) and whether it has ended."""
+    def _split(self) -> int:
+        """The first anchor the high end solves (once the end is known)."""
+        return max(1, round(self.LOW_END_SHARE * self._end))
+
+    def _walk_low(self, relaxation: "ConvexRelaxation") -> None:
+        self._solve(relaxation, 0)
         with self._changed:
-            self._changed.wait_for(lambda: self._solved > solved or self._finished)
-            k, finished = self._solved, self._finished
+            self._changed.wait_for(lambda: self._end is not None or self._cancelled)
+        if self._cancelled:
+            return
+        for k in range(1, self._split()):
+            if not self._solve(relaxation, k):
+                return
+
+    def _walk_high(self, relaxation: "ConvexRelaxation") -> None:
+        t_star = relaxation.min_energy_deadline(float(self._deadlines[0]), float(self._deadlines[-1]))
+        past = int(np.ceil((t_star - self._deadlines[0]) / self._spacing - _EPS)) + 2
+        with self._changed:
+            self._end = min(len(self._deadlines), past + 1)
+            self._changed.notify_all()
+        if self._bar is not None:
+            self._bar.total = self._end
+            self._bar.refresh()
+        for k in range(self._end - 1, self._split() - 1, -1):
+            if not self._solve(relaxation, k):
+                return
+
+    def _solve(self, relaxation: "ConvexRelaxation", k: int) -> bool:
+        """Solve anchor k; False once the walk is cancelled."""
+        if self._cancelled:
+            return False
+        durations = relaxation.durations(float(self._deadlines[k]))
+        with self._changed:
+            self._durations[:, k] = durations
+            self._solved[k] = True
+            while self._prefix < len(self._solved) and self._solved[self._prefix]:
+                self._prefix += 1
+            self._changed.notify_all()
+        if self._bar is not None:
+            self._bar.update()
+        return True
+
+    def _kept(self) -> int:
+        """Anchors from T_min that are solved and kept (under the lock)."""
+        return self._prefix if self._end is None else min(self._prefix, self._end)
+
+    def wait(self, solved: int) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Block until more than `solved` anchors from T_min are solved or the walk has ended;
+        return those anchors (deadlines, durations (N, anchors); views) and whether it has ended."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._kept() > solved or not self._running)
+            k, finished = self._kept(), not self._running
         return self._deadlines[:k], self._durations[:, :k], finished
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every anchor: (deadlines, relaxed durations (N, anchors)), once the walk has ended."""
-        self._thread.join()
+        """Every anchor kept: (deadlines, relaxed durations (N, anchors)), once the walk has ended."""
+        for thread in self._threads:
+            thread.join()
+        if self._bar is not None:
+            self._bar.close()
         if self._error is not None:
             raise self._error
-        return self._deadlines[: self._solved], self._durations[:, : self._solved]
+        end = self._kept()
+        return self._deadlines[:end], self._durations[:, :end]
 
     def close(self) -> None:
-        """Stop the walk after the anchor in progress (the solve failed or is done)."""
-        self._cancelled = True
+        """Stop the walk after the anchors in progress (the solve failed or is done)."""
+        with self._changed:
+            self._cancelled = True
+            self._changed.notify_all()
 
 
 def interpolate(anchors: np.ndarray, durations: np.ndarray, deadlines: np.ndarray) -> np.ndarray:
