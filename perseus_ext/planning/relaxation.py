@@ -186,7 +186,8 @@ class AnchorWalk:
         self._deadlines[-1] = max(t_slowest, t_min)
         self._durations = np.empty((model.num_nodes, count))
         self._solved = np.zeros(count, dtype=bool)
-        self._prefix = 0  # anchors 0.. solved without a gap
+        self._prefix = 0  # anchors 0.. solved without a gap (the low end's)
+        self._suffix = count  # anchors suffix..end-1 solved without a gap (the high end's)
         self._end: int | None = 1 if count == 1 else None  # anchors kept (the high end sets it)
         self._cancelled = False
         self._error: BaseException | None = None
@@ -238,7 +239,7 @@ class AnchorWalk:
         t_star = relaxation.min_energy_deadline(float(self._deadlines[0]), float(self._deadlines[-1]))
         past = int(np.ceil((t_star - self._deadlines[0]) / self._spacing - _EPS)) + 2
         with self._changed:
-            self._end = min(len(self._deadlines), past + 1)
+            self._end = self._suffix = min(len(self._deadlines), past + 1)
             self._changed.notify_all()
         if self._bar is not None:
             self._bar.total = self._end
@@ -257,22 +258,32 @@ class AnchorWalk:
             self._solved[k] = True
             while self._prefix < len(self._solved) and self._solved[self._prefix]:
                 self._prefix += 1
+            while self._end is not None and self._suffix > 0 and self._solved[self._suffix - 1]:
+                self._suffix -= 1
             self._changed.notify_all()
         if self._bar is not None:
             self._bar.update()
         return True
 
-    def _kept(self) -> int:
-        """Anchors from T_min that are solved and kept (under the lock)."""
-        return self._prefix if self._end is None else min(self._prefix, self._end)
+    def _progress(self) -> tuple[int, int, bool]:
+        """(solved prefix, start of the solved suffix, ended), both within the kept anchors."""
+        end = self._end if self._end is not None else 0
+        return min(self._prefix, end), max(min(self._suffix, end), 0), not self._running
 
-    def wait(self, solved: int) -> tuple[np.ndarray, np.ndarray, bool]:
-        """Block until more than `solved` anchors from T_min are solved or the walk has ended;
-        return those anchors (deadlines, durations (N, anchors); views) and whether it has ended."""
+    def wait(self, seen: tuple[int, int, bool] | None = None) -> tuple[int, int, bool]:
+        """Block until the walk knows which anchors it keeps and has progressed past `seen`
+        (a previous answer); return (k, j, ended): anchors [0, k) and [j, kept) are solved."""
         with self._changed:
-            self._changed.wait_for(lambda: self._kept() > solved or not self._running)
-            k, finished = self._kept(), not self._running
-        return self._deadlines[:k], self._durations[:, :k], finished
+            self._changed.wait_for(
+                lambda: not self._running or (self._end is not None and self._progress() != seen)
+            )
+            return self._progress()
+
+    def anchors(self) -> tuple[np.ndarray, np.ndarray]:
+        """The kept anchors (deadlines, relaxed durations (N, anchors); views), once `wait`
+        has answered: only the columns it reported solved are filled in."""
+        end = self._end or 0
+        return self._deadlines[:end], self._durations[:, :end]
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """Every anchor kept: (deadlines, relaxed durations (N, anchors)), once the walk has ended."""
@@ -282,14 +293,18 @@ class AnchorWalk:
             self._bar.close()
         if self._error is not None:
             raise self._error
-        end = self._kept()
-        return self._deadlines[:end], self._durations[:, :end]
+        return self.anchors()
 
     def close(self) -> None:
-        """Stop the walk after the anchors in progress (the solve failed or is done)."""
+        """Stop the walk after the anchors in progress and wait for its threads (the solve
+        failed or is done): a thread left inside HiGHS at interpreter exit aborts the process."""
         with self._changed:
             self._cancelled = True
             self._changed.notify_all()
+        for thread in self._threads:
+            thread.join()
+        if self._bar is not None:
+            self._bar.close()
 
 
 def interpolate(anchors: np.ndarray, durations: np.ndarray, deadlines: np.ndarray) -> np.ndarray:

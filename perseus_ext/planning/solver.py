@@ -57,7 +57,9 @@ _REPAIR_STRIDE = 2  # the latency repair works on every other grid deadline
 # Cells per batched replay: a latency-aware replay makes a dozen (N, plans) arrays, and these
 # stay in cache at this size (3-5x faster at 8 x 96 than 4M cells; a plain replay is unaffected).
 _REPLAY_CELLS = 400_000
-_STREAM_PIECE = 512  # grid deadlines per piece processed while the LP walk goes on
+# Grid deadlines per piece processed while the LP walk goes on (at least; a piece costs ~4 ms
+# of per-level passes at 8 x 24 whatever its width, ~50 us per deadline on top).
+_STREAM_PIECE = 128
 
 
 def solve_frontier(
@@ -106,7 +108,7 @@ class FrontierSolver:
         anchor_count = _anchor_count(self.options, model.num_nodes)
         walk = AnchorWalk(model, anchor_count, t_min, t_slowest, self.options.progress)
         try:
-            anchors, grid = self._first_pass(walk, _FirstPass(model, pool, block), t_min, t_slowest)
+            anchors, grid = self._first_pass(walk, pool, block, t_min)
         finally:
             walk.close()
         # Rounding loses more at some deadlines than at others. Give every deadline a second
@@ -153,33 +155,35 @@ class FrontierSolver:
         return frontier
 
     def _first_pass(
-        self, walk: AnchorWalk, first: "_FirstPass", t_min: float, t_slowest: float
+        self, walk: AnchorWalk, pool: "_CandidatePool", block: int, t_min: float
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Run `first` on the grid deadlines the LP walk has passed while it goes on, then on the
-        rest; return (anchor deadlines, grid).
+        """Run `_FirstPass` on grid deadlines as soon as the LP walk has solved the anchors around
+        them, from both of its ends, while it goes on; return (anchor deadlines, grid).
 
-        Only the walk's end fixes the grid's end, and for short frontiers its step; once the walk
-        is past `min_grid_points` steps of `resolution`, the step is settled and the grid up to
-        the latest anchor is known (np.arange's elements do not depend on its stop).
-        Deadlines a step short of the latest anchor interpolate as with every anchor.
+        The grid is fixed once the walk knows its last anchor (its high end's first solve). A
+        deadline needs the two anchors around it: it is ready when it lies at or below the
+        highest anchor of the solved prefix, or above the lowest of the solved suffix.
         """
-        options = self.options
-        step = options.resolution / options.grid_oversampling
-        settled = t_min + options.min_grid_points * step
-        prefix = np.arange(t_min, t_slowest + step, step)
-        solved, finished = 0, False
-        while not finished:
-            anchors, durations, finished = walk.wait(solved)
-            solved = len(anchors)
-            if finished or anchors[-1] < settled:
-                continue
-            upto = int(np.searchsorted(prefix, anchors[-1] - step, side="right"))
-            if upto - first.done >= min(_STREAM_PIECE, first.block):
-                first.run(anchors, durations, prefix, upto)
-        anchors, durations = walk.result()
+        progress = walk.wait()
+        anchors, durations = walk.anchors()
+        if not len(anchors):  # the walk failed before it knew its end
+            walk.result()
         grid = self._deadline_grid(t_min, float(anchors[-1]))
-        first.run(anchors, durations, grid, len(grid))
-        first.flush()
+        first = _FirstPass(self.model, pool, block, len(grid))
+        while not progress[2]:
+            low, high, _ = progress
+            if low:
+                ready = int(np.searchsorted(grid, anchors[low - 1], side="right"))
+                if ready - first.low >= min(_STREAM_PIECE, first.high - first.low):
+                    first.run(anchors, durations, grid, first.low, min(ready, first.high))
+            if high < len(anchors):
+                ready = int(np.searchsorted(grid, anchors[high], side="right"))
+                if first.high - ready >= min(_STREAM_PIECE, first.high - first.low):
+                    first.run(anchors, durations, grid, max(ready, first.low), first.high)
+            progress = walk.wait(progress)
+        anchors, durations = walk.result()
+        first.run(anchors, durations, grid, first.low, first.high)
+        first.flush(len(grid))
         return anchors, grid
 
     def _grid_step(self, t_min: float, t_max: float) -> float:
@@ -199,54 +203,70 @@ class _FirstPass:
     """Steps 2-3 for grid deadlines: relaxed durations rounded three ways, the `down` plans'
     slack reclaimed (with latency, every other one also repaired), every plan replayed.
 
-    Deadlines may come in any pieces (while the LP walk goes on); each block's candidates enter
-    the pool in one fixed order (reclaimed, repaired, up, nearest), so the frontier does not
-    depend on the pieces: every step works on each deadline (column) alone.
+    Deadlines may come in any pieces, from the low end of the grid up and from its high end
+    down (while the LP walk goes on). The candidates enter the pool block by block, in grid
+    order, and within a block kind by kind (reclaimed, repaired, up, nearest), so the frontier
+    does not depend on the pieces: every step works on each deadline (column) alone.
     """
 
-    def __init__(self, model: CostModel, pool: "_CandidatePool", block: int):
+    def __init__(self, model: CostModel, pool: "_CandidatePool", block: int, grid_size: int):
         self.model, self.pool, self.block = model, pool, block
-        self.done = 0  # grid deadlines processed
-        self._pieces: dict[str, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {
-            kind: [] for kind in ("reclaimed", "repaired", "up", "nearest")
-        }
+        self.low, self.high = 0, grid_size  # grid deadlines [low, high) are still to do
+        self._flushed = 0  # grid deadlines whose candidates are in the pool
+        self._pieces: dict[int, dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
 
-    def run(self, anchors: np.ndarray, durations: np.ndarray, grid: np.ndarray, upto: int) -> None:
-        """Process grid deadlines `done`..`upto` (`grid`: at least that much of the grid)."""
-        while self.done < upto:
-            end = min(upto, (self.done // self.block + 1) * self.block)
-            self._piece(interpolate(anchors, durations, grid[self.done : end]), grid[self.done : end])
-            self.done = end
-            if end % self.block == 0:
-                self.flush()
+    def run(self, anchors: np.ndarray, durations: np.ndarray, grid: np.ndarray, lo: int, hi: int) -> None:
+        """Process grid deadlines [lo, hi), which must touch the low or the high end of what is
+        left to do, in pieces that do not cross a block."""
+        if lo >= hi:
+            return
+        at_low = lo == self.low
+        for start in range(lo - lo % self.block, hi, self.block):
+            a, b = max(lo, start), min(hi, start + self.block)
+            self._piece(a, interpolate(anchors, durations, grid[a:b]), grid[a:b])
+        if at_low:
+            self.low = hi
+            self.flush(len(grid))
+        else:
+            self.high = lo
 
-    def _piece(self, relaxed: np.ndarray, deadlines: np.ndarray) -> None:
+    def _piece(self, first: int, relaxed: np.ndarray, deadlines: np.ndarray) -> None:
+        """Candidates for grid deadlines first.. (`deadlines`), kept until their block is flushed."""
         model = self.model
+        self._pieces[first] = kept = {}
         rounded = round_to_options(model, relaxed)
         feasible = reclaim_slack(model, rounded["down"], deadlines)
-        self._keep("reclaimed", feasible)
+        kept["reclaimed"] = self._replayed(feasible)
         if model.switch_latency_s > 0:
             # Latency makes most of these plans late; win their deadlines back (every other
             # grid deadline: neighbours differ by little and the pass costs a few replays).
-            stride = slice((-self.done) % _REPAIR_STRIDE, None, _REPAIR_STRIDE)
+            stride = slice((-first) % _REPAIR_STRIDE, None, _REPAIR_STRIDE)
             late, late_deadlines = feasible[:, stride], deadlines[stride]
             step = chunk_columns(model.num_nodes, _REPLAY_CELLS)  # its latency replays stay in cache
-            self._keep("repaired", np.concatenate([
+            kept["repaired"] = self._replayed(np.concatenate([
                 repair_latency(model, late[:, j : j + step], late_deadlines[j : j + step])
                 for j in range(0, late.shape[1], step)
             ], axis=1))
-        self._keep("up", rounded["up"])
-        self._keep("nearest", rounded["nearest"])
+        kept["up"] = self._replayed(rounded["up"])
+        kept["nearest"] = self._replayed(rounded["nearest"])
 
-    def _keep(self, kind: str, choices: np.ndarray) -> None:
-        self._pieces[kind].append((choices.astype(_CandidatePool.DTYPE), *self.pool.replay(choices)))
+    def _replayed(self, choices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (choices.astype(_CandidatePool.DTYPE), *self.pool.replay(choices))
 
-    def flush(self) -> None:
-        """Add the pieces kept so far to the pool, kind by kind."""
-        for pieces in self._pieces.values():
-            if pieces:
-                self.pool.extend(*(np.concatenate(part, axis=-1) for part in zip(*pieces)))
-            pieces.clear()
+    def flush(self, grid_size: int) -> None:
+        """Add to the pool every block whose deadlines are all processed, in grid order."""
+        while self._flushed < grid_size:
+            end = min(self._flushed + self.block, grid_size)
+            if self.low < self.high and self.low < end and self.high > self._flushed:
+                return  # some of the block is still to do
+            firsts = sorted(k for k in self._pieces if self._flushed <= k < end)
+            for kind in ("reclaimed", "repaired", "up", "nearest"):
+                parts = [self._pieces[k][kind] for k in firsts if kind in self._pieces[k]]
+                if parts:
+                    self.pool.extend(*(np.concatenate(part, axis=-1) for part in zip(*parts)))
+            for k in firsts:
+                del self._pieces[k]
+            self._flushed = end
 
 
 class _CandidatePool:
