@@ -159,36 +159,42 @@ def lower_hull(t: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 
 class AnchorWalk:
-    """The LP walk over evenly spaced anchor deadlines from T_min to just past the relaxed
-    minimum-energy deadline T*, solved from both ends at once on two background threads.
+    """The LP walk over anchor deadlines from T_min to just past the relaxed minimum-energy
+    deadline T*, solved from both ends at once on two background threads.
+
+    Anchors lie on `count` evenly spaced deadlines from T_min to `t_slowest` (all clocks
+    slowest). The high end first solves the LP with the deadline free and priced at the
+    blocking power, which gives T* (slower than that, energy only grows: blocking power
+    outweighs what slower clocks save); the walk keeps the anchors up to two past T*, every one
+    over the fastest `DENSE_SHARE` of that range and every other one beyond, where the frontier
+    is flat and interpolating between anchors loses little (docs/solver.md).
 
     HiGHS releases the GIL while it solves, so the two ends run on two cores, and the solver
-    rounds the deadlines the low end has passed (`wait`) meanwhile. The high end first solves
-    the LP with the deadline free and priced at the blocking power, which gives T* (slower than
-    that, energy only grows: blocking power outweighs what slower clocks save); the walk ends
-    two anchors past T*. The low end walks up from T_min, the high end down from the last
-    anchor, and they meet at a fixed share of the anchors (`LOW_END_SHARE`): which end solves an
-    anchor must not depend on thread timing, because a degenerate LP has several optimal
-    solutions and the one found depends on the basis the solve starts from.
-    `progress` shows a tqdm bar.
+    rounds deadlines whose anchors are solved (`wait`) meanwhile. The low end walks up from
+    T_min, the high end down from the last anchor, and they meet at a fixed deadline
+    (`LOW_END_SHARE` of the range): which end solves an anchor must not depend on thread
+    timing, because a degenerate LP has several optimal solutions and the one found depends on
+    the basis the solve starts from. `progress` shows a tqdm bar.
     """
 
-    # Most simplex iterations, and the cold start, lie near T_min: the low end takes fewer
-    # anchors. At 8 x 24 the two ends then finish within ~10 % of each other; at 8 x 96 and
-    # 16 x 128 the low end takes 25-45 % longer (the share that balances them falls to ~1/3).
-    LOW_END_SHARE = 0.4
+    DENSE_SHARE = 0.4
+    # Most simplex iterations, and the cold start, lie near T_min, and the anchors are denser
+    # there: the low end takes the fastest 30 % of the range (8 x 24: both ends ~55 ms).
+    LOW_END_SHARE = 0.3
 
     def __init__(self, model: CostModel, count: int, t_min: float, t_slowest: float, progress: bool = False):
         if t_slowest - t_min < _EPS:  # slower clocks save no time: a single deadline
             count = 1
         self._spacing = (t_slowest - t_min) / max(count - 1, 1)
-        self._deadlines = t_min + self._spacing * np.arange(count)
-        self._deadlines[-1] = max(t_slowest, t_min)
+        self._t_min, self._t_slowest, self._count = t_min, max(t_slowest, t_min), count
+        # The kept anchors by position (only T_min until the high end knows T*).
+        self._deadlines = np.array([t_min])
         self._durations = np.empty((model.num_nodes, count))
         self._solved = np.zeros(count, dtype=bool)
         self._prefix = 0  # anchors 0.. solved without a gap (the low end's)
         self._suffix = count  # anchors suffix..end-1 solved without a gap (the high end's)
         self._end: int | None = 1 if count == 1 else None  # anchors kept (the high end sets it)
+        self._split = 1  # the first anchor the high end solves
         self._cancelled = False
         self._error: BaseException | None = None
         self._changed = threading.Condition()
@@ -208,6 +214,19 @@ class AnchorWalk:
         for thread in self._threads:
             thread.start()
 
+    def _kept_deadlines(self, t_star: float) -> np.ndarray:
+        """Anchors up to two past T*: every one over `DENSE_SHARE` of that range, then every
+        other one (the last anchor always kept)."""
+        last = min(self._count - 1, int(np.ceil((t_star - self._t_min) / self._spacing - _EPS)) + 2)
+        dense_to = int(round(self.DENSE_SHARE * last))
+        index = np.r_[np.arange(dense_to + 1), np.arange(dense_to + 2, last + 1, 2)]
+        if index[-1] != last:
+            index = np.r_[index, last]
+        deadlines = self._t_min + self._spacing * index
+        if last == self._count - 1:
+            deadlines[-1] = self._t_slowest
+        return deadlines
+
     def _guard(self, walk, *args: object) -> None:
         """Run one end of the walk; keep its error for `result` and stop the other end."""
         try:
@@ -221,30 +240,26 @@ class AnchorWalk:
                 self._running -= 1
                 self._changed.notify_all()
 
-    def _split(self) -> int:
-        """The first anchor the high end solves (once the end is known)."""
-        return max(1, round(self.LOW_END_SHARE * self._end))
-
     def _walk_low(self, relaxation: "ConvexRelaxation") -> None:
         self._solve(relaxation, 0)
         with self._changed:
             self._changed.wait_for(lambda: self._end is not None or self._cancelled)
-        if self._cancelled:
-            return
-        for k in range(1, self._split()):
+        for k in range(1, self._split):
             if not self._solve(relaxation, k):
                 return
 
     def _walk_high(self, relaxation: "ConvexRelaxation") -> None:
-        t_star = relaxation.min_energy_deadline(float(self._deadlines[0]), float(self._deadlines[-1]))
-        past = int(np.ceil((t_star - self._deadlines[0]) / self._spacing - _EPS)) + 2
+        deadlines = self._kept_deadlines(relaxation.min_energy_deadline(self._t_min, self._t_slowest))
+        meet = self._t_min + self.LOW_END_SHARE * (deadlines[-1] - self._t_min)
         with self._changed:
-            self._end = self._suffix = min(len(self._deadlines), past + 1)
+            self._deadlines = deadlines
+            self._end = self._suffix = len(deadlines)
+            self._split = max(1, int(np.searchsorted(deadlines, meet)))
             self._changed.notify_all()
         if self._bar is not None:
             self._bar.total = self._end
             self._bar.refresh()
-        for k in range(self._end - 1, self._split() - 1, -1):
+        for k in range(self._end - 1, self._split - 1, -1):
             if not self._solve(relaxation, k):
                 return
 
