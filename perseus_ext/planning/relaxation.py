@@ -169,8 +169,9 @@ class AnchorWalk:
     over the fastest `DENSE_SHARE` of that range and every other one beyond, where the frontier
     is flat and interpolating between anchors loses little (docs/solver.md).
 
-    HiGHS releases the GIL while it solves, so the two ends run on two cores, and the solver
-    rounds deadlines whose anchors are solved (`wait`) meanwhile. The low end walks up from
+    HiGHS releases the GIL while it solves, so the two ends run on two cores (rounding deadlines
+    meanwhile, as anchors arrive, gained nothing: it slows the walk as much as it saves, at
+    8 x 24 and 8 x 96 alike). The low end walks up from
     T_min, the high end down from the last anchor, and they meet at a fixed deadline
     (`LOW_END_SHARE` of the range): which end solves an anchor must not depend on thread
     timing, because a degenerate LP has several optimal solutions and the one found depends on
@@ -190,9 +191,6 @@ class AnchorWalk:
         # The kept anchors by position (only T_min until the high end knows T*).
         self._deadlines = np.array([t_min])
         self._durations = np.empty((model.num_nodes, count))
-        self._solved = np.zeros(count, dtype=bool)
-        self._prefix = 0  # anchors 0.. solved without a gap (the low end's)
-        self._suffix = count  # anchors suffix..end-1 solved without a gap (the high end's)
         self._end: int | None = 1 if count == 1 else None  # anchors kept (the high end sets it)
         self._split = 1  # the first anchor the high end solves
         self._cancelled = False
@@ -253,7 +251,7 @@ class AnchorWalk:
         meet = self._t_min + self.LOW_END_SHARE * (deadlines[-1] - self._t_min)
         with self._changed:
             self._deadlines = deadlines
-            self._end = self._suffix = len(deadlines)
+            self._end = len(deadlines)
             self._split = max(1, int(np.searchsorted(deadlines, meet)))
             self._changed.notify_all()
         if self._bar is not None:
@@ -268,37 +266,10 @@ class AnchorWalk:
         if self._cancelled:
             return False
         durations = relaxation.durations(float(self._deadlines[k]))
-        with self._changed:
-            self._durations[:, k] = durations
-            self._solved[k] = True
-            while self._prefix < len(self._solved) and self._solved[self._prefix]:
-                self._prefix += 1
-            while self._end is not None and self._suffix > 0 and self._solved[self._suffix - 1]:
-                self._suffix -= 1
-            self._changed.notify_all()
+        self._durations[:, k] = durations  # each end writes its own columns
         if self._bar is not None:
             self._bar.update()
         return True
-
-    def _progress(self) -> tuple[int, int, bool]:
-        """(solved prefix, start of the solved suffix, ended), both within the kept anchors."""
-        end = self._end if self._end is not None else 0
-        return min(self._prefix, end), max(min(self._suffix, end), 0), not self._running
-
-    def wait(self, seen: tuple[int, int, bool] | None = None) -> tuple[int, int, bool]:
-        """Block until the walk knows which anchors it keeps and has progressed past `seen`
-        (a previous answer); return (k, j, ended): anchors [0, k) and [j, kept) are solved."""
-        with self._changed:
-            self._changed.wait_for(
-                lambda: not self._running or (self._end is not None and self._progress() != seen)
-            )
-            return self._progress()
-
-    def anchors(self) -> tuple[np.ndarray, np.ndarray]:
-        """The kept anchors (deadlines, relaxed durations (N, anchors); views), once `wait`
-        has answered: only the columns it reported solved are filled in."""
-        end = self._end or 0
-        return self._deadlines[:end], self._durations[:, :end]
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """Every anchor kept: (deadlines, relaxed durations (N, anchors)), once the walk has ended."""
@@ -308,7 +279,7 @@ class AnchorWalk:
             self._bar.close()
         if self._error is not None:
             raise self._error
-        return self.anchors()
+        return self._deadlines, self._durations[:, : len(self._deadlines)]
 
     def close(self) -> None:
         """Stop the walk after the anchors in progress and wait for its threads (the solve

@@ -57,9 +57,6 @@ _REPAIR_STRIDE = 2  # the latency repair works on every other grid deadline
 # Cells per batched replay: a latency-aware replay makes a dozen (N, plans) arrays, and these
 # stay in cache at this size (3-5x faster at 8 x 96 than 4M cells; a plain replay is unaffected).
 _REPLAY_CELLS = 400_000
-# Grid deadlines per piece processed while the LP walk goes on (at least; a piece costs ~4 ms
-# of per-level passes at 8 x 24 whatever its width, ~50 us per deadline on top).
-_STREAM_PIECE = 128
 
 
 def solve_frontier(
@@ -157,33 +154,11 @@ class FrontierSolver:
     def _first_pass(
         self, walk: AnchorWalk, pool: "_CandidatePool", block: int, t_min: float
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Run `_FirstPass` on grid deadlines as soon as the LP walk has solved the anchors around
-        them, from both of its ends, while it goes on; return (anchor deadlines, grid).
-
-        The grid is fixed once the walk knows its last anchor (its high end's first solve). A
-        deadline needs the two anchors around it: it is ready when it lies at or below the
-        highest anchor of the solved prefix, or above the lowest of the solved suffix.
-        """
-        progress = walk.wait()
-        anchors, durations = walk.anchors()
-        if not len(anchors):  # the walk failed before it knew its end
-            walk.result()
-        grid = self._deadline_grid(t_min, float(anchors[-1]))
-        first = _FirstPass(self.model, pool, block, len(grid))
-        while not progress[2]:
-            low, high, _ = progress
-            if low:
-                ready = int(np.searchsorted(grid, anchors[low - 1], side="right"))
-                if ready - first.low >= min(_STREAM_PIECE, first.high - first.low):
-                    first.run(anchors, durations, grid, first.low, min(ready, first.high))
-            if high < len(anchors):
-                ready = int(np.searchsorted(grid, anchors[high], side="right"))
-                if first.high - ready >= min(_STREAM_PIECE, first.high - first.low):
-                    first.run(anchors, durations, grid, max(ready, first.low), first.high)
-            progress = walk.wait(progress)
+        """Steps 2-3 at every grid deadline once the LP walk has ended; (anchor deadlines, grid)."""
         anchors, durations = walk.result()
-        first.run(anchors, durations, grid, first.low, first.high)
-        first.flush(len(grid))
+        grid = self._deadline_grid(t_min, float(anchors[-1]))
+        for k in range(0, len(grid), block):
+            _first_pass_block(pool, interpolate(anchors, durations, grid[k : k + block]), grid[k : k + block], k)
         return anchors, grid
 
     def _grid_step(self, t_min: float, t_max: float) -> float:
@@ -199,74 +174,26 @@ class FrontierSolver:
         grid[-1] = max(grid[-1], t_max)
         return grid
 
-class _FirstPass:
-    """Steps 2-3 for grid deadlines: relaxed durations rounded three ways, the `down` plans'
-    slack reclaimed (with latency, every other one also repaired), every plan replayed.
-
-    Deadlines may come in any pieces, from the low end of the grid up and from its high end
-    down (while the LP walk goes on). The candidates enter the pool block by block, in grid
-    order, and within a block kind by kind (reclaimed, repaired, up, nearest), so the frontier
-    does not depend on the pieces: every step works on each deadline (column) alone.
-    """
-
-    def __init__(self, model: CostModel, pool: "_CandidatePool", block: int, grid_size: int):
-        self.model, self.pool, self.block = model, pool, block
-        self.low, self.high = 0, grid_size  # grid deadlines [low, high) are still to do
-        self._flushed = 0  # grid deadlines whose candidates are in the pool
-        self._pieces: dict[int, dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
-
-    def run(self, anchors: np.ndarray, durations: np.ndarray, grid: np.ndarray, lo: int, hi: int) -> None:
-        """Process grid deadlines [lo, hi), which must touch the low or the high end of what is
-        left to do, in pieces that do not cross a block."""
-        if lo >= hi:
-            return
-        at_low = lo == self.low
-        for start in range(lo - lo % self.block, hi, self.block):
-            a, b = max(lo, start), min(hi, start + self.block)
-            self._piece(a, interpolate(anchors, durations, grid[a:b]), grid[a:b])
-        if at_low:
-            self.low = hi
-            self.flush(len(grid))
-        else:
-            self.high = lo
-
-    def _piece(self, first: int, relaxed: np.ndarray, deadlines: np.ndarray) -> None:
-        """Candidates for grid deadlines first.. (`deadlines`), kept until their block is flushed."""
-        model = self.model
-        self._pieces[first] = kept = {}
-        rounded = round_to_options(model, relaxed)
-        feasible = reclaim_slack(model, rounded["down"], deadlines)
-        kept["reclaimed"] = self._replayed(feasible)
-        if model.switch_latency_s > 0:
-            # Latency makes most of these plans late; win their deadlines back (every other
-            # grid deadline: neighbours differ by little and the pass costs a few replays).
-            stride = slice((-first) % _REPAIR_STRIDE, None, _REPAIR_STRIDE)
-            late, late_deadlines = feasible[:, stride], deadlines[stride]
-            step = chunk_columns(model.num_nodes, _REPLAY_CELLS)  # its latency replays stay in cache
-            kept["repaired"] = self._replayed(np.concatenate([
-                repair_latency(model, late[:, j : j + step], late_deadlines[j : j + step])
-                for j in range(0, late.shape[1], step)
-            ], axis=1))
-        kept["up"] = self._replayed(rounded["up"])
-        kept["nearest"] = self._replayed(rounded["nearest"])
-
-    def _replayed(self, choices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return (choices.astype(_CandidatePool.DTYPE), *self.pool.replay(choices))
-
-    def flush(self, grid_size: int) -> None:
-        """Add to the pool every block whose deadlines are all processed, in grid order."""
-        while self._flushed < grid_size:
-            end = min(self._flushed + self.block, grid_size)
-            if self.low < self.high and self.low < end and self.high > self._flushed:
-                return  # some of the block is still to do
-            firsts = sorted(k for k in self._pieces if self._flushed <= k < end)
-            for kind in ("reclaimed", "repaired", "up", "nearest"):
-                parts = [self._pieces[k][kind] for k in firsts if kind in self._pieces[k]]
-                if parts:
-                    self.pool.extend(*(np.concatenate(part, axis=-1) for part in zip(*parts)))
-            for k in firsts:
-                del self._pieces[k]
-            self._flushed = end
+def _first_pass_block(pool: "_CandidatePool", relaxed: np.ndarray, deadlines: np.ndarray, first: int) -> None:
+    """Steps 2-3 for a block of grid deadlines (the first is grid deadline `first`): relaxed
+    durations rounded three ways, the `down` plans' slack reclaimed (with latency, every other
+    one also repaired); each kind of candidate enters the pool replayed, in a fixed order."""
+    model = pool.model
+    rounded = round_to_options(model, relaxed)
+    feasible = reclaim_slack(model, rounded["down"], deadlines)
+    pool.add(feasible)
+    if model.switch_latency_s > 0:
+        # Latency makes most of these plans late; win their deadlines back (every other grid
+        # deadline: neighbours differ by little and the pass costs a few replays).
+        stride = slice((-first) % _REPAIR_STRIDE, None, _REPAIR_STRIDE)
+        late, late_deadlines = feasible[:, stride], deadlines[stride]
+        step = chunk_columns(model.num_nodes, _REPLAY_CELLS)  # its latency replays stay in cache
+        pool.add(np.concatenate([
+            repair_latency(model, late[:, j : j + step], late_deadlines[j : j + step])
+            for j in range(0, late.shape[1], step)
+        ], axis=1))
+    pool.add(rounded["up"])
+    pool.add(rounded["nearest"])
 
 
 class _CandidatePool:
