@@ -18,57 +18,67 @@ from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule
 NO_NODE = -1
 
 
+def _sort_key(c: Computation) -> tuple[int, int, int, str]:
+    return c.stage, c.chunk, c.microbatch, c.kind.value
+
+
 class PipelineDAG:
     """Computation DAG with nodes numbered in a topological order."""
 
     def __init__(self, schedule: PipelineSchedule):
         self.schedule = schedule
-        stage_pred: dict[Computation, Computation] = {}
+        # Work on integer ids: hashing a Computation (its Kind enum hashes in Python) dominated
+        # building the DAG.
+        nodes = [c for order in schedule.orders for c in order]
+        ident = {c: i for i, c in enumerate(nodes)}
+        n = len(nodes)
+        preds: list[list[int]] = [[] for _ in range(n)]  # stage predecessor first, then data
+        start = 0
         for order in schedule.orders:
-            for before, after in zip(order, order[1:]):
-                stage_pred[after] = before
-        data_pred = {c: self.schedule.producer_of(c) for order in schedule.orders for c in order}
+            for i in range(start + 1, start + len(order)):
+                preds[i].append(i - 1)
+            start += len(order)
+        for i, c in enumerate(nodes):
+            producer = schedule.producer_of(c)
+            if producer is not None:
+                preds[i].append(ident[producer])
 
         # Kahn's algorithm by levels: level = number of edges on the longest path to the node.
-        nodes = [c for order in schedule.orders for c in order]
-        preds = {c: [p for p in (stage_pred.get(c), data_pred[c]) if p is not None] for c in nodes}
-        depth: dict[Computation, int] = {}
-        remaining = {c: len(ps) for c, ps in preds.items()}
-        succs: dict[Computation, list[Computation]] = {c: [] for c in nodes}
-        for c, ps in preds.items():
+        succs: list[list[int]] = [[] for _ in range(n)]
+        for i, ps in enumerate(preds):
             for p in ps:
-                succs[p].append(c)
-        frontier = [c for c in nodes if remaining[c] == 0]
-        for c in frontier:
-            depth[c] = 0
-        topo: list[Computation] = []
+                succs[p].append(i)
+        remaining = [len(ps) for ps in preds]
+        depth = [0] * n
+        frontier = [i for i in range(n) if not remaining[i]]
+        reached = 0
         while frontier:
-            topo += frontier
+            reached += len(frontier)
             nxt = []
-            for c in frontier:
-                for s in succs[c]:
-                    remaining[s] -= 1
-                    if remaining[s] == 0:
-                        depth[s] = depth[c] + 1
-                        nxt.append(s)
+            for i in frontier:
+                for j in succs[i]:
+                    remaining[j] -= 1
+                    if not remaining[j]:
+                        depth[j] = depth[i] + 1
+                        nxt.append(j)
             frontier = nxt
-        if len(topo) != len(nodes):
+        if reached != n:
             raise ValueError("schedule has a dependency cycle (deadlock); this is a planner bug")
-        topo.sort(key=lambda c: (depth[c], c.stage, c.chunk, c.microbatch, c.kind.value))
+        order = sorted(range(n), key=lambda i: (depth[i], *_sort_key(nodes[i])))
+        position = np.empty(n, dtype=np.int64)
+        position[order] = np.arange(n)
 
-        self.computations: list[Computation] = topo
-        self.index: dict[Computation, int] = {c: i for i, c in enumerate(topo)}
-        n = len(topo)
+        self.computations: list[Computation] = [nodes[i] for i in order]
+        self.index: dict[Computation, int] = {c: int(position[i]) for c, i in ident.items()}
         self.preds = np.full((n, 2), NO_NODE, dtype=np.int64)
         self.succs = np.full((n, 2), NO_NODE, dtype=np.int64)
-        for c, ps in preds.items():
-            for k, p in enumerate(ps):
-                self.preds[self.index[c], k] = self.index[p]
-        for c, ss in succs.items():
-            for k, s in enumerate(ss):
-                self.succs[self.index[c], k] = self.index[s]
-        self.stage = np.array([c.stage for c in topo], dtype=np.int64)
-        self.level = np.array([depth[c] for c in topo], dtype=np.int64)
+        for i in range(n):
+            for k, p in enumerate(preds[i]):
+                self.preds[position[i], k] = position[p]
+            for k, q in enumerate(succs[i]):
+                self.succs[position[i], k] = position[q]
+        self.stage = np.array([c.stage for c in self.computations], dtype=np.int64)
+        self.level = np.array(depth, dtype=np.int64)[order]
         bounds = np.flatnonzero(np.diff(self.level)) + 1
         self.levels: list[slice] = [
             slice(int(a), int(b)) for a, b in zip(np.r_[0, bounds], np.r_[bounds, n])

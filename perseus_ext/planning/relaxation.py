@@ -31,45 +31,43 @@ class ConvexRelaxation:
         n = len(dag)
         p = model.blocking_power
         # Lower convex hull of (time, cost) per node; nodes sharing options share hulls.
-        seg_node, seg_len, seg_slope = [], [], []
-        cache: dict[bytes, np.ndarray] = {}
+        segments: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}  # (lengths, slopes) per table
+        per_node = []
         for i in range(n):
             k = model.num_options[i]
             t = model.times[i, :k]
             c = model.energies[i, :k] - p * t
             key = t.tobytes() + c.tobytes()
-            if key not in cache:
-                cache[key] = lower_hull(t, c)
-            hull = cache[key]
-            ht, hc = t[hull], c[hull]
-            for j in range(len(hull) - 1):
-                seg_node.append(i)
-                seg_len.append(ht[j + 1] - ht[j])
-                seg_slope.append((hc[j + 1] - hc[j]) / (ht[j + 1] - ht[j]))
-        self.seg_node = np.array(seg_node, dtype=np.int64)
-        self.seg_len = np.array(seg_len)
-        seg_slope = np.array(seg_slope)
+            if key not in segments:
+                hull = lower_hull(t, c)
+                lengths = np.diff(t[hull])
+                segments[key] = (lengths, np.diff(c[hull]) / lengths)
+            per_node.append(segments[key])
+        count = np.array([len(lengths) for lengths, _ in per_node], dtype=np.int64)
+        self.seg_node = np.repeat(np.arange(n), count)
+        self.seg_len = np.concatenate([lengths for lengths, _ in per_node])
+        seg_slope = np.concatenate([slopes for _, slopes in per_node])
         self.t_min = model.times[:, 0].copy()
         self.base_cost = float((model.energies[:, 0] - p * self.t_min).sum())  # all fastest
-        m = len(seg_node)
+        m = len(self.seg_node)
 
         # Variables: [start_0..start_{n-1}, fill_0..fill_{m-1}, T]. Every row says "node a
         # finishes before b starts" (b a successor's start, or T for a sink):
         #   start_a + sum fills(a) - x_b <= -t_min_a
         t_col = n + m
-        fills_of = [[] for _ in range(n)]
-        for s, node in enumerate(seg_node):
-            fills_of[node].append(n + s)
-        rows, cols, vals, rhs = [], [], [], []
+        has_pred = dag.preds != -1
         sinks = np.flatnonzero((dag.succs == -1).all(axis=1))
-        for r, (node, later) in enumerate([*dag.edges(), *((int(i), t_col) for i in sinks)]):
-            row_cols = [node, later, *fills_of[node]]
-            rows += [r] * len(row_cols)
-            cols += row_cols
-            vals += [1.0, -1.0] + [1.0] * len(fills_of[node])
-            rhs.append(-self.t_min[node])
+        before = np.r_[dag.preds[has_pred], sinks]
+        after = np.r_[np.nonzero(has_pred)[0], np.full(len(sinks), t_col)]
+        first_fill = n + np.r_[0, np.cumsum(count)[:-1]]
+        width = 2 + count[before]  # entries per row: a, b and a's fills
+        rows = np.repeat(np.arange(len(before)), width)
+        slot = np.arange(len(rows)) - np.repeat(np.cumsum(width) - width, width)
+        a = before[rows]
+        cols = np.where(slot == 0, a, np.where(slot == 1, after[rows], first_fill[a] + slot - 2))
+        rhs = -self.t_min[before]
         r = len(rhs)
-        start, index, value = csc_matrix(np.array(rows), np.array(cols), np.array(vals, dtype=float), n + m + 1)
+        start, index, value = csc_matrix(rows, cols, np.where(slot == 1, -1.0, 1.0), n + m + 1)
 
         lp = highspy.HighsLp()
         lp.num_col_ = n + m + 1
@@ -78,7 +76,7 @@ class ConvexRelaxation:
         lp.col_lower_ = np.zeros(n + m + 1)
         lp.col_upper_ = np.concatenate([np.full(n, highspy.kHighsInf), self.seg_len, [0.0]])
         lp.row_lower_ = np.full(r, -highspy.kHighsInf)
-        lp.row_upper_ = np.array(rhs)
+        lp.row_upper_ = rhs
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
         lp.a_matrix_.start_ = start
         lp.a_matrix_.index_ = index
