@@ -96,7 +96,7 @@ def test_frontier_command_imports_only_what_it_needs(tmp_path: Path) -> None:
         f"'--blocking-power', 'a100', '--out', {str(out)!r}]) == 0\n"
         "heavy = ('sqlalchemy', 'torch', 'matplotlib', 'pydantic', 'scipy', 'tqdm', 'networkx',\n"
         "         'perseus_ext.emulator', 'perseus_ext.policies', 'perseus_ext.runtime',\n"
-        "         'importlib.metadata', 'numpy.ma')\n"
+        "         'importlib.metadata', 'numpy.ma', 'statistics')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from typing import TYPE_CHECKING
 
@@ -80,6 +79,8 @@ def _print_states(store: str, states: "list[JobState]") -> None:
             f"  {'batch':>7} {'runs':>5} {'reached':>7} {'stopped':>7} {'missed':>7} "
             f"{'running':>7} {'expired':>7} {'mean cost':>11} {'std':>10}  status"
         )
+        import statistics  # here, not at the top: every command's start-up imports this module
+
         for batch_size in sorted(state.arms):
             arm = state.arms[batch_size]
             mean = arm.mean_cost

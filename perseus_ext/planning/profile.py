@@ -239,12 +239,16 @@ def load_profile(path: str | Path, pareto: bool = True) -> Profile:
 def pareto_indices(times: np.ndarray, energies: np.ndarray, tolerance: float = 0.0) -> list[int]:
     """Indices of the (time, energy) points no other point beats on both, by increasing time;
     a point must save more than `tolerance` energy over every faster one to be kept."""
+    order = np.lexsort((energies, times))  # by time, then energy
+    ordered = energies[order]
+    # A kept point is cheaper than every point before it: only those need the loop.
+    improves = ordered < np.minimum.accumulate(np.r_[np.inf, ordered[:-1]])
     keep: list[int] = []
     best = math.inf
-    for i in np.lexsort((energies, times)):  # by time, then energy
-        if energies[i] < best - tolerance:
-            keep.append(int(i))
-            best = energies[i]
+    for i, energy in zip(order[improves].tolist(), ordered[improves].tolist()):
+        if energy < best - tolerance:
+            keep.append(i)
+            best = energy
     return keep
 
 

@@ -282,19 +282,22 @@ def _fill_gaps(times: np.ndarray, energies: np.ndarray, keep: list[int], resolut
     more than rounding noise); the fill keeps the promised time resolution, and the straggler
     lookup still picks the cheapest plan meeting a deadline.
     """
-    out = list(keep)
     kept_times = times[keep]
     bin_width = resolution * _FILL_BIN
-    for a, b in zip(kept_times[:-1], kept_times[1:]):
-        if b - a <= 2 * bin_width:
-            continue
-        inside = np.flatnonzero((times > a) & (times < b))
-        if not inside.size:
-            continue
-        bins = np.floor((times[inside] - a) / bin_width).astype(np.int64)
-        for bin_id in np.flatnonzero(np.bincount(bins)):  # np.unique imports numpy.ma (start-up)
-            members = inside[bins == bin_id]
-            out.append(int(members[np.argmin(energies[members])]))
+    # Each candidate's gap k: kept_times[k] < t < kept_times[k + 1], the gap wider than 2 bins.
+    after = np.searchsorted(kept_times, times, side="left")
+    gap = after - 1
+    inside = (after > 0) & (after < len(kept_times))
+    inside[inside] &= times[inside] < kept_times[after[inside]]
+    inside[inside] &= kept_times[after[inside]] - kept_times[gap[inside]] > 2 * bin_width
+    members = np.flatnonzero(inside)
+    if not members.size:
+        return sorted(set(keep), key=lambda j: (times[j], energies[j]))
+    bins = np.floor((times[members] - kept_times[gap[members]]) / bin_width).astype(np.int64)
+    # the lowest energy of each (gap, bin); the first candidate among equals
+    order = np.lexsort((members, energies[members], bins, gap[members]))
+    group = np.r_[True, (np.diff(gap[members][order]) != 0) | (np.diff(bins[order]) != 0)]
+    out = list(keep) + members[order[group]].tolist()
     return sorted(set(out), key=lambda j: (times[j], energies[j]))
 
 
