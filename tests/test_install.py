@@ -9,7 +9,6 @@ a machine where only the core requirements are installed.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import site
@@ -219,30 +218,42 @@ def test_autoload_hooks_deepspeed_only_when_it_is_imported(built, autoload, mark
 
 
 def test_autoload_costs_next_to_nothing_at_start_up(built) -> None:
-    """`python -c pass` with and without the `.pth` hook, interleaved, best of 15 each."""
+    """The `.pth` hook runs in every Python process of the environment: it may load only its
+    own two small modules, nothing the interpreter would not load anyway, and those in well
+    under a millisecond or two (`-X importtime`, best of 5). A wall-clock ratio of
+    `python -c pass` with and without the hook was this test's first form; on the shared
+    machine its best-of-15 timings jumped between 8 and 16 ms either way."""
     python = built["root"] / "venv-wheel" / "bin" / "python"
     if not python.exists():
         python = _venv_with(built["wheel"], built["root"] / "venv-wheel")
     hook = _site_packages(python) / "perseus_ext_autoload.pth"
     parked = hook.with_suffix(".off")
-    best = {"with": math.inf, "without": math.inf}
+    code = "import sys; print(' '.join(sorted(sys.modules)))"
+
+    def start_up() -> tuple[set[str], dict[str, int]]:
+        """Modules loaded by `python -c pass` and the import time (us) of each, cumulative."""
+        result = subprocess.run([str(python), "-X", "importtime", "-c", code], check=True,
+                                env=_clean_env(), timeout=60, capture_output=True, text=True)
+        micros = {}
+        for line in result.stderr.splitlines():
+            fields = line.removeprefix("import time:").split("|")
+            if len(fields) == 3 and fields[1].strip().isdigit():
+                micros[fields[2].strip()] = int(fields[1])
+        return set(result.stdout.split()), micros
+
+    with_hook, micros = start_up()
     try:
-        for _ in range(15):
-            for state in ("with", "without"):
-                if state == "with" and parked.exists():
-                    parked.rename(hook)
-                elif state == "without" and hook.exists():
-                    hook.rename(parked)
-                started = time.perf_counter()
-                subprocess.run([str(python), "-c", "pass"], check=True, env=_clean_env(), timeout=60)
-                best[state] = min(best[state], time.perf_counter() - started)
+        hook.rename(parked)
+        without_hook, _ = start_up()
     finally:
         if parked.exists():
             parked.rename(hook)
-    ratio = best["with"] / best["without"]
-    print(f"python -c pass: {best['with'] * 1e3:.1f} ms with the hook, "
-          f"{best['without'] * 1e3:.1f} ms without (ratio {ratio:.2f})")
-    assert ratio < 1.25
+    # `from __future__ import annotations` loads __future__ (a table of flags, ~0.1 ms)
+    assert with_hook - without_hook <= {"perseus_ext", "perseus_ext.autoload", "__future__"}
+    assert {"perseus_ext", "perseus_ext.autoload"} <= with_hook
+    best = min(start_up()[1].get("perseus_ext.autoload", 0) for _ in range(5))
+    print(f"perseus_ext.autoload imports in {best} us (cumulative, best of 5)")
+    assert 0 < best < 2000
 
 
 def test_unattached_section_warns_until_install_is_called(caplog) -> None:
