@@ -241,7 +241,7 @@ def test_autoload_costs_next_to_nothing_at_start_up(built) -> None:
                 micros[fields[2].strip()] = int(fields[1])
         return set(result.stdout.split()), micros
 
-    with_hook, micros = start_up()
+    with_hook, _ = start_up()
     try:
         hook.rename(parked)
         without_hook, _ = start_up()

@@ -37,11 +37,13 @@ class _OptionTables:
 
     def __init__(self, model: CostModel):
         # Tables in order of first use (np.unique(axis=0) sorts rows as records: 10x slower).
-        first_of: dict[bytes, int] = {}
-        table_of = np.array([first_of.setdefault(row.tobytes(), len(first_of)) for row in model.times])
-        first_node = np.empty(len(first_of), dtype=np.int64)
-        first_node[table_of[::-1]] = np.arange(len(table_of))[::-1]
-        tables = model.times[first_node]
+        keys = [row.tobytes() for row in model.times]
+        first_node: dict[bytes, int] = {}
+        for node, key in enumerate(keys):
+            first_node.setdefault(key, node)
+        table_id = {key: t for t, key in enumerate(first_node)}
+        table_of = np.array([table_id[key] for key in keys])
+        tables = model.times[list(first_node.values())]
         self.options = [table[np.isfinite(table)] for table in tables]
         self.nodes = [np.flatnonzero(table_of == t) for t in range(len(tables))]
         # Per DAG level: (rows within the level, or None for all of them; table) pairs.

@@ -48,7 +48,6 @@ class ConvexRelaxation:
         self.seg_len = np.concatenate([lengths for lengths, _ in per_node])
         seg_slope = np.concatenate([slopes for _, slopes in per_node])
         self.t_min = model.times[:, 0].copy()
-        self.base_cost = float((model.energies[:, 0] - p * self.t_min).sum())  # all fastest
         m = len(self.seg_node)
 
         # Variables: [start_0..start_{n-1}, fill_0..fill_{m-1}, T]. Every row says "node a
@@ -105,11 +104,6 @@ class ConvexRelaxation:
         t_star = float(h.getSolution().col_value[self.t_col])
         h.changeColCost(self.t_col, 0.0)
         return t_star
-
-    def energy(self, deadline: float) -> float:
-        """Relaxed minimum energy at `deadline` (after `durations` solved it)."""
-        objective = self.highs.getInfo().objective_function_value
-        return self.base_cost + objective + self.model.blocking_power * self.model.num_stage_gpus * deadline
 
     def durations(self, deadline: float) -> np.ndarray:
         """Relaxed optimal durations at `deadline` (warm-started from the previous solve)."""
@@ -169,11 +163,11 @@ class AnchorWalk:
 
     HiGHS releases the GIL while it solves, so the two ends run on two cores (rounding deadlines
     meanwhile, as anchors arrive, gained nothing: it slows the walk as much as it saves, at
-    8 x 24 and 8 x 96 alike). The low end walks up from
-    T_min, the high end down from the last anchor, and they meet at a fixed deadline
-    (`LOW_END_SHARE` of the range): which end solves an anchor must not depend on thread
-    timing, because a degenerate LP has several optimal solutions and the one found depends on
-    the basis the solve starts from. `progress` shows a tqdm bar.
+    8 x 24 and 8 x 96 alike). The low end walks up from T_min, the high end down from the last
+    anchor, and they meet at a fixed deadline (`LOW_END_SHARE` of the range): which end solves
+    an anchor must not depend on thread timing, because a degenerate LP has several optimal
+    solutions and the one found depends on the basis the solve starts from. `progress` shows a
+    tqdm bar.
     """
 
     DENSE_SHARE = 0.4
@@ -189,11 +183,13 @@ class AnchorWalk:
         # The kept anchors by position (only T_min until the high end knows T*).
         self._deadlines = np.array([t_min])
         self._durations = np.empty((model.num_nodes, count))
-        self._end: int | None = 1 if count == 1 else None  # anchors kept (the high end sets it)
         self._split = 1  # the first anchor the high end solves
+        # Set once the kept anchors and the split are known (or the walk is cancelled).
+        self._anchors_known = threading.Event()
+        if count == 1:
+            self._anchors_known.set()
         self._cancelled = False
         self._error: BaseException | None = None
-        self._changed = threading.Condition()
         self._bar = None
         if progress:
             from tqdm import tqdm
@@ -206,7 +202,6 @@ class AnchorWalk:
         self._threads = [
             threading.Thread(target=self._guard, args=end, name="frontier-lp-walk", daemon=True) for end in ends
         ]
-        self._running = len(self._threads)
         for thread in self._threads:
             thread.start()
 
@@ -228,18 +223,16 @@ class AnchorWalk:
         try:
             walk(*args)
         except BaseException as err:  # raised again in the solver's thread by `result`
-            with self._changed:
-                self._error = self._error or err
-                self._cancelled = True
-        finally:
-            with self._changed:
-                self._running -= 1
-                self._changed.notify_all()
+            self._error = self._error or err
+            self._cancel()
+
+    def _cancel(self) -> None:
+        self._cancelled = True
+        self._anchors_known.set()  # a low end waiting for the high end goes on, to stop
 
     def _walk_low(self, relaxation: "ConvexRelaxation") -> None:
         self._solve(relaxation, 0)
-        with self._changed:
-            self._changed.wait_for(lambda: self._end is not None or self._cancelled)
+        self._anchors_known.wait()
         for k in range(1, self._split):
             if not self._solve(relaxation, k):
                 return
@@ -247,15 +240,13 @@ class AnchorWalk:
     def _walk_high(self, relaxation: "ConvexRelaxation") -> None:
         deadlines = self._kept_deadlines(relaxation.min_energy_deadline(self._t_min, self._t_slowest))
         meet = self._t_min + self.LOW_END_SHARE * (deadlines[-1] - self._t_min)
-        with self._changed:
-            self._deadlines = deadlines
-            self._end = len(deadlines)
-            self._split = max(1, int(np.searchsorted(deadlines, meet)))
-            self._changed.notify_all()
+        self._deadlines = deadlines
+        self._split = max(1, int(np.searchsorted(deadlines, meet)))
+        self._anchors_known.set()
         if self._bar is not None:
-            self._bar.total = self._end
+            self._bar.total = len(deadlines)
             self._bar.refresh()
-        for k in range(self._end - 1, self._split - 1, -1):
+        for k in range(len(deadlines) - 1, self._split - 1, -1):
             if not self._solve(relaxation, k):
                 return
 
@@ -273,8 +264,6 @@ class AnchorWalk:
         """Every anchor kept: (deadlines, relaxed durations (N, anchors)), once the walk has ended."""
         for thread in self._threads:
             thread.join()
-        if self._bar is not None:
-            self._bar.close()
         if self._error is not None:
             raise self._error
         return self._deadlines, self._durations[:, : len(self._deadlines)]
@@ -282,9 +271,7 @@ class AnchorWalk:
     def close(self) -> None:
         """Stop the walk after the anchors in progress and wait for its threads (the solve
         failed or is done): a thread left inside HiGHS at interpreter exit aborts the process."""
-        with self._changed:
-            self._cancelled = True
-            self._changed.notify_all()
+        self._cancel()
         for thread in self._threads:
             thread.join()
         if self._bar is not None:

@@ -291,13 +291,12 @@ def _fill_gaps(times: np.ndarray, energies: np.ndarray, keep: list[int], resolut
     inside[inside] &= times[inside] < kept_times[after[inside]]
     inside[inside] &= kept_times[after[inside]] - kept_times[gap[inside]] > 2 * bin_width
     members = np.flatnonzero(inside)
-    if not members.size:
-        return sorted(set(keep), key=lambda j: (times[j], energies[j]))
-    bins = np.floor((times[members] - kept_times[gap[members]]) / bin_width).astype(np.int64)
+    gaps = gap[members]
+    bins = np.floor((times[members] - kept_times[gaps]) / bin_width).astype(np.int64)
     # the lowest energy of each (gap, bin); the first candidate among equals
-    order = np.lexsort((members, energies[members], bins, gap[members]))
-    group = np.r_[True, (np.diff(gap[members][order]) != 0) | (np.diff(bins[order]) != 0)]
-    out = list(keep) + members[order[group]].tolist()
+    order = np.lexsort((members, energies[members], bins, gaps))
+    first = np.r_[True, (np.diff(gaps[order]) != 0) | (np.diff(bins[order]) != 0)][: len(order)]
+    out = list(keep) + members[order[first]].tolist()
     return sorted(set(out), key=lambda j: (times[j], energies[j]))
 
 
