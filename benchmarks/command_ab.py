@@ -23,10 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+# The executable's entry point: `console` where the tree has one, `main` before it.
 RUNNER = (
-    "import sys; sys.path[:0] = [{tree!r}, *{site!r}]; from perseus_ext.cli import main; "
+    "import sys; sys.path[:0] = [{tree!r}, *{site!r}]; from perseus_ext import cli; "
     "import perseus_ext; assert perseus_ext.__file__.startswith({tree!r}), perseus_ext.__file__; "
-    "sys.exit(main(sys.argv[1:]))"
+    "cli.console() if hasattr(cli, 'console') else sys.exit(cli.main(sys.argv[1:]))"
 )
 
 

@@ -1,3 +1,3 @@
-from perseus_ext.cli import main
+from perseus_ext.cli import console
 
-raise SystemExit(main())
+console()

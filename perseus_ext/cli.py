@@ -5,6 +5,11 @@ Each command module defines `register(subparsers)`, which adds its parser and se
 stays fast. A user mistake never ends in a traceback: argparse rejects malformed options
 (exit 2), a PerseusError (bad profile, config, schedule) is one line on stderr (exit 2), and an
 operating-system error while writing results is one line too (exit 1).
+
+The executable (`console`) ends a command that asks for it (`exit_at_once`, set by
+`frontier`) with `os._exit` once its output is flushed: tearing the interpreter down frees
+every object and module one by one, 30-60 ms of a ~0.5 s `frontier` run on this project's
+2-core machine (mypy ends its runs the same way for the same reason).
 """
 
 from __future__ import annotations
@@ -12,7 +17,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+import threading
+from typing import NoReturn
 
 from perseus_ext import __version__
 from perseus_ext.errors import PerseusError
@@ -57,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; its exit code."""
+    return run_command(build_parser().parse_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("perseus_ext").setLevel(args.log_level)  # also when logging was set up before
     try:
@@ -71,3 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"perseus-ext {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def console() -> NoReturn:
+    """The `perseus-ext` executable: `main`, then an immediate exit for a command that asks
+    for one and left nothing running (its files are closed; here the streams are flushed)."""
+    args = build_parser().parse_args()
+    code = run_command(args)
+    if getattr(args, "exit_at_once", False) and threading.active_count() == 1:
+        logging.shutdown()
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:  # a closed pipe: what it lost cannot be written anywhere
+            code = code or EXIT_FAILURE
+        os._exit(code)
+    sys.exit(code)

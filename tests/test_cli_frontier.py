@@ -103,3 +103,20 @@ def test_frontier_command_imports_only_what_it_needs(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
     assert json.loads(out.read_text())["blocking_power"] == 83.64
+
+
+def test_the_executable_prints_only_its_summary_and_exits_at_once(tmp_path: Path) -> None:
+    """`python -m perseus_ext` (the executable's entry point): a summary on stdout and nothing
+    else (highspy 1.16's constructor printed its banner there), every line flushed before the
+    immediate exit, the frontier written, exit 0; a usage error still exits 2."""
+    out = tmp_path / "f.json"
+    command = [sys.executable, "-m", "perseus_ext", "frontier", "-q", "--profile", "gpt3-175b-a100_sxm",
+               "--microbatches", "2", "--out", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["profile", "schedule", "solved", "all", "T_min", "T*", "wrote"]
+    assert "HiGHS" not in result.stdout + result.stderr
+    assert json.loads(out.read_text())["plans"]
+    bad = subprocess.run(command[:-2] + ["--resolution", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--resolution" in bad.stderr

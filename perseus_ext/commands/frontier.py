@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "not worth it (default: %(default)s)")
     parser.add_argument("--out", type=Path, help="write the frontier JSON here")
     parser.add_argument("--plot", type=Path, help="write a frontier plot here (.png, .svg or .pdf)")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, exit_at_once=True)
 
 
 def check_outputs(args: argparse.Namespace) -> None:

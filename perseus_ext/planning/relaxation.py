@@ -20,6 +20,7 @@ from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
 
 _EPS = 1e-9
+_QuietHighs = getattr(getattr(highspy, "_core", None), "_Highs", highspy.Highs)
 
 
 class ConvexRelaxation:
@@ -113,14 +114,20 @@ class ConvexRelaxation:
         status = h.getModelStatus()
         if status != highspy.HighsModelStatus.kOptimal:
             raise SolverError(f"LP relaxation at T={deadline:.6f}s ended with {h.modelStatusToString(status)}")
-        x = np.asarray(h.getSolution().col_value)
-        fills = np.clip(x[self.n : self.n + self.m], 0.0, self.seg_len)
+        x = h.getSolution().col_value  # a list: np.fromiter reads it in half np.asarray's time
+        fills = np.clip(np.fromiter(x[self.n : self.n + self.m], float, self.m), 0.0, self.seg_len)
         return self.t_min + np.bincount(self.seg_node, weights=fills, minlength=self.n)
 
 
 def _simplex(lp: "highspy.HighsLp") -> "highspy.Highs":
-    """A quiet HiGHS instance holding `lp`, solved by simplex (warm starts)."""
-    highs = highspy.Highs()
+    """A quiet HiGHS instance holding `lp`, solved by simplex (warm starts).
+
+    highspy's `Highs()` (1.16) logs its banner to stdout while it is constructed, before
+    `output_flag` can be set: in the middle of `perseus-ext frontier`'s output, and once per
+    solve in training logs. The compiled class it wraps does not, and has every method used
+    here; highspy releases without it (`_core`, 1.8+) get the wrapper.
+    """
+    highs = _QuietHighs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("solver", "simplex")
     highs.passModel(lp)
