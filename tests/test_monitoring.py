@@ -83,7 +83,7 @@ def test_deepspeed_csv_monitor_gets_the_metrics_and_report_reproduces_the_demo(t
     from perseus_ext.reporting import analyse, read_logs
 
     scenario = demo.Scenario(
-        out_dir=str(tmp_path), stages=2, pipelines=1, microbatches=2, iterations=40,
+        out_dir=str(tmp_path), stages=2, pipelines=1, microbatches=2, iterations=64,
         forward_seconds=[0.010, 0.014], backward_seconds=[0.020, 0.028], straggler_pipeline=None,
         variants=["observe", "perseus"], perseus={"baseline_fraction": 0.25},
         deepspeed={"csv_monitor": {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "job"}},
