@@ -19,7 +19,7 @@ PROFILE_SUFFIX = ".csv"
 
 def _directory(name: str) -> Path:
     """A shipped data directory as a filesystem path (pip installs wheels unzipped)."""
-    return Path(__file__).resolve().parent / name
+    return Path(__file__).parent / name
 
 
 def shipped_profile_names() -> list[str]:

@@ -124,8 +124,8 @@ def _simplex(lp: "highspy.HighsLp") -> "highspy.Highs":
 
     highspy's `Highs()` (1.16) logs its banner to stdout while it is constructed, before
     `output_flag` can be set: in the middle of `perseus-ext frontier`'s output, and once per
-    solve in training logs. The compiled class it wraps does not, and has every method used
-    here; highspy releases without it (`_core`, 1.8+) get the wrapper.
+    solve in training logs. The compiled class it wraps (`highspy._core._Highs`) does not, and
+    has every method used here; a highspy release without that class gets the wrapper.
     """
     highs = _QuietHighs()
     highs.setOptionValue("output_flag", False)
