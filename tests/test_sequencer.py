@@ -48,15 +48,18 @@ class Controller:
 
     def __init__(self, issue_delay_s: float = 0.0) -> None:
         self.requests: list[tuple[int | None, Marker | None, float]] = []
+        self.bounds: list[Marker | None] = []  # each clock request's `by` marker
         self.last: int | None = None
         self.issue_delay = IssueDelay()
         if issue_delay_s:
             self.issue_delay.record(issue_delay_s)
 
-    def set_clock(self, mhz: int, at: Marker | None = None, after_s: float = 0.0) -> None:
+    def set_clock(self, mhz: int, at: Marker | None = None, after_s: float = 0.0,
+                  by: Marker | None = None) -> None:
         if mhz != self.last:
             self.last = mhz
             self.requests.append((mhz, at, after_s))
+            self.bounds.append(by)
 
     def reset(self, at: Marker | None = None) -> None:
         self.last = None
@@ -229,3 +232,21 @@ def test_without_latency_each_change_waits_for_the_previous_computation():
     markers = run_iteration(sequencer, timeline, 0, CLOCKS, DURATIONS_S)
     assert [(mhz, at) for mhz, at, _ in changes(controller)] == [
         (900, markers[2]), (1410, markers[6]), (None, markers[8])]
+
+
+def test_the_first_clock_goes_out_by_the_iteration_start_whatever_the_last_gap():
+    """The first clock is planned from the last gap between iterations; that gap may have been
+    long (an inline solve, a checkpoint), so the change is also bound to the start marker."""
+    controller, timeline = Controller(), Timeline()
+    sequencer = ClockSequencer(controller, timeline, latency=LATENCY)
+    first = run_iteration(sequencer, timeline, 0, CLOCKS, DURATIONS_S)
+    reach(first, 1.0, DURATIONS_S, (0.0,) * 4)
+    second = run_iteration(sequencer, timeline, 1, CLOCKS, DURATIONS_S)
+    reach(second, 3.0, DURATIONS_S, (0.0,) * 4)  # 1.74 s after the first: a solve in between
+    controller.requests.clear()
+    controller.bounds.clear()
+    controller.last = None
+    third = run_iteration(sequencer, timeline, 2, CLOCKS, DURATIONS_S)
+    (mhz, at, after_s), by = controller.requests[0], controller.bounds[0]
+    assert (mhz, at, by) == (CLOCKS[0], second[-1], third[0])
+    assert after_s == pytest.approx(3.0 - 1.26 - LATENCY.switch_s - LATENCY.transition_s)

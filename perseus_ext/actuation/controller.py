@@ -18,7 +18,9 @@ Guarantees:
 * `set_clock()` / `observe()` never block, never call NVML or CUDA, never raise.
 * Changes apply in order; consecutive duplicates are skipped; when the worker falls behind,
   targets already superseded by a newer one whose marker the device has reached are skipped
-  (applying a stale clock only delays the one the schedule needs now).
+  (applying a stale clock only delays the one the schedule needs now), and so is a change held
+  back to land on time once a later one falls due first: a misplanned delay costs at most the
+  computation it was aimed at, never the changes queued behind it.
 * A failing device call is logged once, counted, and the controller falls back to the default
   clocks and stops touching the GPU; training goes on.
 * Clocks and power limit are restored on close, normal exit (atexit), exceptions (context
@@ -44,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from perseus_ext.actuation.exit_guard import register, unregister
 from perseus_ext.actuation.issue_delay import IssueDelay
-from perseus_ext.actuation.observer import MARKER_POLL_S, DeviceObserver, Observation, wait_for_marker
+from perseus_ext.actuation.observer import DeviceObserver, Observation, wait_for_marker
 from perseus_ext.actuation.watchdog import WatchdogLink, start_watchdog
 from perseus_ext.measurement.gpu import (
     GPU,
@@ -69,6 +71,7 @@ RESTORE_BACKOFF_S = 0.05  # pause after the first failed attempt, doubled after 
 RESTORE_RETRY_S = 5.0  # while training goes on, how often an unfinished restore is tried again
 WATCHDOG_RETRY_FOR_S = 300.0  # how long the watchdog retries a restore handed over at close
 WATCHDOG_RETRY_INTERVAL_S = 2.0
+OVERTAKE_POLL_S = 0.002  # while holding a change back: how often later changes are checked for being due
 POWER_MATCH_W = 0.5  # a power limit read back within this of one this job set is still ours
 
 
@@ -79,11 +82,12 @@ class _Reset:
 @dataclass(frozen=True)
 class _ClockAt:
     """Queue item: apply `target` (MHz or _RESET) `after_s` seconds after the device reaches
-    `at` (None: now)."""
+    `at` (None: now), or once it reaches `by`, whichever comes first."""
 
     target: Any
     at: DeviceMarker | None
     after_s: float = 0.0
+    by: DeviceMarker | None = None
 
 
 @dataclass(frozen=True)
@@ -236,10 +240,13 @@ class FrequencyController:
             self._watchdog.tell(message)
 
     # ----------------------------------------------------------------- hook path
-    def set_clock(self, mhz: int, at: DeviceMarker | None = None, after_s: float = 0.0) -> None:
+    def set_clock(self, mhz: int, at: DeviceMarker | None = None, after_s: float = 0.0,
+                  by: DeviceMarker | None = None) -> None:
         """Ask for SM clock `mhz` `after_s` seconds after the device reaches `at` (None: as soon
-        as possible); returns at once, never raises. A positive `after_s` lets the caller issue
-        a change ahead of a computation by the switching latency, so it lands on time."""
+        as possible), and no later than when it reaches `by`; returns at once, never raises. A
+        positive `after_s` lets the caller issue a change ahead of a computation by the
+        switching latency, so it lands on time; `by` bounds how late a delay planned from
+        timings that no longer hold can make it."""
         if mhz == self._last_requested:
             return
         self._last_requested = mhz
@@ -251,7 +258,7 @@ class FrequencyController:
             self.dropped_count += 1
             return
         if self._worker is not None and not self._closed:
-            self._queue.put(_ClockAt(mhz, at, after_s))
+            self._queue.put(_ClockAt(mhz, at, after_s, by))
 
     def reset(self, at: DeviceMarker | None = None) -> None:
         """Ask for the default (unlocked) clocks from marker `at` on; non-blocking."""
@@ -336,11 +343,11 @@ class FrequencyController:
             elif isinstance(item, _ClockAt):
                 if self._superseded(item, batch[index + 1:]):
                     self.stale_skipped += 1
-                elif self._reach(item.at) and self._sleep_past(item):
+                elif self._reach(item.at) and self._sleep_past(item, batch, index):
                     issued_s = time.perf_counter()
-                    reached = item.at.device_time_s() if item.at is not None else None
-                    if self._apply_clock(item.target) and reached is not None:
-                        self.issue_delay.record(issued_s - reached - item.after_s)
+                    due_s = _due_s(item)
+                    if self._apply_clock(item.target) and due_s is not None:
+                        self.issue_delay.record(issued_s - due_s)
         return False
 
     @staticmethod
@@ -349,13 +356,9 @@ class FrequencyController:
         stale."""
         now = time.perf_counter()
         for other in later:
-            if not isinstance(other, _ClockAt):
-                continue
-            if other.at is None:
-                return True
-            if other.at.query():
-                reached = other.at.device_time_s()
-                if reached is None or reached + other.after_s <= now:
+            if isinstance(other, _ClockAt) and (other.at is None or other.at.query()):
+                due_s = _due_s(other)
+                if due_s is None or due_s <= now:
                     return True
         return False
 
@@ -366,17 +369,27 @@ class FrequencyController:
         return wait_for_marker(marker, lambda: self._stopping, lambda err: self._note_error(
             "marker", err, "could not wait for a device marker", "its clock change happens at once instead"))
 
-    def _sleep_past(self, item: _ClockAt) -> bool:
-        """Wait until `after_s` past the marker's device time; False when stopping first."""
+    def _sleep_past(self, item: _ClockAt, batch: list[Any], index: int) -> bool:
+        """Wait until `item` is due (its marker reached); False when stopping first, or when a
+        change queued later falls due first: this one is then stale, and waiting on would hold
+        up every change behind it (a delay planned from a gap that was unusually long, an inline
+        solve or a checkpoint, would otherwise cost whole iterations). What arrives meanwhile is
+        appended to `batch`, whose item `index` is `item`."""
         if item.after_s <= 0 or item.at is None:
             return True
-        reached = item.at.device_time_s()
-        due = (reached if reached is not None else time.perf_counter()) + item.after_s
+        untimed_due_s = time.perf_counter() + item.after_s  # a marker without a device time
         while not self._stopping:
-            remaining = due - time.perf_counter()
+            due_s = _due_s(item)
+            remaining = (untimed_due_s if due_s is None else due_s) - time.perf_counter()
             if remaining <= 0:
                 return True
-            time.sleep(min(remaining, MARKER_POLL_S))
+            try:
+                batch.append(self._queue.get(timeout=min(remaining, OVERTAKE_POLL_S)))
+            except queue.Empty:
+                pass
+            if self._superseded(item, batch[index + 1:]):
+                self.stale_skipped += 1
+                return False
         return False
 
     def _apply_clock(self, target: int | _Reset) -> bool:
@@ -575,6 +588,19 @@ def open_controller(
         controller.last_error = err
         return controller
     return FrequencyController(gpu, strict=strict, dry_run=dry_run, watchdog=watchdog)
+
+
+def _due_s(item: _ClockAt) -> float | None:
+    """When a change whose marker the device has reached falls due on the device's clock:
+    `after_s` past `at`, or earlier if the device has reached `by`; None where the marker
+    carries no device time."""
+    reached_s = item.at.device_time_s() if item.at is not None else None
+    due_s = None if reached_s is None else reached_s + item.after_s
+    if item.by is not None and item.by.query():
+        by_s = item.by.device_time_s()
+        if by_s is not None and (due_s is None or by_s < due_s):
+            return by_s
+    return due_s
 
 
 def _retry(call: Any) -> BaseException | None:

@@ -8,7 +8,8 @@ applies it when the device reaches that marker:
   iteration's optimizer step, which ran at the default clock); once the gap between iterations
   (gradient sync, optimizer step) has been measured, issued ahead instead, the switching latency
   plus the ramp before the next iteration is due to start -- in a gap shorter than the switching
-  latency the change lands in the first computation (no change could land inside the gap);
+  latency the change lands in the first computation (no change could land inside the gap); and
+  never later than the device reaching the iteration start marker, whatever the last gap was;
 * end of computation k    -> computation k+1's clock, so the switch happens while the stage waits
   for its next input (for a receive-bound stage that is the start of the communication gap);
   with a communication clock, that clock instead, and k+1's clock at k+1's start marker;
@@ -122,9 +123,12 @@ class ClockSequencer:
         self.trace = IterationTrace(iteration, start=marker)
         if clocks is not None:
             if self._ahead_s > 0 and last_end is not None and gap_s is not None:
-                # The ramp ends as the first computation starts (or lands as early as it can).
+                # The ramp ends as the first computation starts (or lands as early as it can),
+                # and the change goes out no later than the device reaching this iteration's
+                # start: a last gap that was long (evaluation, a checkpoint, an inline solve)
+                # must not hold it back into the computations.
                 lead_s = self._ahead_s + self.controller.issue_delay.typical_s
-                self.controller.set_clock(clocks[0], at=last_end, after_s=max(0.0, gap_s - lead_s))
+                self.controller.set_clock(clocks[0], at=last_end, after_s=max(0.0, gap_s - lead_s), by=marker)
             else:
                 self.controller.set_clock(clocks[0], at=marker)
             self._locked = True
