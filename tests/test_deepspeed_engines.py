@@ -152,7 +152,11 @@ def test_a_model_that_misjudges_the_measured_iteration_is_warned_about(tmp_path,
     path = tmp_path / "profile.csv"
     caplog.set_level(logging.WARNING, logger="perseus_ext")
     runtime = PerseusRuntime(make_config(profile_path=str(path)), schedule=schedule, stage=0, gpu=sim_gpu())
-    train_steadily(runtime, 20)
+    for _ in range(60):  # profiling repeats what a loaded machine disturbed: ~15 iterations, or more
+        train_steadily(runtime, 1)
+        if runtime.phase is Phase.DEPLOYED:
+            break
+    train_steadily(runtime, 6)  # the model check compares deployed iterations with the frontier
     runtime.close()
     assert runtime.phase is Phase.DEPLOYED
     assert not [r for r in caplog.records if "the frontier models" in r.getMessage() and "(+" in r.getMessage()]
