@@ -71,7 +71,8 @@ RESTORE_BACKOFF_S = 0.05  # pause after the first failed attempt, doubled after 
 RESTORE_RETRY_S = 5.0  # while training goes on, how often an unfinished restore is tried again
 WATCHDOG_RETRY_FOR_S = 300.0  # how long the watchdog retries a restore handed over at close
 WATCHDOG_RETRY_INTERVAL_S = 2.0
-OVERTAKE_POLL_S = 0.002  # while holding a change back: how often later changes are checked for being due
+OVERTAKE_POLL_S = 0.01  # while a change is held back: how often later ones are checked for being due (a
+# new request wakes the worker at once; each wake takes the GIL from the training thread briefly)
 POWER_MATCH_W = 0.5  # a power limit read back within this of one this job set is still ours
 
 
