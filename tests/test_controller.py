@@ -241,10 +241,11 @@ def test_set_clock_is_safe_from_many_threads():
 # ----------------------------------------------------------------------------- process exits
 TRAINER = textwrap.dedent(
     """
-    import os, signal, sys, time
+    import faulthandler, os, signal, sys, time
     # A trainer in a terminal gets KeyboardInterrupt on SIGINT, whatever the test runner inherited
     # (CI harnesses may start us with SIGINT ignored, which the controller rightly leaves alone).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung exit shows where (exit_status)
     from perseus_ext.measurement.gpu import SimulatedGPU
     from perseus_ext.actuation.controller import FrequencyController
 
@@ -292,6 +293,19 @@ def _start_trainer(mode: str, state: Path) -> tuple[subprocess.Popen, int | None
     return process, child
 
 
+def exit_status(process: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """The trainer's exit status; a trainer still running after `timeout_s` fails the test with
+    every thread's stack (a hang on exit is a defect, and a rare one needs its stacks)."""
+    try:
+        return process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        process.kill()
+        _, stderr = process.communicate()
+        pytest.fail(f"the trainer did not exit within {timeout_s} s; its threads:\n{stderr[-8000:]}")
+
+
 def _assert_restored(state: Path, timeout: float = 0.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -308,7 +322,7 @@ def test_exit_paths_restore_clocks(mode, tmp_path):
     state = tmp_path / "gpu.json"
     process, _ = _start_trainer(mode, state)
     try:
-        assert process.wait(30) == (0 if mode == "normal-exit" else 1)
+        assert exit_status(process) == (0 if mode == "normal-exit" else 1)
     finally:
         process.kill()  # no-op once it has exited
     _assert_restored(state)
@@ -320,7 +334,7 @@ def test_signals_restore_clocks_then_end_the_process(signum, tmp_path):
     process, _ = _start_trainer("signal", state)
     process.send_signal(signum)
     try:
-        assert process.wait(30) != 0  # the signal still ends the process as before
+        assert exit_status(process) != 0  # the signal still ends the process as before
     finally:
         process.kill()
     _assert_restored(state)
