@@ -48,6 +48,7 @@ from perseus_ext.actuation.exit_guard import register, unregister
 from perseus_ext.actuation.issue_delay import IssueDelay
 from perseus_ext.actuation.observer import DeviceObserver, Observation, wait_for_marker
 from perseus_ext.actuation.watchdog import WatchdogLink, start_watchdog
+from perseus_ext.background import start_background
 from perseus_ext.measurement.gpu import (
     GPU,
     PERMISSION_HELP,
@@ -169,10 +170,9 @@ class FrequencyController:
         if self.gpu is not None:
             # Also in dry-run: the worker records changes in device order. The observer is its
             # own thread so a change held back to land on time never delays a measurement.
-            self._worker = threading.Thread(
-                target=self._work, name="perseus-clock-controller", daemon=True
+            self._worker = start_background(
+                threading.Thread(target=self._work, name="perseus-clock-controller", daemon=True)
             )
-            self._worker.start()
             self.observer = DeviceObserver(self.gpu, self._note_error)
         if not self.dry_run and watchdog:
             self._start_watchdog()

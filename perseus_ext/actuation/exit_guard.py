@@ -25,6 +25,8 @@ import time
 import weakref
 from typing import Any, Protocol
 
+from perseus_ext.background import start_background
+
 logger = logging.getLogger(__name__)
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -115,8 +117,9 @@ def _start_watcher() -> None:
         os.close(read_fd)
         os.close(write_fd)
         return
-    _watcher = threading.Thread(target=_watch, args=(read_fd,), name="perseus-signal-watcher", daemon=True)
-    _watcher.start()
+    _watcher = start_background(
+        threading.Thread(target=_watch, args=(read_fd,), name="perseus-signal-watcher", daemon=True)
+    )
 
 
 def _watch(read_fd: int) -> None:

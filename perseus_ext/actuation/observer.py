@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from perseus_ext.background import start_background
+
 if TYPE_CHECKING:
     from perseus_ext.measurement.gpu import GPU
     from perseus_ext.measurement.gpu.timeline import DeviceMarker
@@ -70,8 +72,9 @@ class DeviceObserver:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._seen: collections.deque[Observation] = collections.deque()
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="perseus-device-observer", daemon=True)
-        self._thread.start()
+        self._thread = start_background(
+            threading.Thread(target=self._loop, name="perseus-device-observer", daemon=True)
+        )
 
     def observe(self, at: DeviceMarker, tag: Any) -> None:
         self._queue.put(_Observe(tag, at))

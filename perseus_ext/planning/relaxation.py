@@ -16,6 +16,7 @@ import threading
 import highspy
 import numpy as np
 
+from perseus_ext.background import start_background
 from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
 
@@ -210,7 +211,7 @@ class AnchorWalk:
             threading.Thread(target=self._guard, args=end, name="frontier-lp-walk", daemon=True) for end in ends
         ]
         for thread in self._threads:
-            thread.start()
+            start_background(thread)
 
     def _kept_deadlines(self, t_star: float) -> np.ndarray:
         """Anchors up to two past T*: every one over `DENSE_SHARE` of that range, then every

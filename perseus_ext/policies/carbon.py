@@ -32,6 +32,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from perseus_ext.background import start_background
 from perseus_ext.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -315,7 +316,7 @@ def fetch_json(
                 max(0.0, deadline - time.monotonic()), _shut_down, args=(connection.sock,)
             )
             watchdog.daemon = True
-            watchdog.start()
+            start_background(watchdog)
             target = parts.path or "/"
             connection.request("GET", f"{target}?{parts.query}" if parts.query else target, headers=sent)
             response = connection.getresponse()
@@ -397,10 +398,9 @@ class HTTPCarbonSignal(CarbonSignal):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if start:
-            self._thread = threading.Thread(
+            self._thread = start_background(threading.Thread(
                 target=self._poll, name=f"perseus-{quantity.label}-http", daemon=True
-            )
-            self._thread.start()
+            ))
 
     def fetch(self) -> float | None:
         """One synchronous fetch (what the poller runs); returns the value now held."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from perseus_ext.background import start_background
 from perseus_ext.errors import ConfigError, PerseusError
 from perseus_ext.policies.batch_size import (
     DEFAULT_LEASE_S,
@@ -138,11 +139,10 @@ class RecurringJob:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         if heartbeat:
-            self._thread = threading.Thread(
+            self._thread = start_background(threading.Thread(
                 target=self._heartbeat, args=(suggestion.lease_s / HEARTBEATS_PER_LEASE,),
                 name="perseus-bso-heartbeat", daemon=True,
-            )
-            self._thread.start()
+            ))
 
     @classmethod
     def start(

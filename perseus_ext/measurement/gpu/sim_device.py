@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from perseus_ext.background import start_background
 from perseus_ext.measurement.gpu.clock_ramp import ClockTrajectory
 from perseus_ext.measurement.gpu.common import GPUError
 from perseus_ext.measurement.gpu.sim_board import POLL_S, Board
@@ -240,9 +241,9 @@ class SimDevice:
 
     def _ensure_engine(self) -> None:
         if self._engine_failure is None and (self._engine is None or not self._engine.is_alive()):
-            self._engine = threading.Thread(target=self._engine_loop, name="perseus-sim-device",
-                                            daemon=True)
-            self._engine.start()
+            self._engine = start_background(
+                threading.Thread(target=self._engine_loop, name="perseus-sim-device", daemon=True)
+            )
 
     def _engine_loop(self) -> None:
         """Advance the device at each of its events; exit after ENGINE_LINGER_S with nothing to
