@@ -1,5 +1,6 @@
-"""Shared helpers of the runtime tests: a small config, a simulated GPU, and an adapter-like
-training loop that drives a `PerseusRuntime` for one stage.
+"""Shared helpers of the runtime tests: a small config, a simulated GPU, an adapter-like
+training loop that drives a `PerseusRuntime` for one stage, and a device marker the test
+reaches by hand (controller and sequencer tests).
 
 The lifecycle tests use a paced (wall-clock) simulated GPU: the device runs asynchronously like a
 real one, so the controller's worker follows it by markers exactly as it would on hardware.
@@ -19,9 +20,30 @@ from pathlib import Path
 import numpy as np
 
 from perseus_ext.measurement.gpu import open_gpu
+from perseus_ext.measurement.gpu.timeline import DeviceMarker
 from perseus_ext.runtime import PerseusConfig, PerseusRuntime
 
 FORWARD_S, BACKWARD_S = 0.004, 0.008
+
+
+class HandMarker(DeviceMarker):
+    """A device marker the test reaches by hand; `at_s` is when the device reached it (None: not
+    yet), on the host's clock as on the paced simulated device."""
+
+    def __init__(self, at_s: float | None = None) -> None:
+        self.at_s = at_s
+
+    def reach(self, at_s: float | None = None) -> None:
+        self.at_s = time.perf_counter() if at_s is None else at_s
+
+    def query(self) -> bool:
+        return self.at_s is not None
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        return self.query()
+
+    def device_time_s(self) -> float | None:
+        return self.at_s
 
 
 def make_config(**overrides) -> PerseusConfig:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from runtime_helpers import HandMarker
 
 from perseus_ext.actuation.controller import FrequencyController, open_controller
 from perseus_ext.measurement.gpu import GPUError, GPUPermissionError, SimulatedGPU
@@ -70,25 +71,6 @@ def test_a_lagging_worker_skips_superseded_targets():
         assert controller.stale_skipped == len(targets) - len(applied) > 0
 
 
-class Marker:
-    """A device marker the test reaches by hand, on the host's clock (as the paced device)."""
-
-    def __init__(self, reached: bool = False) -> None:
-        self.at_s = time.perf_counter() if reached else None
-
-    def reach(self) -> None:
-        self.at_s = time.perf_counter()
-
-    def query(self) -> bool:
-        return self.at_s is not None
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        return self.query()
-
-    def device_time_s(self) -> float | None:
-        return self.at_s
-
-
 def applied_within(gpu: SimulatedGPU, mhz: int, timeout_s: float) -> float | None:
     """Seconds until `mhz` is in the GPU's clock history, None if not within `timeout_s`."""
     start = time.perf_counter()
@@ -104,8 +86,8 @@ def test_a_change_held_back_gives_way_to_a_later_one_that_falls_due():
     inline solve) never holds up the changes queued behind it: the held change is stale."""
     gpu = SimulatedGPU("a100_sxm", pace=False)
     with FrequencyController(gpu, watchdog=False) as controller:
-        controller.set_clock(900, at=Marker(reached=True), after_s=30.0)
-        later = Marker()
+        controller.set_clock(900, at=HandMarker(time.perf_counter()), after_s=30.0)
+        later = HandMarker()
         controller.set_clock(1200, at=later)
         time.sleep(0.05)
         assert gpu.clock_history == []  # neither is due yet
@@ -117,8 +99,8 @@ def test_a_change_held_back_gives_way_to_a_later_one_that_falls_due():
 def test_a_held_change_goes_out_once_the_device_reaches_its_bound():
     gpu = SimulatedGPU("a100_sxm", pace=False)
     with FrequencyController(gpu, watchdog=False) as controller:
-        bound = Marker()
-        controller.set_clock(900, at=Marker(reached=True), after_s=30.0, by=bound)
+        bound = HandMarker()
+        controller.set_clock(900, at=HandMarker(time.perf_counter()), after_s=30.0, by=bound)
         time.sleep(0.05)
         assert gpu.clock_history == []
         bound.reach()

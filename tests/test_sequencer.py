@@ -8,35 +8,21 @@ controller records what the sequencer asked for. The sim-device tests
 from __future__ import annotations
 
 import pytest
+from runtime_helpers import HandMarker
 
 from perseus_ext.actuation.issue_delay import IssueDelay
 from perseus_ext.actuation.sequencer import ClockSequencer
-from perseus_ext.measurement.gpu.timeline import DeviceMarker, DeviceTimeline, SwitchLatency
+from perseus_ext.measurement.gpu.timeline import DeviceTimeline, SwitchLatency
 
 LATENCY = SwitchLatency(switch_s=0.020, transition_s=0.010)
 
 
-class Marker(DeviceMarker):
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.at_s: float | None = None
-
-    def query(self) -> bool:
-        return self.at_s is not None
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        return self.query()
-
-    def device_time_s(self) -> float | None:
-        return self.at_s
-
-
 class Timeline(DeviceTimeline):
     def __init__(self) -> None:
-        self.markers: list[Marker] = []
+        self.markers: list[HandMarker] = []
 
-    def record_marker(self) -> Marker:
-        self.markers.append(Marker(len(self.markers)))
+    def record_marker(self) -> HandMarker:
+        self.markers.append(HandMarker())
         return self.markers[-1]
 
     def synchronize(self) -> None:
@@ -47,27 +33,27 @@ class Controller:
     """Records requests; repeats of the last requested clock are dropped, as the real one does."""
 
     def __init__(self, issue_delay_s: float = 0.0) -> None:
-        self.requests: list[tuple[int | None, Marker | None, float]] = []
-        self.bounds: list[Marker | None] = []  # each clock request's `by` marker
+        self.requests: list[tuple[int | None, HandMarker | None, float]] = []
+        self.bounds: list[HandMarker | None] = []  # each clock request's `by` marker
         self.last: int | None = None
         self.issue_delay = IssueDelay()
         if issue_delay_s:
             self.issue_delay.record(issue_delay_s)
 
-    def set_clock(self, mhz: int, at: Marker | None = None, after_s: float = 0.0,
-                  by: Marker | None = None) -> None:
+    def set_clock(self, mhz: int, at: HandMarker | None = None, after_s: float = 0.0,
+                  by: HandMarker | None = None) -> None:
         if mhz != self.last:
             self.last = mhz
             self.requests.append((mhz, at, after_s))
             self.bounds.append(by)
 
-    def reset(self, at: Marker | None = None) -> None:
+    def reset(self, at: HandMarker | None = None) -> None:
         self.last = None
         self.requests.append((None, at, 0.0))
 
 
 def run_iteration(sequencer: ClockSequencer, timeline: Timeline, iteration: int,
-                  clocks: tuple[int, ...], durations_s: tuple[float, ...]) -> list[Marker]:
+                  clocks: tuple[int, ...], durations_s: tuple[float, ...]) -> list[HandMarker]:
     """Launch one iteration; returns [start, (computation start, end) per computation]."""
     markers = [sequencer.start_iteration(iteration, clocks, durations_s)]
     for _ in clocks:
@@ -77,7 +63,7 @@ def run_iteration(sequencer: ClockSequencer, timeline: Timeline, iteration: int,
     return markers
 
 
-def reach(markers: list[Marker], start_s: float, durations_s: tuple[float, ...],
+def reach(markers: list[HandMarker], start_s: float, durations_s: tuple[float, ...],
           waits_s: tuple[float, ...]) -> None:
     """The device reaches the markers: each computation after its wait, for its duration."""
     markers[0].at_s = at = start_s
@@ -92,7 +78,7 @@ CLOCKS = (1410, 900, 900, 1410)
 DURATIONS_S = (0.050, 0.080, 0.080, 0.050)
 
 
-def changes(controller: Controller) -> list[tuple[int | None, Marker | None, float]]:
+def changes(controller: Controller) -> list[tuple[int | None, HandMarker | None, float]]:
     """The in-iteration changes (after the iteration's first clock)."""
     return controller.requests[1:]
 
