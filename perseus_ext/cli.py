@@ -9,7 +9,9 @@ operating-system error while writing results is one line too (exit 1).
 The executable (`console`) ends a command that asks for it (`exit_at_once`, set by
 `frontier`) with `os._exit` once its output is flushed: tearing the interpreter down frees
 every object and module one by one, 30-60 ms of a ~0.5 s `frontier` run on this project's
-2-core machine (mypy ends its runs the same way for the same reason).
+2-core machine (mypy ends its runs the same way for the same reason). The executable's
+process is all perseus-ext's, so it also has glibc keep freed memory for reuse
+(`allocator.py`); `main`, which a program may call, leaves the allocator alone.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import threading
 from typing import NoReturn
 
 from perseus_ext import __version__
+from perseus_ext.allocator import keep_freed_memory
 from perseus_ext.errors import PerseusError
 
 COMMAND_MODULES = [
@@ -89,6 +92,7 @@ def console() -> NoReturn:
     """The `perseus-ext` executable: `main`, then an immediate exit for a command that asks
     for one and left nothing running (its files are closed; here the streams are flushed)."""
     args = build_parser().parse_args()
+    keep_freed_memory()
     code = run_command(args)
     if getattr(args, "exit_at_once", False) and threading.active_count() == 1:
         logging.shutdown()

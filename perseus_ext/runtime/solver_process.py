@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from perseus_ext.allocator import keep_freed_memory
 from perseus_ext.runtime.records import SolveOutcome, SolveProblem
 
 NICENESS = 10
@@ -143,6 +144,7 @@ def _die_with_parent(parent_pid: int) -> None:
 def _main(parent_pid: int) -> None:
     _die_with_parent(parent_pid)
     os.nice(NICENESS)
+    keep_freed_memory()
     output = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     sys.stdout = sys.stderr  # only the pickled outcome goes to the parent's pipe
     problem = pickle.loads(sys.stdin.buffer.read())
