@@ -253,3 +253,40 @@ def test_the_frontier_does_not_depend_on_thread_timing(raw_a100: Profile, monkey
 
         monkeypatch.setattr(relaxation.ConvexRelaxation, "durations", durations)
         assert solve() == reference
+
+
+# A caller's own HiGHS, in the solving thread, with a thread count other than the walk's one.
+HIGHS_BESIDE_THE_WALK = """
+import numpy as np, highspy
+from perseus_ext.data import shipped_profile
+from perseus_ext.planning.profile import load_profile
+from perseus_ext.planning.schedule import one_f_one_b
+from perseus_ext.planning.solver import solve_frontier
+
+def callers_lp(threads):
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("threads", threads)
+    x = h.addVariable(lb=0, ub=10)
+    h.addConstr(x >= 1)
+    h.minimize(x)
+    return h.modelStatusToString(h.getModelStatus())
+
+before = callers_lp(2)
+frontier = solve_frontier(one_f_one_b(8, 8), load_profile(shipped_profile("gpt3-175b-a100_sxm")), 83.64)
+print("RESULT", before, callers_lp(2), len(frontier.plans) > 10)  # highspy.Highs() prints a banner
+"""
+
+
+def test_the_walk_s_one_thread_highs_leaves_a_caller_s_highs_alone() -> None:
+    """HiGHS's task scheduler cannot change its size once a thread has started it; the walk
+    asks for one HiGHS thread, on its own threads only, so a caller's HiGHS with another size
+    works before and after a solve (in a fresh interpreter: no other test's HiGHS first)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", HIGHS_BESIDE_THE_WALK], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    result = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+    assert result == ["RESULT Optimal Optimal True"], done.stdout

@@ -127,10 +127,18 @@ def _simplex(lp: "highspy.HighsLp") -> "highspy.Highs":
     `output_flag` can be set: in the middle of `perseus-ext frontier`'s output, and once per
     solve in training logs. The compiled class it wraps (`highspy._core._Highs`) does not, and
     has every method used here; a highspy release without that class gets the wrapper.
+
+    One HiGHS thread: its simplex is serial, and the worker threads it starts by default only
+    took small tasks and shared the walk's cores (16 x 128: 10.5-10.7 s wall and 16.4 s CPU,
+    with one thread 9.1-9.7 s and 14.7-15.7 s, the same frontier). HiGHS keeps one task
+    scheduler per calling thread and a scheduler cannot change its size, so this is safe only
+    because every solve runs on `AnchorWalk`'s own threads, which end with the walk: another
+    thread's HiGHS, with any thread count, is not touched.
     """
     highs = _QuietHighs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("solver", "simplex")
+    highs.setOptionValue("threads", 1)
     highs.passModel(lp)
     return highs
 
