@@ -104,12 +104,15 @@ def test_the_solver_child_dies_with_a_killed_leader_and_leaves_no_file(tmp_path)
     scratch.mkdir()
     leader = subprocess.Popen(
         [sys.executable, "-c", SOLVING_LEADER, str(REPO / "examples/profiles/gpt3-175b-a100_sxm.csv")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(ENV, TMPDIR=str(scratch)), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**{k: v for k, v in ENV.items() if k != "OPENBLAS_NUM_THREADS"}, "TMPDIR": str(scratch)},
     )
     try:
         child = int(leader.stdout.readline())
         time.sleep(1.0)  # the child is solving now
         assert _alive(child), "the solve finished before the leader could be killed"
+        # OpenBLAS on one thread in the child (not a thread per core of a GPU host)
+        assert b"OPENBLAS_NUM_THREADS=1" in Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
         leader.send_signal(signal.SIGKILL)
         leader.wait(10)
         deadline = time.monotonic() + 5.0

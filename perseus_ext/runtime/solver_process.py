@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from perseus_ext.allocator import keep_freed_memory
@@ -81,11 +82,9 @@ class BackgroundSolve:
     def __init__(self, problem: SolveProblem) -> None:
         self._result: SolveOutcome | None = None
         self._chunks: list[bytes] = []
-        package_root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         self._process = subprocess.Popen(
             [sys.executable, "-m", "perseus_ext.runtime.solver_process", str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=child_environment(os.environ),
         )
         assert self._process.stdin is not None and self._process.stdout is not None
         self._process.stdin.write(pickle.dumps(problem))
@@ -128,6 +127,17 @@ class BackgroundSolve:
             self._process.wait()
         if not self._process.stdout.closed:
             self._process.stdout.close()
+
+
+def child_environment(parent: Mapping[str, str]) -> dict[str, str]:
+    """The solver child's environment: the parent's, with this package importable and
+    OpenBLAS on one thread (the solver's numpy work is elementwise; OpenBLAS would otherwise
+    start a thread per core of a GPU host in the child). A user's own OpenBLAS setting stays,
+    as in `perseus-ext frontier`."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(parent, PYTHONPATH=os.pathsep.join(filter(None, [package_root, parent.get("PYTHONPATH")])))
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    return env
 
 
 def _die_with_parent(parent_pid: int) -> None:
