@@ -290,3 +290,24 @@ def test_the_walk_s_one_thread_highs_leaves_a_caller_s_highs_alone() -> None:
     assert done.returncode == 0, done.stderr
     result = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
     assert result == ["RESULT Optimal Optimal True"], done.stdout
+
+
+def test_lp_anchors_lie_on_grid_deadlines(raw_a100: Profile, monkeypatch) -> None:
+    """Each LP anchor but the last (where the grid ends) is one of the solver's grid deadlines,
+    so that deadline rounds the LP's own optimum, not a blend of two anchors' optima."""
+    from perseus_ext.planning import solver
+
+    seen = []
+    real = solver.interpolate
+
+    def spy(anchors: np.ndarray, durations: np.ndarray, deadlines: np.ndarray) -> np.ndarray:
+        seen.append((anchors.copy(), deadlines.copy()))
+        return real(anchors, durations, deadlines)
+
+    monkeypatch.setattr(solver, "interpolate", spy)
+    solve_frontier(one_f_one_b(4, 8), sub_profile(raw_a100, 4, (1410, 1290, 1170, 1050, 930)), P_BLOCK_A100)
+    anchors = seen[0][0]
+    grid = np.concatenate([deadlines for _, deadlines in seen])
+    assert len(anchors) > 20 and np.all(np.diff(anchors) > 0)
+    assert np.isin(anchors[:-1], grid).all()  # exactly equal, not merely close
+    assert anchors[-1] <= grid[-1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 
 import highspy
 import numpy as np
@@ -171,7 +172,9 @@ class AnchorWalk:
     deadline T*, solved from both ends at once on two background threads.
 
     Anchors lie on `count` evenly spaced deadlines from T_min to `t_slowest` (all clocks
-    slowest). The high end first solves the LP with the deadline free and priced at the
+    slowest), each moved to the nearest deadline of the solver's grid (`grid_step(last anchor)`
+    apart from T_min): such a deadline then rounds an LP optimum instead of a blend of two,
+    which rounds worse (docs/solver.md). The high end first solves the LP with the deadline free and priced at the
     blocking power, which gives T* (slower than that, energy only grows: blocking power
     outweighs what slower clocks save); the walk keeps the anchors up to two past T*, every one
     over the fastest `DENSE_SHARE` of that range and every other one beyond, where the frontier
@@ -191,11 +194,15 @@ class AnchorWalk:
     # there: the low end takes the fastest 30 % of the range (8 x 24: both ends ~55 ms).
     LOW_END_SHARE = 0.3
 
-    def __init__(self, model: CostModel, count: int, t_min: float, t_slowest: float, progress: bool = False):
+    def __init__(
+        self, model: CostModel, count: int, t_min: float, t_slowest: float, progress: bool = False,
+        grid_step: Callable[[float], float] | None = None,
+    ):
         if t_slowest - t_min < _EPS:  # slower clocks save no time: a single deadline
             count = 1
         self._spacing = (t_slowest - t_min) / max(count - 1, 1)
         self._t_min, self._t_slowest, self._count = t_min, max(t_slowest, t_min), count
+        self._grid_step = grid_step
         # The kept anchors by position (only T_min until the high end knows T*).
         self._deadlines = np.array([t_min])
         self._durations = np.empty((model.num_nodes, count))
@@ -223,7 +230,8 @@ class AnchorWalk:
 
     def _kept_deadlines(self, t_star: float) -> np.ndarray:
         """Anchors up to two past T*: every one over `DENSE_SHARE` of that range, then every
-        other one (the last anchor always kept)."""
+        other one (the last anchor always kept), on grid deadlines but the last (where the
+        grid ends)."""
         last = min(self._count - 1, int(np.ceil((t_star - self._t_min) / self._spacing - _EPS)) + 2)
         dense_to = int(round(self.DENSE_SHARE * last))
         index = np.r_[np.arange(dense_to + 1), np.arange(dense_to + 2, last + 1, 2)]
@@ -232,7 +240,12 @@ class AnchorWalk:
         deadlines = self._t_min + self._spacing * index
         if last == self._count - 1:
             deadlines[-1] = self._t_slowest
-        return deadlines
+        if self._grid_step is None:
+            return deadlines
+        step = self._grid_step(float(deadlines[-1]))
+        on_grid = np.unique(np.round((deadlines[:-1] - self._t_min) / step))
+        on_grid = self._t_min + step * on_grid[self._t_min + step * on_grid < deadlines[-1] - step / 2]
+        return np.r_[on_grid, deadlines[-1]]
 
     def _guard(self, walk, *args: object) -> None:
         """Run one end of the walk; keep its error for `result` and stop the other end."""

@@ -103,7 +103,10 @@ class FrontierSolver:
         # the int16 candidates accumulate (peak memory ~ the pool, not 10x the pool).
         block = 2 * max(32, CELLS // (2 * model.num_nodes))
         anchor_count = _anchor_count(self.options, model.num_nodes)
-        walk = AnchorWalk(model, anchor_count, t_min, t_slowest, self.options.progress)
+        walk = AnchorWalk(
+            model, anchor_count, t_min, t_slowest, self.options.progress,
+            grid_step=lambda t_max: self._grid_step(t_min, t_max),
+        )
         try:
             anchors, grid = self._first_pass(walk, pool, block, t_min)
         finally:
@@ -168,9 +171,10 @@ class FrontierSolver:
         return max(step, 1e-9)
 
     def _deadline_grid(self, t_min: float, t_max: float) -> np.ndarray:
-        """Deadlines from T_min to t_max, `_grid_step` apart."""
+        """Deadlines from T_min to t_max, `_grid_step` apart (t_min + step * k, as the LP
+        anchors that lie on them are computed)."""
         step = self._grid_step(t_min, t_max)
-        grid = np.arange(t_min, t_max + step, step)
+        grid = t_min + step * np.arange(int(np.ceil((t_max - t_min) / step - 1e-9)) + 1)
         grid[-1] = max(grid[-1], t_max)
         return grid
 
