@@ -5,7 +5,7 @@ The solver makes and drops many temporary arrays of a few MiB ((computations x d
 floats and indices). By default glibc hands freed memory at the top of its heap back to the
 kernel, and serves large allocations from fresh mappings, so the next array of that size
 faults its pages in again: at 8 stages x 24 microbatches that was ~13,000 page faults and
-~7 % of the wall time of `perseus-ext frontier` (benchmarks/command_ab.py). Keeping up to
+4-7 % of the wall time of `perseus-ext frontier` (benchmarks/command_ab.py). Keeping up to
 16 MiB of freed memory for reuse raises the peak a little (16 x 128: 254 -> 265 MiB; keeping
 256 MiB would cost 334 MiB for no more speed at 8 x 24).
 

@@ -174,11 +174,11 @@ class AnchorWalk:
     Anchors lie on `count` evenly spaced deadlines from T_min to `t_slowest` (all clocks
     slowest), each moved to the nearest deadline of the solver's grid (`grid_step(last anchor)`
     apart from T_min): such a deadline then rounds an LP optimum instead of a blend of two,
-    which rounds worse (docs/solver.md). The high end first solves the LP with the deadline free and priced at the
-    blocking power, which gives T* (slower than that, energy only grows: blocking power
-    outweighs what slower clocks save); the walk keeps the anchors up to two past T*, every one
-    over the fastest `DENSE_SHARE` of that range and every other one beyond, where the frontier
-    is flat and interpolating between anchors loses little (docs/solver.md).
+    which rounds worse (docs/solver.md). The high end first solves the LP with the deadline
+    free and priced at the blocking power, which gives T* (slower than that, energy only
+    grows: blocking power outweighs what slower clocks save); the walk keeps the anchors up to
+    two past T*, every one over the fastest `DENSE_SHARE` of that range and every other one
+    beyond, where the frontier is flat and interpolating between anchors loses little.
 
     HiGHS releases the GIL while it solves, so the two ends run on two cores (rounding deadlines
     meanwhile, as anchors arrive, gained nothing: it slows the walk as much as it saves, at
@@ -243,9 +243,10 @@ class AnchorWalk:
         if self._grid_step is None:
             return deadlines
         step = self._grid_step(float(deadlines[-1]))
-        on_grid = np.unique(np.round((deadlines[:-1] - self._t_min) / step))
-        on_grid = self._t_min + step * on_grid[self._t_min + step * on_grid < deadlines[-1] - step / 2]
-        return np.r_[on_grid, deadlines[-1]]
+        k = np.round((deadlines[:-1] - self._t_min) / step)  # non-decreasing: drop repeats
+        k = k[np.r_[True, np.diff(k) > 0]]  # (np.unique would import numpy.ma: start-up time)
+        on_grid = self._t_min + step * k
+        return np.r_[on_grid[on_grid < deadlines[-1] - step / 2], deadlines[-1]]
 
     def _guard(self, walk, *args: object) -> None:
         """Run one end of the walk; keep its error for `result` and stop the other end."""
