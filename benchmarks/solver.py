@@ -9,12 +9,16 @@ reports points, wall and CPU time, the wall-time ratio, peak memory, and the ene
 every lowtime point (T_L, E_L), perseus-ext's best plan with time <= T_L minus E_L (negative =
 we are better).
 
-    python benchmarks/solver.py --microbatches 12 24 48 96 [--lowtime-limit 3600] [--repeats 5]
+    python benchmarks/solver.py --microbatches 12 24 48 96 [--lowtime-limit 3600] [--repeats 5] \
+        [--lowtime-repeats 1]
 
 Both run as an installed package runs: with its bytecode cached (the environment's
 PYTHONDONTWRITEBYTECODE is dropped, and one untimed run of ours writes the cache an editable
-install lacks; pip compiles it at install time). perseus-ext runs `--repeats` times, half before
-lowtime's run and half after; the table shows the median (and the range) of its wall times.
+install lacks; pip compiles it at install time). perseus-ext runs `--repeats` times in blocks,
+with one of lowtime's `--lowtime-repeats` runs between each two blocks; the table shows the
+median of each side's wall times and their ratio, and below it every lowtime run against the
+median of the runs of ours on either side of it (this machine's load drifts over minutes, so
+one lowtime run against runs taken elsewhere in time can be off by 15 %).
 
 lowtime is optional (`pip install lowtime==0.3.0`, extra `reference`); without it, or above
 `--lowtime-max-microbatches`, only perseus-ext runs. `--save-reference DIR` keeps lowtime's plans
@@ -181,7 +185,13 @@ def main() -> None:
         help="directory to write lowtime's plans to (lowtime-<M>.json), to compare later runs without re-solving",
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of perseus-ext per size (median)")
+    parser.add_argument(
+        "--lowtime-repeats", type=int, default=1,
+        help="timed runs of lowtime per size, each between two blocks of perseus-ext's runs (median)",
+    )
     args = parser.parse_args()
+    if args.repeats < args.lowtime_repeats + 1:
+        parser.error("--repeats must be at least --lowtime-repeats + 1 (a block of ours around each lowtime run)")
     try:
         import lowtime  # noqa: F401
 
@@ -198,25 +208,38 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     work = Path(tempfile.mkdtemp(prefix="perseus-solver-bench-"))
-    ranges = []
+    ranges, pairs = [], []
     for m in args.microbatches:
         model = CostModel(one_f_one_b(args.stages, m), raw, args.blocking_power)
         problem = (args.profile, args.stages, m, args.blocking_power)
         ours_file = work / f"ours-{m}.json"
         _run(run_perseus(*problem, ours_file), 600)  # writes the bytecode cache; not timed
-        ours_runs = [_run(run_perseus(*problem, ours_file), 600) for _ in range(args.repeats // 2)]
         ref = measured = None
         saved = args.reference / f"lowtime-{m}.json" if args.reference else None
         if saved is not None and saved.is_file():
             data = json.loads(saved.read_text())
             ref = (data["seconds"], data.get("cpu_seconds", float("nan")), float("nan"), data["plans"])
-        elif have_lowtime and m <= args.lowtime_max_microbatches:
-            ref_file = work / f"lowtime-{m}.json"
-            measured = _run(run_lowtime(*problem, ref_file), args.lowtime_limit)
-            if measured is not None:
-                ref = (*measured, json.loads(ref_file.read_text())["plans"])
-        ours_runs += [_run(run_perseus(*problem, ours_file), 600) for _ in range(args.repeats - len(ours_runs))]
+        runs_lowtime = have_lowtime and ref is None and m <= args.lowtime_max_microbatches
+        # Ours in blocks with a lowtime run between each two: the machine's load drifts over
+        # minutes, and each lowtime run is also compared with the runs of ours next to it.
+        blocks = np.array_split(np.arange(args.repeats), args.lowtime_repeats + 1 if runs_lowtime else 2)
+        ours_blocks, lowtime_runs = [], []
+        ref_file = work / f"lowtime-{m}.json"
+        for b, block in enumerate(blocks):
+            ours_blocks.append([_run(run_perseus(*problem, ours_file), 600) for _ in block])
+            if runs_lowtime and b < len(blocks) - 1:
+                lowtime_runs.append(_run(run_lowtime(*problem, ref_file), args.lowtime_limit))
+        ours_runs = [run for block in ours_blocks for run in block]
         wall, cpu, mem = (float(np.median(column)) for column in zip(*ours_runs))
+        if lowtime_runs and None not in lowtime_runs:
+            measured = tuple(float(np.median(column)) for column in zip(*lowtime_runs))
+            ref = (*measured, json.loads(ref_file.read_text())["plans"])
+            local = [
+                run[0] / float(np.median([r[0] for r in ours_blocks[i] + ours_blocks[i + 1]]))
+                for i, run in enumerate(lowtime_runs)
+            ]
+            pairs.append(f"{m}: lowtime {', '.join(f'{run[0]:.2f}' for run in lowtime_runs)} s; "
+                         f"against the runs of ours around each: {', '.join(f'{r:.0f}x' for r in local)}")
         ranges.append(f"{m}: {', '.join(f'{run[0]:.3f}' for run in sorted(ours_runs))}")
         freqs_ours = [np.array(p["frequencies"]) for p in json.loads(ours_file.read_text())["plans"]]
         ours_te = replay(model, freqs_ours)
@@ -245,6 +268,9 @@ def main() -> None:
         "the same time."
     )
     print(f"ours s: median of {args.repeats} runs; all of them (s): " + "; ".join(ranges))
+    if pairs:
+        print(f"lowtime s: median of {args.lowtime_repeats} run(s), each between two blocks of ours; "
+              + "; ".join(pairs))
 
 
 if __name__ == "__main__":
