@@ -195,8 +195,8 @@ class AnchorWalk:
     LOW_END_SHARE = 0.3
 
     def __init__(
-        self, model: CostModel, count: int, t_min: float, t_slowest: float, progress: bool = False,
-        grid_step: Callable[[float], float] | None = None,
+        self, model: CostModel, count: int, t_min: float, t_slowest: float,
+        grid_step: Callable[[float], float], progress: bool = False,
     ):
         if t_slowest - t_min < _EPS:  # slower clocks save no time: a single deadline
             count = 1
@@ -240,8 +240,6 @@ class AnchorWalk:
         deadlines = self._t_min + self._spacing * index
         if last == self._count - 1:
             deadlines[-1] = self._t_slowest
-        if self._grid_step is None:
-            return deadlines
         step = self._grid_step(float(deadlines[-1]))
         k = np.round((deadlines[:-1] - self._t_min) / step)  # non-decreasing: drop repeats
         k = k[np.r_[True, np.diff(k) > 0]]  # (np.unique would import numpy.ma: start-up time)

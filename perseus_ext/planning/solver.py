@@ -104,8 +104,8 @@ class FrontierSolver:
         block = 2 * max(32, CELLS // (2 * model.num_nodes))
         anchor_count = _anchor_count(self.options, model.num_nodes)
         walk = AnchorWalk(
-            model, anchor_count, t_min, t_slowest, self.options.progress,
-            grid_step=lambda t_max: self._grid_step(t_min, t_max),
+            model, anchor_count, t_min, t_slowest, lambda t_max: self._grid_step(t_min, t_max),
+            self.options.progress,
         )
         try:
             anchors, grid = self._first_pass(walk, pool, block, t_min)
