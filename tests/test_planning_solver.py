@@ -311,3 +311,37 @@ def test_lp_anchors_lie_on_grid_deadlines(raw_a100: Profile, monkeypatch) -> Non
     assert len(anchors) > 20 and np.all(np.diff(anchors) > 0)
     assert np.isin(anchors[:-1], grid).all()  # exactly equal, not merely close
     assert anchors[-1] <= grid[-1]
+
+
+def test_passes_split_over_two_threads_give_the_same_candidates_and_raise_the_helper_s_error() -> None:
+    """`_in_two` runs the second half of a big pass on a helper thread: the candidates must be
+    the single-thread ones, column for column, and an error there must reach the solver."""
+    import threading
+
+    from perseus_ext.planning import solver
+
+    profile = load_profile(A100)
+    model = CostModel(one_f_one_b(8, 12), profile, P_BLOCK_A100)
+    columns = solver._SPLIT_COLUMNS + 3
+    rng = np.random.default_rng(7)
+    relaxed = model.times[:, :1] + rng.random((model.num_nodes, columns)) * 0.02
+    deadlines = np.full(columns, float(model.replay(model.fastest_choice())[0]) * 1.1)
+    threads = set()
+
+    def work(lo: int, hi: int):
+        threads.add(threading.get_ident())
+        return solver._first_pass_block(model, relaxed[:, lo:hi], deadlines[lo:hi], lo)
+
+    split = solver._in_two(work, columns)
+    assert len(threads) == 2
+    for got, want in zip(split, solver._first_pass_block(model, relaxed, deadlines, 0), strict=True):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+    def failing(lo: int, hi: int):
+        if lo:
+            raise SolverError("second half failed")
+        return work(lo, hi)
+
+    with pytest.raises(SolverError, match="second half failed"):
+        solver._in_two(failing, columns)
