@@ -209,7 +209,7 @@ def _first_pass_block(model: CostModel, relaxed: np.ndarray, deadlines: np.ndarr
         kinds.append(np.concatenate([
             repair_latency(model, late[:, j : j + step], late_deadlines[j : j + step])
             for j in range(0, late.shape[1], step)
-        ] or [late], axis=1))
+        ], axis=1))
     kinds += [rounded["up"], rounded["nearest"]]
     return [_replayed(model, choices) for choices in kinds]
 
@@ -218,8 +218,6 @@ def _replayed(model: CostModel, choices: np.ndarray) -> _Replayed:
     """(choices, times, energies) of plans (columns), replayed in cache-sized column chunks."""
     step = chunk_columns(model.num_nodes, _REPLAY_CELLS)
     parts = [model.replay(choices[:, k : k + step]) for k in range(0, choices.shape[1], step)]
-    if not parts:
-        return choices, np.empty(0), np.empty(0)
     return choices, np.concatenate([t for t, _ in parts]), np.concatenate([e for _, e in parts])
 
 
