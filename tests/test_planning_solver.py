@@ -345,3 +345,30 @@ def test_passes_split_over_two_threads_give_the_same_candidates_and_raise_the_he
 
     with pytest.raises(SolverError, match="second half failed"):
         solver._in_two(failing, columns)
+
+
+def test_one_search_per_dag_level_matches_a_search_per_table() -> None:
+    """`_MixedLevel` replaces a search per option table with one search in their union and a
+    lookup: it must pick each row's slowest fitting option exactly, windows on and a hair
+    around option times included, and levels with the same tables must share it."""
+    from perseus_ext.planning import passes
+
+    rng = np.random.default_rng(3)
+    tables = [np.sort(rng.choice(np.arange(1, 60) * 1e-3, size=k, replace=False)) for k in (3, 7, 12, 20)]
+    rows = [tables[i] for i in (0, 2, 2, 3, 1, 0)]
+    level = passes._MixedLevel(rows)
+    on_options = np.concatenate(tables)
+    window = np.concatenate([
+        rng.random((len(rows), 200)) * 0.07 - 0.005,
+        np.tile(np.r_[on_options, on_options + 1e-9, on_options + 2e-9, on_options - 1e-12], (len(rows), 1)),
+    ], axis=1)
+    best = level.slowest_fitting(window)
+    for r, options in enumerate(rows):
+        want = passes._slowest_fitting(options, window[r])
+        np.testing.assert_array_equal(best[r], want)
+        np.testing.assert_array_equal(level.times(best)[r], options[want])
+
+    model = CostModel(one_f_one_b(8, 24), load_profile(A100), P_BLOCK_A100)
+    by_level = passes._OptionTables(model).by_level
+    mixed = [tables for tables in by_level if isinstance(tables, passes._MixedLevel)]
+    assert len(mixed) > len({id(tables) for tables in mixed})  # shared, not one per level

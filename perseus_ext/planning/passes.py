@@ -47,13 +47,19 @@ class _OptionTables:
         self.options = [table[np.isfinite(table)] for table in tables]
         self.nodes = [np.flatnonzero(table_of == t) for t in range(len(tables))]
         # Per DAG level: its one table, or the lookups of `_MixedLevel` for several.
+        # Levels with the same tables in the same order (most of a pipeline's steady state)
+        # share one `_MixedLevel`: its lookups grow with the level's rows and tables.
         self.by_level: list[np.ndarray | _MixedLevel] = []
+        mixed: dict[bytes, _MixedLevel] = {}
         for lv in model.dag.levels:
             ids = table_of[lv]
             if (ids == ids[0]).all():
                 self.by_level.append(self.options[ids[0]])
             else:
-                self.by_level.append(_MixedLevel([self.options[t] for t in ids]))
+                key = ids.tobytes()
+                if key not in mixed:
+                    mixed[key] = _MixedLevel([self.options[t] for t in ids])
+                self.by_level.append(mixed[key])
 
     @classmethod
     def of(cls, model: CostModel) -> "_OptionTables":
@@ -95,7 +101,7 @@ class _MixedLevel:
         union = np.sort(np.concatenate(row_options))
         self.union = union[np.r_[True, np.diff(union) > 0]]
         # lookup[r, j]: row r's slowest option among union times 0..j-1 (0 when none fits).
-        lookup = np.zeros((len(row_options), len(self.union) + 1), dtype=np.int64)
+        lookup = np.zeros((len(row_options), len(self.union) + 1), dtype=np.int32)
         width = max(len(options) for options in row_options)
         option_times = np.full((len(row_options), width), np.inf)
         for r, options in enumerate(row_options):
