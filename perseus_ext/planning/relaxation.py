@@ -196,7 +196,8 @@ class AnchorWalk:
 
     DENSE_SHARE = 0.4
     # Most simplex iterations, and the cold start, lie near T_min, and the anchors are denser
-    # there: the low end takes the fastest 30 % of the range (8 x 24: both ends ~55 ms).
+    # there: the low end takes the fastest 30 % of the range (CPU per end: 8 x 24 ~110 and
+    # ~125 ms, 8 x 96 ~960 each; 0.33 evens 8 x 24 but makes 8 x 96's walk 5 % longer).
     LOW_END_SHARE = 0.3
 
     def __init__(
