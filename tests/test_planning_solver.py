@@ -372,3 +372,30 @@ def test_one_search_per_dag_level_matches_a_search_per_table() -> None:
     by_level = passes._OptionTables(model).by_level
     mixed = [tables for tables in by_level if isinstance(tables, passes._MixedLevel)]
     assert len(mixed) > len({id(tables) for tables in mixed})  # shared, not one per level
+
+
+def test_option_tables_are_built_once_when_both_pass_threads_ask(monkeypatch) -> None:
+    """The split passes ask for a model's option tables from two threads at once (8 x 96 built
+    them twice): one must build, the other wait for it and get the same object."""
+    import threading
+    import time
+
+    from perseus_ext.planning import passes
+
+    model = CostModel(one_f_one_b(8, 12), load_profile(A100), P_BLOCK_A100)
+    builds = []
+    real_init = passes._OptionTables.__init__
+
+    def slow_init(self, model: CostModel) -> None:
+        builds.append(1)
+        time.sleep(0.2)  # widen the window in which the other thread asks
+        real_init(self, model)
+
+    monkeypatch.setattr(passes._OptionTables, "__init__", slow_init)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(passes._OptionTables.of(model))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(builds) == 1 and got[0] is got[1]

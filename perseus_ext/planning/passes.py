@@ -8,6 +8,7 @@ plans in pieces gives the same plans as over all of them.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import numpy as np
@@ -63,9 +64,11 @@ class _OptionTables:
 
     @classmethod
     def of(cls, model: CostModel) -> "_OptionTables":
-        tables = _TABLES.get(model)
-        if tables is None:
-            tables = _TABLES[model] = cls(model)
+        """The model's tables, built once: the solver's two pass threads ask at the same time."""
+        with _TABLES_LOCK:
+            tables = _TABLES.get(model)
+            if tables is None:
+                tables = _TABLES[model] = cls(model)
         return tables
 
     def refit(
@@ -124,6 +127,7 @@ class _MixedLevel:
 
 
 _TABLES: "weakref.WeakKeyDictionary[CostModel, _OptionTables]" = weakref.WeakKeyDictionary()
+_TABLES_LOCK = threading.Lock()
 
 
 def round_to_options(model: CostModel, durations: np.ndarray) -> dict[str, np.ndarray]:
