@@ -80,14 +80,14 @@ class _OptionTables:
         `durations` are the level's rows and are updated in place."""
         tables = self.by_level[level]
         if isinstance(tables, _MixedLevel):
-            best = tables.slowest_fitting(window)
+            best, option_times = tables.slowest_fitting(window), tables.times
         else:
-            best = _slowest_fitting(tables, window)
+            best, option_times = _slowest_fitting(tables, window), tables.take
         if cap is not None:
             np.minimum(best, cap, out=best)
         np.maximum(best, choice, out=best)
         choice[...] = best
-        durations[...] = tables.times(best) if isinstance(tables, _MixedLevel) else tables[best]
+        durations[...] = option_times(best)
 
 
 class _MixedLevel:
