@@ -32,6 +32,11 @@ def _layout(rank: int) -> tuple[int, int, int]:
     return rank // (PP * TP), (rank // TP) % PP, rank % TP
 
 
+def _threads() -> int:
+    """This process's threads, C++ ones included (gloo's workers and transport loop)."""
+    return len(os.listdir("/proc/self/task"))
+
+
 def worker(out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -64,6 +69,11 @@ def worker(out_dir: str) -> None:
         "straggler": [mine, normal, slowest, factor, announced],
         "started_without_waiting": {"start_s": start_s, "steps": [list(s) if s else None for s in steps]},
     }
+    groups_before, threads_before = len(dist.distributed_c10d._world.pg_map), _threads()
+    comm.close()
+    comm.close()  # idempotent
+    result["closed"] = {"groups": [groups_before, len(dist.distributed_c10d._world.pg_map)],
+                        "threads": [threads_before, _threads()], "sum_after": comm.all_sum([1.0])[0]}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -99,6 +109,44 @@ def test_message_counts_per_rank(job):
         assert stats["pipeline collectives"] == 4 and stats["peers collectives"] == 4
         assert stats["pipeline payload bytes"] == (1 + 1 + 3 + 3) * 8 and stats["peers payload bytes"] == (1 + 1 + 4 + 4) * 8
         assert "world collectives" not in stats
+
+
+def test_close_destroys_the_control_planes_groups_and_joins_their_threads(job):
+    # A gloo group left to interpreter exit can abort the process after training (exit -6).
+    # This rank is in three of the control plane's groups: the world, its pipeline, its peers.
+    for result in job:
+        groups_before, groups_after = result["closed"]["groups"]
+        threads_before, threads_after = result["closed"]["threads"]
+        assert groups_after == groups_before - 3
+        assert threads_after <= threads_before - 3  # at least gloo's transport loop per group
+        assert result["closed"]["sum_after"] == 1.0  # a closed control plane is local
+
+
+def test_close_leaves_groups_with_an_unfinished_collective_alone():
+    """Destroying joins gloo's threads, which would wait for a peer that never came."""
+    from perseus_ext.runtime.comm import ControlPlane
+
+    class Work:
+        def __init__(self, done: bool) -> None:
+            self.done = done
+
+        def is_completed(self) -> bool:
+            return self.done
+
+    class Dist:
+        def __init__(self) -> None:
+            self.destroyed: list[str] = []
+
+        def destroy_process_group(self, group: str) -> None:
+            self.destroyed.append(group)
+
+    for done, destroyed in ((False, []), (True, ["world", "pipeline", "peers"])):
+        comm, dist = ControlPlane(stage=0), Dist()
+        comm._dist, comm._world, comm._pipeline_group, comm._peer_group = dist, "world", "pipeline", "peers"
+        comm._started(Work(done=True))
+        comm._started(Work(done=done))
+        comm.close()
+        assert dist.destroyed == destroyed and not comm.distributed
 
 
 def test_a_straggler_check_starts_without_waiting_for_the_other_ranks(job):

@@ -66,6 +66,8 @@ def main() -> None:
         if engine.global_rank == 0 and iteration % 10 == 0:
             print(f"iteration {iteration}: loss {loss.item():.6f}")
     engine.destroy()  # restores clocks and logs perseus-ext's summary
+    # torch's documented shutdown: a gloo group left to interpreter exit can abort the process.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -107,6 +107,8 @@ def worker_main(scenario_path: str) -> None:
     results = [run.finish() for run in runs]
     rank = int(os.environ["RANK"])
     (Path(scenario.out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+    # torch's documented shutdown: a gloo group left to interpreter exit can abort the process.
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

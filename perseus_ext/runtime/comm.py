@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import collections
 import datetime
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 FLOAT_BYTES = 8
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class ControlPlane:
         self.rank = 0
         self.pipeline = 0
         self.members: list[Member] = [Member(0, 0, stage)]
+        self._unfinished: list[Any] = []  # collectives started and not waited for to the end
         try:
             import torch.distributed as dist
         except ImportError:
@@ -174,7 +178,7 @@ class ControlPlane:
         import torch
 
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        work = self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=handle, async_op=True)
+        work = self._started(self._dist.all_reduce(tensor, op=self._dist.ReduceOp.MAX, group=handle, async_op=True))
         self._count(group, len(values))
         return Pending(tensor, work)
 
@@ -187,7 +191,8 @@ class ControlPlane:
 
         tensor = (torch.tensor([float(v) for v in values], dtype=torch.float64) if values is not None
                   else torch.zeros(length, dtype=torch.float64))
-        work = self._dist.broadcast(tensor, src=self.pipeline_leader(), group=self._pipeline_group, async_op=True)
+        work = self._started(self._dist.broadcast(tensor, src=self.pipeline_leader(),
+                                                  group=self._pipeline_group, async_op=True))
         self._count("pipeline", length)
         return Pending(tensor, work)
 
@@ -239,7 +244,7 @@ class ControlPlane:
         for name, group, size in (("pipeline", self._pipeline_group, len(self.pipeline_members)),
                                   ("peers", self._peer_group, len(self.peer_ranks))):
             if size > 1:
-                work = self._dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True)
+                work = self._started(self._dist.all_reduce(tensor, op=reduce_op, group=group, async_op=True))
                 try:
                     work.wait() if deadline_s is None else work.wait(
                         datetime.timedelta(seconds=max(deadline_s - time.monotonic(), 0.001)))
@@ -250,6 +255,36 @@ class ControlPlane:
                 self._count(name, len(values))
         return tensor.tolist()
 
+    def _started(self, work: Any) -> Any:
+        """Remember a collective started without waiting (`close` must know if it finished)."""
+        self._unfinished = [w for w in self._unfinished if not w.is_completed()]
+        self._unfinished.append(work)
+        return work
+
+    def close(self) -> None:
+        """Destroy this control plane's gloo groups once its collectives are over.
+
+        Why: a gloo group left to interpreter exit keeps its threads until C++ teardown, and
+        the process can then abort ("terminate called without an active exception", exit -6;
+        see torch's `destroy_process_group` docs) after training finished. Destroying joins
+        the group's threads now, while the interpreter is whole. Skipped while a collective
+        of ours is unfinished (a peer that never came): joining would wait for it, and a rank
+        must exit in bounded time. Afterwards every collective is a local no-op. Idempotent;
+        never raises."""
+        groups = [g for g in (self._world, self._pipeline_group, self._peer_group) if g is not None]
+        dist, self._dist = self._dist, None
+        self._world = self._pipeline_group = self._peer_group = None
+        if dist is None or not groups:
+            return
+        if any(not work.is_completed() for work in self._unfinished):
+            logger.debug("perseus-ext: a control-plane collective is unfinished; its groups are left to exit")
+            return
+        self._unfinished.clear()
+        for group in groups:
+            try:
+                dist.destroy_process_group(group)
+            except Exception as err:  # the job's own groups may be gone already
+                logger.debug("perseus-ext: destroying a control-plane group failed: %s", err)
 
     def settle(self, name: str, deadline_s: float) -> None:
         """Wait (on the rendezvous store, not gloo) until every rank of the job has reached

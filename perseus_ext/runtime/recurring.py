@@ -58,7 +58,6 @@ class _PreparedRun:
 
 _prepared: _PreparedRun | None = None  # chosen, not yet claimed by a runtime
 _current: _PreparedRun | None = None  # this process's latest run (the exception hook's)
-_broadcast_group: Any = None
 _excepthook_installed = False
 _lock = threading.Lock()
 
@@ -73,15 +72,16 @@ def _distributed() -> Any:
 
 def _broadcast_from_rank0(obj: Any) -> Any:
     """Rank 0's `obj` everywhere, on a gloo group of our own (the job's default group may be
-    NCCL, which needs device tensors; this runs before the engine and the runtime exist)."""
-    global _broadcast_group
+    NCCL, which needs device tensors; this runs before the engine and the runtime exist). The
+    group is destroyed once the broadcast is over: one left to interpreter exit can abort the
+    process (see `ControlPlane.close`)."""
     dist = _distributed()
     if dist is None:
         return obj
-    if _broadcast_group is None:
-        _broadcast_group = dist.new_group(backend="gloo")
+    group = dist.new_group(backend="gloo")
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=_broadcast_group)
+    dist.broadcast_object_list(box, src=0, group=group)
+    dist.destroy_process_group(group)
     return box[0]
 
 

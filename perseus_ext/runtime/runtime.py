@@ -544,4 +544,6 @@ class PerseusRuntime:
             logger.exception("perseus-ext: writing the summary failed")
         if self.job is not None:
             self.job.close()  # reports the batch-size run (rank 0); never raises
+        if not self.control_plane_failed:  # a failed group may still hold a collective
+            self.comm.close()  # the last collective was the job summary's
 
