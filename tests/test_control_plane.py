@@ -122,16 +122,26 @@ def test_close_destroys_the_control_planes_groups_and_joins_their_threads(job):
         assert result["closed"]["sum_after"] == 1.0  # a closed control plane is local
 
 
-def test_close_leaves_groups_with_an_unfinished_collective_alone():
-    """Destroying joins gloo's threads, which would wait for a peer that never came."""
+def test_close_waits_briefly_for_a_collective_in_flight_and_leaves_groups_it_never_sees_finish():
+    """Destroying joins gloo's threads, which would wait for a peer that never came; a check in
+    flight that every rank issued gets a moment to finish first."""
+    import datetime
+
+    from perseus_ext.runtime import comm as comm_module
     from perseus_ext.runtime.comm import ControlPlane
 
     class Work:
-        def __init__(self, done: bool) -> None:
-            self.done = done
+        def __init__(self, finishes_in_s: float | None) -> None:
+            self.finishes_in_s, self.done = finishes_in_s, finishes_in_s == 0
 
         def is_completed(self) -> bool:
             return self.done
+
+        def wait(self, timeout: datetime.timedelta) -> bool:
+            if self.finishes_in_s is None or self.finishes_in_s > timeout.total_seconds():
+                raise RuntimeError("timed out")  # what gloo's Work.wait(timeout) does
+            self.done = True
+            return True
 
     class Dist:
         def __init__(self) -> None:
@@ -140,13 +150,16 @@ def test_close_leaves_groups_with_an_unfinished_collective_alone():
         def destroy_process_group(self, group: str) -> None:
             self.destroyed.append(group)
 
-    for done, destroyed in ((False, []), (True, ["world", "pipeline", "peers"])):
+    everything = ["world", "pipeline", "peers"]
+    for finishes_in_s, destroyed in ((0, everything), (0.1, everything), (comm_module.CLOSE_WAIT_S + 1, []),
+                                     (None, [])):
         comm, dist = ControlPlane(stage=0), Dist()
-        comm._dist, comm._world, comm._pipeline_group, comm._peer_group = dist, "world", "pipeline", "peers"
-        comm._started(Work(done=True))
-        comm._started(Work(done=done))
+        comm._dist, comm._world, comm._pipeline_group, comm._peer_group = dist, *everything
+        comm._started(Work(finishes_in_s=0))
+        comm._started(Work(finishes_in_s=finishes_in_s))
         comm.close()
-        assert dist.destroyed == destroyed and not comm.distributed
+        assert dist.destroyed == destroyed, finishes_in_s
+        assert not comm.distributed
 
 
 def test_a_straggler_check_starts_without_waiting_for_the_other_ranks(job):

@@ -23,10 +23,12 @@ import collections
 import datetime
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 FLOAT_BYTES = 8
+CLOSE_WAIT_S = 1.0  # how long `close` waits for a collective still in flight (a straggler check)
 
 logger = logging.getLogger(__name__)
 
@@ -235,8 +237,6 @@ class ControlPlane:
         timeout. `deadline_s` None: the groups' timeout."""
         if self._dist is None:
             return [float(v) for v in values]
-        import time
-
         import torch
 
         tensor = torch.tensor([float(v) for v in values], dtype=torch.float64)
@@ -269,14 +269,15 @@ class ControlPlane:
         see torch's `destroy_process_group` docs) after training finished. Destroying joins
         the group's threads now, while the interpreter is whole. Skipped while a collective
         of ours is unfinished (a peer that never came): joining would wait for it, and a rank
-        must exit in bounded time. Afterwards every collective is a local no-op. Idempotent;
-        never raises."""
+        must exit in bounded time; one still in flight gets `CLOSE_WAIT_S` to finish (a
+        straggler check started at the last iteration boundary, which every rank issued).
+        Afterwards every collective is a local no-op. Idempotent; never raises."""
         groups = [g for g in (self._world, self._pipeline_group, self._peer_group) if g is not None]
         dist, self._dist = self._dist, None
         self._world = self._pipeline_group = self._peer_group = None
         if dist is None or not groups:
             return
-        if any(not work.is_completed() for work in self._unfinished):
+        if not self._all_finished(time.monotonic() + CLOSE_WAIT_S):
             logger.debug("perseus-ext: a control-plane collective is unfinished; its groups are left to exit")
             return
         self._unfinished.clear()
@@ -286,14 +287,23 @@ class ControlPlane:
             except Exception as err:  # the job's own groups may be gone already
                 logger.debug("perseus-ext: destroying a control-plane group failed: %s", err)
 
+    def _all_finished(self, deadline_s: float) -> bool:
+        """Whether every collective started without waiting has finished by `deadline_s`."""
+        for work in self._unfinished:
+            if work.is_completed():
+                continue
+            try:
+                work.wait(datetime.timedelta(seconds=max(deadline_s - time.monotonic(), 0.001)))
+            except Exception:  # timed out, or failed: the group may still hold it
+                return False
+        return True
+
     def settle(self, name: str, deadline_s: float) -> None:
         """Wait (on the rendezvous store, not gloo) until every rank of the job has reached
         `name`, or until `deadline_s` (`time.monotonic()`). After the last collective at close:
         a rank whose gloo peers are still inside that collective must not exit under them."""
         if self._dist is None:
             return
-        import time
-
         from torch.distributed import distributed_c10d
 
         store = distributed_c10d._get_default_store()
