@@ -249,6 +249,12 @@ TRAINER = textwrap.dedent(
         sys.exit(0)  # no close(): atexit has to restore
     if mode == "exception":
         raise RuntimeError("training crashed")
+    if mode == "signal-to-another-thread":  # the kernel may give a process's signal to any
+        import threading                    # thread that does not block it (OpenBLAS's, say)
+        def take_sigint():
+            time.sleep(0.3)  # the main thread is asleep by then
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        threading.Thread(target=take_sigint, daemon=True).start()
     time.sleep(60)
     """
 )
@@ -317,6 +323,20 @@ def test_signals_restore_clocks_then_end_the_process(signum, tmp_path):
     process.send_signal(signum)
     try:
         assert exit_status(process) != 0  # the signal still ends the process as before
+    finally:
+        process.kill()
+    _assert_restored(state)
+
+
+def test_a_sigint_taken_by_another_thread_still_interrupts_the_sleeping_main_thread(tmp_path):
+    """The kernel gave Ctrl-C to a thread that is not perseus-ext's; the main thread sleeps on.
+    The watcher restores the clocks and re-delivers the signal to the main thread, whose
+    KeyboardInterrupt ends the process now, not when its 60 s sleep is over."""
+    state = tmp_path / "gpu.json"
+    process, _ = _start_trainer("signal-to-another-thread", state)
+    try:
+        assert exit_status(process, timeout_s=20) != 0
+        assert "KeyboardInterrupt" in process.stderr.read()
     finally:
         process.kill()
     _assert_restored(state)

@@ -9,8 +9,11 @@ C-level handler also writes the signal number to the wakeup fd; a daemon thread 
 the main thread a moment to handle the signal itself, and otherwise restores every controller
 from its own thread (NVML calls release the GIL, and the blocked main thread holds no lock the
 restore needs). If the signal's previous disposition was the default (terminate), the watcher
-then ends the process the way the signal would have; a Python handler of the application (e.g.
-checkpoint-on-SIGTERM) is left to run when the main thread gets back.
+then ends the process the way the signal would have. A Python handler of the application
+(KeyboardInterrupt, checkpoint-on-SIGTERM) must run in the main thread: the watcher re-delivers
+the signal to it, so a blocking call that the kernel did not interrupt (it gave the signal to
+another thread, e.g. OpenBLAS's, which perseus-ext cannot make block it) returns and the handler
+runs now; a call that cannot be interrupted runs it when it returns.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ _previous_handlers: dict[int, Any] = {}
 _registry_lock = threading.Lock()
 _received: dict[int, int] = {}  # signal -> deliveries the watcher has seen
 _handled: dict[int, int] = {}  # signal -> times the main-thread handler ran
+_echoes: dict[int, int] = {}  # signal -> re-deliveries to the main thread the watcher will read back
 _watcher: threading.Thread | None = None
 
 
@@ -132,6 +136,9 @@ def _watch(read_fd: int) -> None:
             return
         for signum in data:
             if signum in HANDLED_SIGNALS and signum in _previous_handlers:
+                if _echoes.get(signum, 0) > 0:  # our own re-delivery, not a new signal
+                    _echoes[signum] -= 1
+                    continue
                 _received[signum] = _received.get(signum, 0) + 1
                 _act_if_main_thread_is_stuck(signum, _received[signum])
 
@@ -148,6 +155,19 @@ def _act_if_main_thread_is_stuck(signum: int, delivery: int) -> None:
     close_all()
     if previous is signal.SIG_DFL:
         _die_by(signum)
+    else:
+        _wake_main_thread(signum)
+
+
+def _wake_main_thread(signum: int) -> None:
+    """Deliver `signum` to the main thread itself, so that its blocking call returns (EINTR)
+    and the application's handler runs. CPython runs a handler once for deliveries that arrive
+    before it runs, so the handler does not run twice for one signal."""
+    _echoes[signum] = _echoes.get(signum, 0) + 1
+    try:
+        signal.pthread_kill(threading.main_thread().ident, signum)
+    except (OSError, ValueError, AttributeError):  # no such thread any more, or no pthread_kill
+        _echoes[signum] -= 1
 
 
 def _die_by(signum: int) -> None:
