@@ -264,10 +264,11 @@ class ControlPlane:
     def close(self) -> None:
         """Destroy this control plane's gloo groups once its collectives are over.
 
-        Why: a gloo group left to interpreter exit keeps its threads until C++ teardown, and
-        the process can then abort ("terminate called without an active exception", exit -6;
-        see torch's `destroy_process_group` docs) after training finished. Destroying joins
-        the group's threads now, while the interpreter is whole. Skipped while a collective
+        Why: a gloo worker thread releases a finished collective a little after its waiter
+        moved on; if that falls into interpreter finalization, releasing the tensor needs the
+        GIL and the process aborts ("terminate called without an active exception", exit -6;
+        docs/control-plane.md has the core dump). Destroying joins the group's threads now,
+        while the interpreter is whole. Skipped while a collective
         of ours is unfinished (a peer that never came): joining would wait for it, and a rank
         must exit in bounded time; one still in flight gets `CLOSE_WAIT_S` to finish (a
         straggler check started at the last iteration boundary, which every rank issued).
