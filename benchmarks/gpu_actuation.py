@@ -52,7 +52,7 @@ def main() -> int:
     from perseus_ext.measurement.coverage import estimate_coverage
     from perseus_ext.measurement.gpu import open_gpu
     from perseus_ext.measurement.gpu.cuda_timeline import CudaTimeline
-    from perseus_ext.measurement.gpu.timeline import gpu_switch_latency
+    from perseus_ext.measurement.gpu.timeline_factory import gpu_switch_latency
 
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)

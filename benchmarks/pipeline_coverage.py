@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from perseus_ext.actuation.controller import FrequencyController  # noqa: E402
 from perseus_ext.actuation.sequencer import ClockSequencer  # noqa: E402
 from perseus_ext.measurement.gpu import SimulatedGPU  # noqa: E402
-from perseus_ext.measurement.gpu.timeline import open_timeline  # noqa: E402
+from perseus_ext.measurement.gpu.timeline_factory import open_timeline  # noqa: E402
 from perseus_ext.measurement.pacing import SimulatedWorkloadPacer  # noqa: E402
 from perseus_ext.planning.schedule import Kind, build_schedule  # noqa: E402
 

@@ -251,7 +251,7 @@ def test_install_is_idempotent_and_autoload_hooks_the_import():
     wrapped = fake.initialize
     install(fake)
     assert fake.initialize is wrapped
-    code = ("import perseus_ext.adapters.deepspeed as m; m.autoload(); import deepspeed; "
+    code = ("import perseus_ext.autoload as m; m.at_startup(); import deepspeed; "
             "assert deepspeed.initialize._perseus_wrapped")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120, capture_output=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from perseus_ext.measurement.gpu import open_gpu
-from perseus_ext.measurement.gpu.simulated import BLOCKING_POWER_W
+from perseus_ext.planning.energy import BLOCKING_POWER_W
 from perseus_ext.planning.profile import Profile
 
 pytestmark = pytest.mark.skipif(

@@ -11,7 +11,8 @@ from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.profile import Profile, load_profile
 from perseus_ext.planning.schedule import one_f_one_b
 from perseus_ext.planning.solver import solve_frontier
-from perseus_ext.planning.switching import count_switches, merge_switches, repair_latency, with_fewer_switches
+from perseus_ext.planning.switching import count_switches, merge_switches, repair_latency
+from perseus_ext.planning.thinning import with_fewer_switches
 from perseus_ext.planning.wait_aware import plan_ending_at, solve_wait_aware, waiting_energy
 from planning_profiles import P_BLOCK_A100, profile_path, sub_profile
 

@@ -451,10 +451,3 @@ def warn_if_unattached(deepspeed_module: ModuleType) -> None:
     initialize._perseus_watched = True  # type: ignore[attr-defined]
     deepspeed_module.initialize = initialize
 
-
-def autoload() -> None:
-    """Hook DeepSpeed on import (what the `.pth` file does at start-up, see
-    `perseus_ext.autoload`); PERSEUS_AUTOLOAD=0 only warns about an unattached section."""
-    from perseus_ext.autoload import at_startup
-
-    at_startup()

@@ -35,6 +35,7 @@ from perseus_ext.planning.frontier import Frontier, Plan
 from perseus_ext.planning.options import SolverOptions
 from perseus_ext.planning.profile import OperatingPoints, Profile, pareto_indices
 from perseus_ext.planning.schedule import PipelineSchedule
+from perseus_ext.planning.solver import solve_frontier
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,6 @@ def extend_frontier(
     whose extra energy is less than the blocking energy it replaces inside the iteration), so
     the ordinary part is the Pareto set of both solves' plans.
     """
-    from perseus_ext.planning.solver import solve_frontier
-
     useful = wait_useful_profile(profile, blocking_power)
     transformed = solve_frontier(
         schedule, waiting_cost_profile(useful, blocking_power), 0.0, options,
@@ -121,8 +120,6 @@ def solve_wait_aware(
     switch_latency_s: float = 0.0,
 ) -> Frontier:
     """The ordinary frontier (on `profile.pareto()`) extended with wait-aware plans."""
-    from perseus_ext.planning.solver import solve_frontier
-
     frontier = solve_frontier(
         schedule, profile.pareto(), blocking_power, options, switch_latency_s=switch_latency_s
     )

@@ -14,7 +14,8 @@ from typing import Any
 
 from perseus_ext.errors import ConfigError
 from perseus_ext.measurement.gpu import GPU, GPUError, open_gpu
-from perseus_ext.measurement.gpu.timeline import DeviceTimeline, SwitchLatency, gpu_switch_latency, open_timeline
+from perseus_ext.measurement.gpu.timeline import DeviceTimeline, SwitchLatency
+from perseus_ext.measurement.gpu.timeline_factory import gpu_switch_latency, open_timeline
 from perseus_ext.measurement.pacing import ComputationPacer, NoPacing, SimulatedWorkloadPacer
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.policies import PolicyConfig

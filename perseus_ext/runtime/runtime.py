@@ -45,7 +45,14 @@ from perseus_ext.runtime.recurring import JobCoordinator
 from perseus_ext.runtime.records import IterationSetting, MeasuredProfile, SolveOutcome, SolveProblem
 from perseus_ext.runtime.shipping import StageFrontier, ship, shipped_bytes
 from perseus_ext.runtime.solver_process import BackgroundSolve, solve
-from perseus_ext.runtime.summary import build_summary, gather_job_summary, log_summary
+from perseus_ext.runtime.summary import (
+    PolicySnapshot,
+    PowerLimitSnapshot,
+    RunSnapshot,
+    build_summary,
+    gather_job_summary,
+    log_summary,
+)
 from perseus_ext.measurement.gpu import GPU
 
 logger = logging.getLogger(__name__)
@@ -507,7 +514,35 @@ class PerseusRuntime:
         figures, profiling cost, clock coverage and plan switches."""
         if self._summary is not None:
             return self._summary
-        return build_summary(self)
+        return build_summary(self.snapshot())
+
+    def snapshot(self) -> RunSnapshot:
+        """This rank's run as the summary reads it (typed, detached from the collaborators)."""
+        profiling, deployment, mode = self.profiling, self.deployment, self.power_limit
+        config = self.setup.policy_config
+        power_limit = None if mode is None else PowerLimitSnapshot(
+            limit_w=None if mode.optimizer.profiling else mode.optimizer.limit_w,
+            profiling=mode.optimizer.profiling,
+            measurements=tuple(dataclasses.asdict(m) for m in mode.optimizer.measurements),
+            switches=tuple(mode.switches), chosen_at=mode.chosen_at)
+        policy = PolicySnapshot(
+            mode=str(config.mode) if config else "frontier",
+            type=str(config.type) if config else (self.policy.name if self.policy else None),
+            eta=config.eta if config is not None and config.type != "perseus" else None,
+            power_limit_mode=self.setup.power_limit_mode, power_limit=power_limit,
+            carbon=getattr(self.emissions.ledger, "report", None))
+        return RunSnapshot(
+            rank=self.comm.rank, pipeline=self.comm.pipeline, stage=self.stage,
+            gpu_name=self.gpu.name if self.gpu is not None else None, mode=str(self.config.mode),
+            dry_run=self.controller.dry_run, fallback_reason=self.fallback_reason, phase=self.phase,
+            history=tuple(self.recorder.history), baseline_fraction=self.config.baseline_fraction,
+            profiling_iterations=profiling.iterations if profiling else 0,
+            profiled_clocks=tuple(profiling.profiler.profiled_clocks) if profiling else (),
+            profile_overhead_s=profiling.overhead_s if profiling else 0.0,
+            exact_coverage=self.timeline.exact_coverage(), switch_latency_s=self.setup.latency.effective_s,
+            plan_switches=tuple(deployment.switches) if deployment else (),
+            controller_errors=self.controller.error_count,
+            frontier=deployment.frontier if deployment else None, policy=policy)
 
     def close(self) -> None:
         """Restore default clocks and report; idempotent, never raises."""
@@ -536,9 +571,16 @@ class PerseusRuntime:
         except Exception:
             logger.exception("perseus-ext: closing the device timeline failed")
         try:
-            self._summary = build_summary(self)
-            # Every rank: the job's figures (bounded wait for the others), logged by rank 0.
-            self._summary["job"], job_error = gather_job_summary(self, self._summary)
+            run = self.snapshot()
+            self._summary = build_summary(run)
+            # Every rank: the job's figures (bounded wait for the others), logged by rank 0. A
+            # rank whose control plane failed earlier skips the reductions.
+            if self.control_plane_failed:
+                self._summary["job"], job_error = None, "this rank's control plane failed earlier (its error says why)"
+            else:
+                self._summary["job"], job_error = gather_job_summary(
+                    self.comm, run, self._summary, job_id=self.job_id,
+                    control_timeout_s=self.config.control_timeout_s)
             log_summary(self._summary, self.config.summary_path, job_error)
         except Exception:
             logger.exception("perseus-ext: writing the summary failed")

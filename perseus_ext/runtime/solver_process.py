@@ -63,7 +63,7 @@ def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveOutcome
         extension_error = f"{type(err).__name__}: {err}"
         logger.warning("perseus-ext: no wait-aware plans past the minimum-energy plan (%s)", extension_error)
     try:
-        from perseus_ext.planning.switching import with_fewer_switches
+        from perseus_ext.planning.thinning import with_fewer_switches
 
         frontier = with_fewer_switches(
             frontier, problem.schedule, profile, measured.blocking_power_per_stage_w,

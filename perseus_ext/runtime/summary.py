@@ -23,6 +23,7 @@ import math
 import statistics
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from perseus_ext.runtime.baseline import (
@@ -35,10 +36,13 @@ from perseus_ext.runtime.baseline import (
     phase_costs,
 )
 from perseus_ext.runtime.phase import Phase
-from perseus_ext.runtime.records import IterationRecord
+from perseus_ext.runtime.records import IterationRecord, PlanSwitch
 
 if TYPE_CHECKING:
-    from perseus_ext.runtime.runtime import PerseusRuntime
+    from perseus_ext.measurement.gpu.timeline import CoverageTally
+    from perseus_ext.planning.frontier import Frontier
+    from perseus_ext.policies.chase import CarbonReport
+    from perseus_ext.runtime.comm import ControlPlane
 
 logger = logging.getLogger(__name__)
 
@@ -54,55 +58,104 @@ def _stats(records: list[IterationRecord]) -> dict[str, Any] | None:
     }
 
 
-def _coverage(runtime: "PerseusRuntime", deployed: list[IterationRecord]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PowerLimitSnapshot:
+    """Power-limit mode at the time of the snapshot: the limit in force (None while profiling),
+    the limits measured, the limit switches and the iteration the limit was chosen at."""
+
+    limit_w: float | None
+    profiling: bool
+    measurements: tuple[dict[str, Any], ...]
+    switches: tuple[dict[str, Any], ...]
+    chosen_at: int | None
+
+
+@dataclass(frozen=True)
+class PolicySnapshot:
+    """Which policy ran: mode and type (from `policy` config, else the frontier policy's name),
+    eta for cost policies, power-limit mode's state, and Chase's emissions report."""
+
+    mode: str
+    type: str | None
+    eta: float | None = None
+    power_limit_mode: bool = False  # configured, even where the mode never started
+    power_limit: PowerLimitSnapshot | None = None
+    carbon: CarbonReport | None = None
+
+
+@dataclass(frozen=True)
+class RunSnapshot:
+    """Everything one rank's summary is built from, taken by the runtime (`PerseusRuntime.snapshot`):
+    the summary reads these typed fields, never the runtime itself."""
+
+    rank: int
+    pipeline: int
+    stage: int
+    gpu_name: str | None
+    mode: str
+    dry_run: bool
+    fallback_reason: str | None
+    phase: Phase
+    history: tuple[IterationRecord, ...]
+    baseline_fraction: float
+    profiling_iterations: int
+    profiled_clocks: tuple[int, ...]
+    profile_overhead_s: float
+    exact_coverage: CoverageTally | None  # simulated devices only
+    switch_latency_s: float
+    plan_switches: tuple[PlanSwitch, ...]
+    controller_errors: int
+    frontier: Frontier | None  # the deployed one (the leader's whole frontier, a rank's own share)
+    policy: PolicySnapshot
+
+
+def _coverage(run: RunSnapshot, deployed: list[IterationRecord]) -> dict[str, Any]:
     estimated = [r.coverage for r in deployed if r.coverage is not None]
-    exact = runtime.timeline.exact_coverage()
+    exact = run.exact_coverage
     return {
         "estimated": statistics.fmean(estimated) if estimated else None,
         "exact": exact.coverage if exact is not None else None,
-        "switch_latency_s": runtime.setup.latency.effective_s,
+        "switch_latency_s": run.switch_latency_s,
     }
 
 
-def build_summary(runtime: "PerseusRuntime") -> dict[str, Any]:
-    history = runtime.recorder.history
+def build_summary(run: RunSnapshot) -> dict[str, Any]:
+    history = list(run.history)
     # The first iteration carries one-off costs (buffer allocation): it describes no clock setting.
     default = [r for r in history[1:] if r.phase.at_default_clocks and not r.setting.fell_back]
     deployed = [r for r in history if r.setting.plan is not None]
-    power_limit = runtime.power_limit
+    power_limit = run.policy.power_limit
     if power_limit is not None and power_limit.chosen_at is not None:  # the iterations at the chosen limit
         deployed = [r for r in history if r.phase is Phase.POWER_LIMIT and r.iteration > power_limit.chosen_at]
-    deployment = runtime.deployment
-    profiling = runtime.profiling
     samples = [Sample.of_record(r) for r in history]
     figures = job_figures(samples)
     measured = figures["measured"]
     fell_back_at = next((r.iteration for r in history if r.setting.fell_back), None)
     result: dict[str, Any] = {
-        "rank": runtime.comm.rank, "pipeline": runtime.comm.pipeline, "stage": runtime.stage,
-        "gpu": runtime.gpu.name if runtime.gpu is not None else None,
-        "mode": str(runtime.config.mode), "dry_run": runtime.controller.dry_run,
-        "fallback_reason": runtime.fallback_reason, "fell_back_at_iteration": fell_back_at,
-        "final_phase": "fallback" if runtime.fallback_reason is not None else runtime.phase.value,
+        "rank": run.rank, "pipeline": run.pipeline, "stage": run.stage,
+        "gpu": run.gpu_name,
+        "mode": run.mode, "dry_run": run.dry_run,
+        "fallback_reason": run.fallback_reason, "fell_back_at_iteration": fell_back_at,
+        "final_phase": "fallback" if run.fallback_reason is not None else run.phase.value,
         "iterations": len(history),
-        "profiling_iterations": profiling.iterations if profiling else 0,
-        "profiled_clocks": profiling.profiler.profiled_clocks if profiling else [],
-        "profile_overhead_s": profiling.overhead_s if profiling else 0.0,
+        "profiling_iterations": run.profiling_iterations,
+        "profiled_clocks": list(run.profiled_clocks),
+        "profile_overhead_s": run.profile_overhead_s,
         "default_clocks": _stats(default),
         "deployed": _stats(deployed),
         "deployed_intrinsic": _stats([r for r in deployed if r.setting.factor == 1.0]),
         "deployed_extrinsic": _stats([r for r in deployed if r.setting.factor and r.setting.factor > 1.0]),
-        "baseline_fraction": runtime.config.baseline_fraction,
+        "baseline_fraction": run.baseline_fraction,
         "measured": measured,
         "default_per_iteration": figures["default_per_iteration"],
         "phase_costs": figures["phase_costs"],
-        "clock_coverage": _coverage(runtime, deployed),
-        "plan_switches": [dataclasses.asdict(s) for s in deployment.switches] if deployment else [],
-        "controller_errors": runtime.controller.error_count,
-        "policy": _policy_summary(runtime),
+        "clock_coverage": _coverage(run, deployed),
+        "plan_switches": [dataclasses.asdict(s) for s in run.plan_switches],
+        "controller_errors": run.controller_errors,
+        "policy": _policy_summary(run.policy),
     }
-    if deployment is not None:
-        frontier = deployment.frontier
+    if run.frontier is not None:
+        frontier = run.frontier
         result["frontier"] = {
             "plans": len(frontier.plans),
             "all_max_clock": {"time_s": frontier.baseline.time, "energy_j": frontier.baseline.energy},
@@ -126,30 +179,20 @@ def build_summary(runtime: "PerseusRuntime") -> dict[str, Any]:
     return result
 
 
-def _policy_summary(runtime: "PerseusRuntime") -> dict[str, Any]:
+def _policy_summary(policy: PolicySnapshot) -> dict[str, Any]:
     """Which policy ran; in power-limit mode the limits measured and the one chosen; with Chase
     this GPU's emissions (kgCO2 emitted, and saved against its default-clock energy)."""
-    config = runtime.setup.policy_config
-    policy = runtime.policy
-    result: dict[str, Any] = {
-        "mode": str(config.mode) if config else "frontier",
-        "type": str(config.type) if config else (policy.name if policy else None),
-    }
-    if config is not None and config.type != "perseus":
-        result["eta"] = config.eta
-    mode = runtime.power_limit
+    result: dict[str, Any] = {"mode": policy.mode, "type": policy.type}
+    if policy.eta is not None:
+        result["eta"] = policy.eta
+    mode = policy.power_limit
     if mode is not None:
-        optimizer = mode.optimizer
-        result.update(
-            limit_w=None if optimizer.profiling else optimizer.limit_w, profiling=optimizer.profiling,
-            measurements=[dataclasses.asdict(m) for m in optimizer.measurements], switches=list(mode.switches),
-        )
-    elif runtime.setup.power_limit_mode:
+        result.update(limit_w=mode.limit_w, profiling=mode.profiling,
+                      measurements=list(mode.measurements), switches=list(mode.switches))
+    elif policy.power_limit_mode:
         result.update(limit_w=None, profiling=False, measurements=[], switches=[])
-    ledger = runtime.emissions.ledger
-    report = getattr(ledger, "report", None)
-    if report is not None:
-        result["carbon"] = {**dataclasses.asdict(report), "summary": report.summary()}
+    if policy.carbon is not None:
+        result["carbon"] = {**dataclasses.asdict(policy.carbon), "summary": policy.carbon.summary()}
     return result
 
 
@@ -200,15 +243,13 @@ def _decode(sums: list[float], maxes: list[float], length: int, ranks: int) -> l
     return job
 
 
-def gather_job_summary(runtime: "PerseusRuntime", summary: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
-    """(the job's figures, None), identical on every rank, or (None, why not). Every rank calls
-    it at close: three reductions over the control plane, of eight numbers per iteration. A
-    rank whose control plane failed earlier skips them, and every rank gives up after a bounded
-    wait (`JOB_SUMMARY_WAIT_S`, at most `control_timeout_s`); never raises."""
-    comm = runtime.comm
-    if runtime.control_plane_failed:
-        return None, "this rank's control plane failed earlier (its error says why)"
-    samples = [Sample.of_record(r) for r in runtime.recorder.history]
+def gather_job_summary(comm: "ControlPlane", run: RunSnapshot, summary: dict[str, Any], *, job_id: str,
+                       control_timeout_s: float) -> tuple[dict[str, Any] | None, str | None]:
+    """(the job's figures, None), identical on every rank, or (None, why not). Every rank whose
+    control plane still works calls it at close: three reductions over the control plane, of
+    eight numbers per iteration. Every rank gives up after a bounded wait (`JOB_SUMMARY_WAIT_S`,
+    at most `control_timeout_s`); never raises."""
+    samples = [Sample.of_record(r) for r in run.history]
     coverage = summary["clock_coverage"]["exact"] or summary["clock_coverage"]["estimated"]
     fell_back_at = summary["fell_back_at_iteration"]
     rank_figures = [float(fell_back_at is not None), coverage or 0.0, float(coverage is not None),
@@ -218,7 +259,7 @@ def gather_job_summary(runtime: "PerseusRuntime", summary: dict[str, Any]) -> tu
     # Bounded: a rank whose peers died or never close must still exit, and the groups themselves
     # time out only after control_timeout_s (by default half an hour). A shorter timeout is left
     # to the groups, so that no reduction stays pending when the process exits.
-    timeout_s = runtime.config.control_timeout_s
+    timeout_s = control_timeout_s
     deadline_s = None if timeout_s <= JOB_SUMMARY_WAIT_S else time.monotonic() + JOB_SUMMARY_WAIT_S
     try:
         (length,) = comm.all_reduce_by([max((s.iteration for s in samples), default=-1) + 1], "max", deadline_s)
@@ -227,7 +268,7 @@ def gather_job_summary(runtime: "PerseusRuntime", summary: dict[str, Any]) -> tu
     except Exception as err:
         return None, f"gathering the ranks' figures failed: {err}"
     try:
-        comm.settle(f"job-summary/{runtime.job_id}", time.monotonic() + min(timeout_s, JOB_SUMMARY_WAIT_S))
+        comm.settle(f"job-summary/{job_id}", time.monotonic() + min(timeout_s, JOB_SUMMARY_WAIT_S))
     except Exception as err:  # the figures are complete; only the exit's ordering is at stake
         logger.debug("perseus-ext: settling the ranks after the job summary failed: %s", err)
     length = int(length)

@@ -21,16 +21,16 @@ from perseus_ext.measurement.gpu.common import (
     SIMULATED_HINT,
 )
 from perseus_ext.measurement.gpu.sim_board import DEFAULT_TRANSFER_S
-from perseus_ext.measurement.gpu.simulated import PRESETS, Preset, SimulatedGPU
+from perseus_ext.measurement.gpu.sim_presets import PRESETS, Preset
+from perseus_ext.measurement.gpu.simulated import SimulatedGPU
 from perseus_ext.measurement.gpu.timeline import (
     CoverageTally,
     DeviceMarker,
     DeviceTimeline,
     HostOnlyTimeline,
     SwitchLatency,
-    gpu_switch_latency,
-    open_timeline,
 )
+from perseus_ext.measurement.gpu.timeline_factory import gpu_switch_latency, open_timeline
 
 __all__ = [
     "CoverageTally",

@@ -40,7 +40,7 @@ from perseus_ext.measurement.gpu.timeline import (
 )
 
 if TYPE_CHECKING:
-    from perseus_ext.measurement.gpu.simulated import Preset
+    from perseus_ext.measurement.gpu.sim_presets import Preset
 
 ENGINE_LINGER_S = 1.0  # an idle engine thread waits this long for new work before exiting
 # While waiting for another rank's key, the device keeps its last this-many seconds open: a key

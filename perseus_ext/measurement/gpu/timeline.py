@@ -14,7 +14,8 @@ accounting) talks to the compute stream through this module:
 * `CoverageTally`: how much device compute time ran at its planned clock.
 
 Real GPUs get `CudaTimeline` (torch.cuda events, `cuda_timeline.py`), simulated GPUs their own
-asynchronous device (`sim_device.py`), and anything else `HostOnlyTimeline`.
+asynchronous device (`sim_device.py`), and anything else `HostOnlyTimeline`; `timeline_factory.py`
+picks one (`open_timeline`), so this abstract module imports none of its implementations.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from perseus_ext.measurement.gpu.common import GPU, GPUNotSupportedError
+from perseus_ext.measurement.gpu.common import GPUNotSupportedError
 
 
 @dataclass(frozen=True)
@@ -152,44 +153,3 @@ class HostOnlyTimeline(DeviceTimeline):
     def synchronize(self) -> None:
         """Nothing runs anywhere but on the host."""
 
-
-def open_timeline(gpu: GPU | None, *, job_id: str, rank: int) -> DeviceTimeline:
-    """The compute stream of this process's GPU.
-
-    A `SimulatedGPU` gets its simulated device, joined to the cross-rank board of `job_id` (all
-    ranks of one job must pass the same job_id, and a job_id must not be reused by a concurrent
-    job); an NVML GPU gets `CudaTimeline` when torch has CUDA, else `HostOnlyTimeline`.
-    """
-    from perseus_ext.measurement.gpu.simulated import SimulatedGPU
-
-    if isinstance(gpu, SimulatedGPU):
-        return gpu.open_timeline(job_id=job_id, rank=rank)
-    if gpu is not None and _cuda_available():
-        from perseus_ext.measurement.gpu.cuda_timeline import CudaTimeline
-
-        return CudaTimeline()
-    return HostOnlyTimeline()
-
-
-def gpu_switch_latency(gpu: GPU | None) -> SwitchLatency:
-    """How long a clock change takes on `gpu`: the simulator's configured latency, else the
-    default for the model (matched by NVML name), else a conservative default."""
-    from perseus_ext.measurement.gpu.simulated import SimulatedGPU
-
-    if gpu is None:
-        return NO_LATENCY
-    if isinstance(gpu, SimulatedGPU):
-        return gpu.switch_latency
-    name = gpu.name.upper()
-    for pattern, latency in NVML_SWITCH_LATENCIES:
-        if pattern in name:
-            return latency
-    return CONSERVATIVE_SWITCH_LATENCY
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())

@@ -1,0 +1,53 @@
+"""Which timeline and which clock-change latency a GPU gets: the factories over the timeline's
+implementations (`cuda_timeline.py` for real GPUs, the simulated GPU's own device), kept out of the
+abstract `timeline.py` so that the implementations can import it without a cycle."""
+
+from __future__ import annotations
+
+from perseus_ext.measurement.gpu.common import GPU
+from perseus_ext.measurement.gpu.cuda_timeline import CudaTimeline
+from perseus_ext.measurement.gpu.simulated import SimulatedGPU
+from perseus_ext.measurement.gpu.timeline import (
+    CONSERVATIVE_SWITCH_LATENCY,
+    NO_LATENCY,
+    NVML_SWITCH_LATENCIES,
+    DeviceTimeline,
+    HostOnlyTimeline,
+    SwitchLatency,
+)
+
+
+def open_timeline(gpu: GPU | None, *, job_id: str, rank: int) -> DeviceTimeline:
+    """The compute stream of this process's GPU.
+
+    A `SimulatedGPU` gets its simulated device, joined to the cross-rank board of `job_id` (all
+    ranks of one job must pass the same job_id, and a job_id must not be reused by a concurrent
+    job); an NVML GPU gets `CudaTimeline` when torch has CUDA, else `HostOnlyTimeline`.
+    """
+    if isinstance(gpu, SimulatedGPU):
+        return gpu.open_timeline(job_id=job_id, rank=rank)
+    if gpu is not None and _cuda_available():
+        return CudaTimeline()
+    return HostOnlyTimeline()
+
+
+def gpu_switch_latency(gpu: GPU | None) -> SwitchLatency:
+    """How long a clock change takes on `gpu`: the simulator's configured latency, else the
+    default for the model (matched by NVML name), else a conservative default."""
+    if gpu is None:
+        return NO_LATENCY
+    if isinstance(gpu, SimulatedGPU):
+        return gpu.switch_latency
+    name = gpu.name.upper()
+    for pattern, latency in NVML_SWITCH_LATENCIES:
+        if pattern in name:
+            return latency
+    return CONSERVATIVE_SWITCH_LATENCY
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
