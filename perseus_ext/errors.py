@@ -6,6 +6,7 @@ to learn which field of which file or config key was bad.
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Iterable
 
@@ -30,9 +31,20 @@ class ConfigError(PerseusError, ValueError):
     """A `perseus` config section or `--perseus-*` flag has a bad value."""
 
 
+def did_you_mean(given: object, choices: Iterable[str]) -> str:
+    """' (did you mean "x"?)' when one of `choices` is close to `given` (a typo), else ''."""
+    close = difflib.get_close_matches(str(given), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {json.dumps(close[0])}?)" if close else ""
+
+
 def unknown_keys_message(where: str, unknown: Iterable[object], known: Iterable[str]) -> str:
     """The one wording of an unknown-key mistake, for every section and sub-section: it names
-    each unknown key in full and lists the known ones (the usual fix is a typo)."""
-    shown = (key if key.isidentifier() else json.dumps(key) for key in map(str, unknown))
-    names = ", ".join(f"{where}.{key}" for key in sorted(shown))
-    return f"unknown key(s) {names}; known keys: {', '.join(sorted(known))}"
+    each unknown key in full, suggests the known key it is closest to (the usual fix is a typo)
+    and lists the known ones."""
+    known = sorted(known)
+    named = []
+    for key in sorted(map(str, unknown)):
+        shown = key if key.isidentifier() else json.dumps(key)
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        named.append(f"{where}.{shown}" + (f" (did you mean {where}.{close[0]}?)" if close else ""))
+    return f"unknown key(s) {', '.join(named)}; known keys: {', '.join(known)}"

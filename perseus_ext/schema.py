@@ -19,6 +19,7 @@ import math
 import os
 import re
 import string
+import tempfile
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -37,7 +38,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError, core_schema
 
-from perseus_ext.errors import ConfigError, unknown_keys_message
+from perseus_ext.errors import ConfigError, did_you_mean, unknown_keys_message
 
 VALUE_ERROR = "perseus_value"  # ctx["text"] completes "<key> ..."
 KEYS_ERROR = "perseus_keys"  # ctx: unknown and known keys, or missing keys and why they are needed
@@ -208,10 +209,13 @@ def choice(enum_type: type[enum.Enum], *, example: str) -> Any:
     """One of a str-valued enum's values; the model holds the enum member (equal to its str)."""
     values = {member.value: member for member in enum_type}
 
+    allowed = ", ".join(json.dumps(v) for v in values)
+
     def from_value(value: Any) -> Any:
+        if isinstance(value, str) and value not in values and did_you_mean(value, values):
+            raise value_error(f"must be one of {allowed}, got {show(value)}{did_you_mean(value, values)}")
         return values.get(value, value) if isinstance(value, str) else value
 
-    allowed = ", ".join(json.dumps(v) for v in values)
     return Annotated[enum_type, BeforeValidator(from_value), Rule(f"one of {allowed}", example)]
 
 
@@ -239,7 +243,10 @@ def unwritable_reason(path: Path) -> str | None:
         if path.is_dir():
             return "is a directory"
         if path.exists():
-            return None if os.access(path, os.W_OK) else "exists and is not writable"
+            if not os.access(path, os.W_OK):
+                return "exists and is not writable"
+            with open(path, "ab"):  # appends nothing; fails where access() cannot tell (root, /proc)
+                return None
         parent = path.parent
         while not parent.exists():
             parent = parent.parent
@@ -247,6 +254,12 @@ def unwritable_reason(path: Path) -> str | None:
             return f"cannot be created: {parent} is a file, not a directory"
         if not os.access(parent, os.W_OK | os.X_OK):
             return f"cannot be created: no permission to write in {parent}"
+        # What creating the file's directories will meet: access() says yes to root everywhere,
+        # also on read-only mounts and in /proc, so try it with an empty directory, removed at once.
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".perseus-check-", dir=parent))
+        except OSError as err:
+            return f"cannot be created: nothing can be created in {parent} ({err.strerror or err})"
     except (OSError, ValueError) as err:
         return f"is not a usable path ({err})"
     return None

@@ -49,6 +49,7 @@ class HandMarker(DeviceMarker):
 def make_config(**overrides) -> PerseusConfig:
     section = {
         "enabled": True,
+        "gpu": "sim:a100_sxm",  # tests pass their own simulated GPU object; this names its kind
         "warmup_iterations": 1,
         "clock_stride": 6,
         "straggler_check_interval": 3,

@@ -43,8 +43,10 @@ def error_of(section: Any) -> str:
 
 @pytest.fixture(autouse=True)
 def _in_tmp(tmp_path, monkeypatch):
-    """Relative output paths land in a fresh writable directory."""
+    """Relative output paths land in a fresh writable directory; sections that give a
+    simulated_workload run on the simulated GPU of env PERSEUS_GPU (the key left null)."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PERSEUS_GPU", "sim:a100_sxm")
 
 
 # --------------------------------------------------------------------------- defaults, round trip
@@ -173,7 +175,9 @@ BAD = [
     ({"solver": {"max_memory_gib": 1e6}}, "perseus.solver.max_memory_gib must be a number in [0.1, 1024]"),
     ({"solver": {"polish_budget": -1}}, "perseus.solver.polish_budget must be an integer in [0, 1000000000000]"),
     ({"solver": {"progress": "yes"}}, "perseus.solver.progress must be true or false"),
-    ({"solver": {"min_grid_point": 5}}, "unknown key(s) perseus.solver.min_grid_point; known keys: anchor_budget"),
+    ({"solver": {"min_grid_point": 5}},
+     "unknown key(s) perseus.solver.min_grid_point (did you mean perseus.solver.min_grid_points?); known keys: "
+     "anchor_budget"),
     ({"control_timeout_s": 1e15}, "perseus.control_timeout_s must be a number of seconds in [1, 604800], got 1000000000000000.0"),
     ({"control_timeout_s": 0.001}, "perseus.control_timeout_s must be a number of seconds in [1, 604800], got 0.001"),
     ({"straggler_check_interval": 0}, "perseus.straggler_check_interval must be an integer >= 1"),

@@ -41,6 +41,7 @@ def test_individual_flags_mirror_the_deepspeed_keys():
         "--perseus-straggler-threshold", "0.1",
         "--perseus-early-stop", "false",
         "--perseus-simulated-workload", '{"forward_seconds": 0.01, "backward_seconds": [0.02, 0.03]}',
+        "--perseus-gpu", "sim:a100_sxm",
     )
     config = config_from_args(args)
     assert config.enabled is True

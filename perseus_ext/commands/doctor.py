@@ -114,10 +114,14 @@ def nvml_devices() -> dict[str, Any]:
         nvml.nvmlShutdown()
 
 
-def permissions() -> dict[str, Any]:
+def permissions(nvml: dict[str, Any]) -> dict[str, Any]:
+    """Whether this process may set clocks; None (not "yes") where NVML sees no GPU: root may
+    set nothing on a machine without one."""
     from perseus_ext.measurement.gpu.common import PERMISSION_HELP
     from perseus_ext.measurement.gpu.nvml import has_clock_privilege
 
+    if not nvml["available"]:
+        return {"can_set_clocks": None, "how_to_grant": None}
     allowed = has_clock_privilege()
     return {
         "can_set_clocks": allowed,
@@ -183,7 +187,8 @@ def _print_report(report: dict[str, Any]) -> list[str]:
     else:
         print(f"NVML: unavailable: {nvml['reason']}")
     perms = report["permissions"]
-    print(f"permission to set clocks: {'yes' if perms['can_set_clocks'] else 'no'}")
+    allowed = perms["can_set_clocks"]
+    print(f"permission to set clocks: {'no GPU to set' if allowed is None else 'yes' if allowed else 'no'}")
     if perms["how_to_grant"]:
         print(f"  {perms['how_to_grant']}; without it perseus-ext runs in dry-run mode")
     gpu = report["gpu"]
@@ -206,10 +211,11 @@ def _print_report(report: dict[str, Any]) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     if args.json:
         check_writable_file(args.json, "--json")
+    nvml = nvml_devices()
     report = {
         "installation": installation(),
-        "nvml": nvml_devices(),
-        "permissions": permissions(),
+        "nvml": nvml,
+        "permissions": permissions(nvml),
         "gpu": measure_gpu(args.gpu, args.local_rank, args.updates),
     }
     problems = _print_report(report)

@@ -20,12 +20,15 @@ import dataclasses
 import enum
 import json
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, PlainValidator, PrivateAttr, TypeAdapter, model_validator
 
 from perseus_ext.errors import ConfigError, SolverError
+from perseus_ext.measurement.gpu import ENV_SPEC as GPU_ENV
+from perseus_ext.measurement.gpu import check_gpu_spec
 from perseus_ext.planning.options import BOUNDS as SOLVER_OPTION_BOUNDS
 from perseus_ext.planning.options import SolverOptions
 from perseus_ext.policies.config import PolicyConfig
@@ -190,6 +193,21 @@ def _profile_path(path: str) -> str:
     return path
 
 
+# ------------------------------------------------------------------------------ the GPU
+def _known_gpu_spec(spec: str) -> str:
+    """A simulated preset or option that does not exist fails here, naming `perseus.gpu`."""
+    try:
+        check_gpu_spec(spec)
+    except ConfigError as err:
+        raise value_error(f"{show(spec)}: {str(err).removeprefix(f'GPU spec {spec!r}: ')}") from None
+    return spec
+
+
+def resolved_gpu_spec(gpu: str | None) -> str:
+    """The GPU backend a rank will open: the key, else env PERSEUS_GPU, else NVML."""
+    return (gpu if gpu is not None else os.environ.get(GPU_ENV, "nvml")).strip()
+
+
 # ------------------------------------------------------------------------------ the section
 Clock = integer(1, example=1410, what="a clock in MHz")
 Iterations = integer(0, example=2)
@@ -209,7 +227,8 @@ class PerseusConfig(Section):
                     "(and paces a simulated GPU) — the baseline for comparisons.")] = Mode.OPTIMIZE
     gpu: Annotated[
         Annotated[str, Rule('"nvml" or "sim:<preset>[?options]"', "sim:a100_sxm",
-                            lambda s: s.strip() == "nvml" or s.strip().startswith("sim:"))] | None,
+                            lambda s: s.strip() == "nvml" or s.strip().startswith("sim:")),
+                  AfterValidator(_known_gpu_spec)] | None,
         Field(description="GPU backend: `\"nvml\"` or `\"sim:<preset>[?options]\"` (presets `a100_sxm`, `a40`, "
                           "`h100`; see docs/device.md). `null` reads env `PERSEUS_GPU`, default `nvml`.")] = None
     seed: Annotated[integer(0, example=0), Field(
@@ -331,6 +350,13 @@ class PerseusConfig(Section):
                 f"{PREFIX}.straggler_hysteresis ({self.straggler_hysteresis:g}) must be smaller than "
                 f"{PREFIX}.straggler_threshold ({self.straggler_threshold:g}), or plans would never return "
                 f"after a straggler recovers; e.g. 0.02 and 0.05"
+            )
+        if self.simulated_workload is not None and not resolved_gpu_spec(self.gpu).startswith("sim:"):
+            where = f"{PREFIX}.gpu" if self.gpu is not None else f"{PREFIX}.gpu (null: env {GPU_ENV}, default nvml)"
+            raise statement_error(
+                f"{PREFIX}.simulated_workload paces work on a simulated GPU, but {where} is "
+                f"{show(resolved_gpu_spec(self.gpu))}: set {PREFIX}.gpu to \"sim:a100_sxm\" (a CPU machine, "
+                f"or a test of the loop) or drop {PREFIX}.simulated_workload (a real GPU)"
             )
         if self.profile_path is not None and self.blocking_power_w is None and Path(self.profile_path).is_file():
             try:

@@ -90,7 +90,8 @@ class PerseusRuntime:
         self.policy = self.setup.policy
         self.controller = FrequencyController(self.gpu, dry_run=config.dry_run, strict=config.strict)
         if self.controller.dry_run:
-            why = "as configured" if config.dry_run else "no permission to set GPU clocks"
+            why = ("as configured" if config.dry_run else "no GPU could be opened" if self.gpu is None
+                   else "no permission to set GPU clocks")
             logger.warning("perseus-ext: stage %d runs in DRY-RUN mode (%s): clock changes are "
                            "recorded, not applied", stage, why)
         self.comm = ControlPlane(stage=stage, dp_group=dp_group, timeout_s=config.control_timeout_s)

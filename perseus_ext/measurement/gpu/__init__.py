@@ -10,7 +10,7 @@ import os
 from typing import Any
 from urllib.parse import parse_qsl
 
-from perseus_ext.errors import ConfigError
+from perseus_ext.errors import ConfigError, did_you_mean
 from perseus_ext.measurement.gpu.common import (
     GPU,
     GPUError,
@@ -48,6 +48,7 @@ __all__ = [
     "Preset",
     "SimulatedGPU",
     "SwitchLatency",
+    "check_gpu_spec",
     "gpu_switch_latency",
     "open_gpu",
     "open_restore_target",
@@ -110,21 +111,43 @@ def open_gpu(
     )
 
 
-def _open_simulated(spec: str, rest: str, *, rank: int, seed: int) -> SimulatedGPU:
+def check_gpu_spec(spec: str) -> None:
+    """A ConfigError unless `spec` is "nvml" or a simulated spec with a known preset and valid
+    options (the config door calls it, so a typo fails before the framework builds anything)."""
+    backend, _, rest = spec.strip().partition(":")
+    if backend == "sim":
+        _parse_simulated(spec.strip(), rest)
+    elif not (backend == "nvml" and not rest):
+        raise ConfigError(f"GPU spec {spec!r} is not understood; use 'nvml' or 'sim:<preset>' with preset one "
+                          f"of {', '.join(sorted(PRESETS))}")
+
+
+def _parse_simulated(spec: str, rest: str) -> tuple[str, dict[str, Any]]:
+    """The preset and options of "sim:<preset>?key=value&...", or a ConfigError naming the typo."""
     preset, _, query = rest.partition("?")
     preset = preset or "a100_sxm"
     if preset not in PRESETS:
         raise ConfigError(
-            f"GPU spec {spec!r}: unknown simulated preset {preset!r}; use one of "
+            f"GPU spec {spec!r}: unknown simulated preset {preset!r}{did_you_mean(preset, PRESETS)}; use one of "
             f"{', '.join(sorted(PRESETS))}"
         )
     options: dict[str, Any] = {}
-    for key, raw in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError as err:
+        raise ConfigError(f"GPU spec {spec!r}: options are not key=value pairs joined by '&' ({err})") from None
+    for key, raw in pairs:
         if key not in _SIM_OPTIONS:
             raise ConfigError(
-                f"GPU spec {spec!r}: unknown option {key!r}; known: {', '.join(_SIM_OPTIONS)}"
+                f"GPU spec {spec!r}: unknown option {key!r}{did_you_mean(key, _SIM_OPTIONS)}; known: "
+                f"{', '.join(_SIM_OPTIONS)}"
             )
         options[key] = _parse_option(spec, key, raw, _SIM_OPTIONS[key])
+    return preset, options
+
+
+def _open_simulated(spec: str, rest: str, *, rank: int, seed: int) -> SimulatedGPU:
+    preset, options = _parse_simulated(spec, rest)
     base_seed = _env_int(ENV_SEED, options.pop("seed", seed))
     slowdown = options.pop("slowdown", 1.0)
     if os.environ.get(ENV_SLOWDOWN):

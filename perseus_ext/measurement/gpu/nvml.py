@@ -33,7 +33,7 @@ def _load_pynvml() -> Any:
         import pynvml
     except ImportError:
         raise GPUUnavailableError(
-            "the NVML backend needs nvidia-ml-py (pip install 'perseus-ext[nvml]'); "
+            "the NVML backend needs nvidia-ml-py (pip install nvidia-ml-py; perseus-ext installs it unless it was removed); "
             + SIMULATED_HINT
         ) from None
     return pynvml
