@@ -10,73 +10,57 @@ the probes' own cost, and what warm-up, profiling and solving cost on their own.
 `--frontier` the profile-based estimate is printed beside it, labelled as a model. `--figure`
 draws the timeline that the demo draws too.
 
-A log appended across restarts holds several runs; each rank's latest run is reported (a run
-starts where the iteration count goes back).
+A log appended across restarts holds several runs; the job of the logs' latest runs is reported
+(`perseus_ext.log_files`: logs of several jobs, or a rank given twice, are refused, never merged).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from perseus_ext.errors import PerseusError
+from perseus_ext.log_files import JobLogs, read_logs
+from perseus_ext.runtime.baseline import Sample
 
 STRAGGLER_LABEL = "deployed (slowed for a straggler)"
 
 
-def read_logs(paths: Iterable[str | Path]) -> dict[int, list[dict[str, Any]]]:
-    """Every rank's rows of its latest run, in iteration order (several files may hold one
-    rank's rows; a rank whose iteration count goes back restarted)."""
-    rows_by_rank: dict[int, list[dict[str, Any]]] = {}
-    for path in paths:
-        path = Path(path)
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except OSError as err:
-            raise PerseusError(f"cannot read the log {path}: {err.strerror or err}") from None
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                rows_by_rank.setdefault(int(row["rank"]), []).append(row)
-                float(row["time_s"]), int(row["iteration"]), str(row["phase"])
-            except (ValueError, KeyError, TypeError) as err:
-                raise PerseusError(f"{path}:{number} is not a perseus-ext log record ({err!r}); give the "
-                                   "JSONL files the runtime writes to perseus.log_path") from None
-    if not rows_by_rank:
-        raise PerseusError("the logs hold no iteration records")
-    latest = {}
-    for rank, rows in rows_by_rank.items():
-        start = max((k for k in range(1, len(rows)) if rows[k]["iteration"] <= rows[k - 1]["iteration"]), default=0)
-        latest[rank] = rows[start:]
-    return dict(sorted(latest.items()))
+def analyse(logs: JobLogs, model_saving: float | None = None, *, timeline: bool = True) -> dict[str, Any]:
+    """Per-rank and job-level measured saving, probe cost and phase costs (JSON-ready), in one
+    streaming pass over the logs; `timeline` keeps the job's per-iteration figures (for the
+    figure and the JSON: 4 values per job iteration, the only memory that grows with the logs)."""
+    from perseus_ext.runtime.baseline import RunFigures, job_sample
+
+    per_rank = {run.rank: RunFigures() for run in logs.runs}
+    fell_back_at: dict[int, int | None] = dict.fromkeys(per_rank)
+
+    def on_sample(rank: int):
+        figures = per_rank[rank]
+
+        def add(sample: Sample) -> None:
+            figures.add(sample)
+            if fell_back_at[rank] is None and sample.label == "fallback":
+                fell_back_at[rank] = sample.iteration
+        return add
+
+    job = RunFigures()
+    series: dict[str, list] = {"iterations": [], "labels": [], "time_s": [], "energy_j": []}
+    for iteration, row in logs.merged({rank: on_sample(rank) for rank in per_rank}):
+        sample = job_sample(iteration, row)
+        job.add(sample)
+        if timeline:
+            series["iterations"].append(sample.iteration)
+            series["labels"].append(timeline_label(sample))
+            series["time_s"].append(sample.time_s)
+            series["energy_j"].append(sample.energy_j)
+    ranks = {run.rank: {"pipeline": run.pipeline, "stage": run.stage, "iterations": per_rank[run.rank].iterations,
+                        "fell_back_at_iteration": fell_back_at[run.rank], "measured": per_rank[run.rank].measured()}
+             for run in logs.runs}
+    return {"job_id": logs.job, "ranks": ranks, "job": {**job.figures(), "model_intrinsic_saving": model_saving},
+            "timeline": series if timeline else None}
 
 
-def analyse(rows_by_rank: dict[int, list[dict[str, Any]]], model_saving: float | None = None) -> dict[str, Any]:
-    """Per-rank and job-level measured saving, probe cost and phase costs (JSON-ready)."""
-    from perseus_ext.runtime.baseline import Sample, job_samples, measured_counterfactual
-    from perseus_ext.runtime.summary import job_figures
-
-    samples = {rank: [Sample.of_row(row) for row in rows] for rank, rows in rows_by_rank.items()}
-    ranks = {}
-    for rank, own in samples.items():
-        first = rows_by_rank[rank][0]
-        measured = measured_counterfactual(own)
-        ranks[rank] = {"pipeline": first.get("pipeline"), "stage": first.get("stage"), "iterations": len(own),
-                       "fell_back_at_iteration": next((s.iteration for s in own if s.label == "fallback"), None),
-                       "measured": measured}
-    job = job_samples(samples.values())
-    return {
-        "ranks": ranks,
-        "job": {**job_figures(job), "model_intrinsic_saving": model_saving},
-        "timeline": {"iterations": [s.iteration for s in job], "labels": [timeline_label(s) for s in job],
-                     "time_s": [s.time_s for s in job], "energy_j": [s.energy_j for s in job]},
-    }
-
-
-def timeline_label(sample: Any) -> str:
+def timeline_label(sample: Sample) -> str:
     """The band a job iteration gets in the timeline: its phase, probes and fallbacks as such,
     and deployed iterations slowed for a straggler apart from fastest-plan ones."""
     if sample.label == "deployed" and (sample.factor or 1.0) > 1.0:

@@ -55,7 +55,7 @@ def test_report_rejects_what_is_not_a_perseus_log(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"rank": 0}\n')
     assert main(["report", str(bad)]) == 2
-    assert "bad.jsonl:1 is not a perseus-ext log record" in capsys.readouterr().err
+    assert "bad.jsonl:1: iteration: Field required; give the JSONL files" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "missing.jsonl")]) == 2
 
 

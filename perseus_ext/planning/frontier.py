@@ -149,11 +149,28 @@ class Frontier:
 
     @classmethod
     def load(cls, path: str | Path) -> "Frontier":
-        try:
-            import orjson
-        except ImportError:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        return cls.from_dict(orjson.loads(Path(path).read_bytes()))
+        """A frontier file (`perseus.frontier_path`, `perseus-ext frontier -o`), size-capped and
+        checked field by field: a bad one is an `InputError` naming the file and the field."""
+        from perseus_ext.inputs import FRONTIER_LIMIT_BYTES, parse_json, read_bytes, require_object
+
+        what, fix = "frontier file", FRONTIER_FIX
+        data = parse_json(read_bytes(path, what=what, limit_bytes=FRONTIER_LIMIT_BYTES, fix=fix), path=path,
+                          what=what, fix=fix, max_depth=8, duplicates=True)
+        data = require_object(data, path=path, what=what, fix=fix)
+        schedule = require_object(_field(data, "schedule", path), path=path, what=what, fix=fix, field="schedule")
+        plans = _field(data, "plans", path)
+        if not isinstance(plans, list) or not plans:
+            raise _bad(path, "plans", "must be a non-empty list of plans")
+        start = data.get("extension_start")
+        if start is not None and (isinstance(start, bool) or not isinstance(start, int)
+                                  or not 1 <= start <= len(plans)):
+            raise _bad(path, "extension_start", f"must be an integer from 1 to {len(plans)}, got {start!r}")
+        baseline = _plan(_field(data, "baseline", path), path, "baseline")
+        if baseline.energy <= 0:
+            raise _bad(path, "baseline.energy", f"must be positive, got {baseline.energy:g}")
+        return cls(schedule=schedule, blocking_power=_number(data, "blocking_power", path, ""),
+                   plans=tuple(_plan(plan, path, f"plans[{k}]") for k, plan in enumerate(plans)),
+                   baseline=baseline, extension_start=start)
 
     def to_compact(
         self, stages: Iterable[int] | None = None, plans: Sequence[int] | None = None
@@ -240,6 +257,48 @@ def compact_stage_clocks(data: dict, stage: int) -> np.ndarray:
     source = np.where(latest >= 0, np.arange(num_plans)[:, None], 0)
     np.maximum.accumulate(source, axis=0, out=source)
     return latest[source, np.arange(width)]
+
+
+FRONTIER_FIX = "give a frontier file perseus-ext wrote (perseus.frontier_path or perseus-ext frontier -o), unchanged"
+MAX_CLOCK_MHZ = 100_000
+
+
+def _bad(path: str | Path, field: str, problem: str) -> Exception:
+    from perseus_ext.inputs import InputError
+
+    return InputError(path, problem, FRONTIER_FIX, field=field)
+
+
+def _field(data: dict, key: str, path: str | Path, prefix: str = "") -> object:
+    if key not in data:
+        raise _bad(path, prefix + key, "is missing")
+    return data[key]
+
+
+def _number(data: dict, key: str, path: str | Path, prefix: str) -> float:
+    from perseus_ext.inputs import json_number
+
+    return float(json_number(_field(data, key, path, prefix), path=path, field=prefix + key, fix=FRONTIER_FIX))
+
+
+def _plan(data: object, path: str | Path, where: str) -> Plan:
+    """One plan of a frontier file: finite, non-negative time and energy, a (stages,
+    computations) table of integer clocks."""
+    if not isinstance(data, dict):
+        raise _bad(path, where, "must be an object with time, energy and frequencies")
+    clocks = _field(data, "frequencies", path, where + ".")
+    if (not isinstance(clocks, list) or not clocks or not all(isinstance(row, list) for row in clocks)
+            or len({len(row) for row in clocks}) != 1):
+        raise _bad(path, where + ".frequencies", "must be a (stages x computations) table: a list of equal-length "
+                   "lists of clocks in MHz")
+    try:
+        table = np.array(clocks)
+    except (ValueError, OverflowError):
+        table = np.array([])
+    if table.ndim != 2 or table.dtype.kind not in "iu" or table.min() < 0 or table.max() > MAX_CLOCK_MHZ:
+        raise _bad(path, where + ".frequencies", f"must hold integer clocks from 0 to {MAX_CLOCK_MHZ} MHz")
+    return Plan(_number(data, "time", path, where + "."), _number(data, "energy", path, where + "."),
+                table.astype(np.int32))
 
 
 def _plan_json(plan: Plan) -> dict:

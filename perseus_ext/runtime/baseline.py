@@ -215,79 +215,140 @@ def job_samples(ranks: Iterable[Iterable[Sample]]) -> list[Sample]:
     if not by_rank:
         return []
     common = sorted(set.intersection(*(set(samples) for samples in by_rank)))
-    result = []
-    for iteration in common:
-        row = [samples[iteration] for samples in by_rank]
-        labels = {sample.label for sample in row}
-        label = labels.pop() if len(labels) == 1 else FALLBACK if FALLBACK in labels else "mixed"
-        energies = [sample.energy_j for sample in row]
-        factors = [sample.factor for sample in row if sample.factor is not None]
-        result.append(Sample(iteration, label, max(factors) if factors else None, max(s.time_s for s in row),
-                             None if None in energies else float(sum(energies))))
-    return result
+    return [job_sample(iteration, [samples[iteration] for samples in by_rank]) for iteration in common]
 
 
-def _moments(samples: list[Sample]) -> tuple[Moments, Moments]:
-    measured = [s for s in samples if s.energy_j is not None]
-    return Moments.of(s.energy_j for s in measured), Moments.of(s.time_s for s in measured)
+def job_sample(iteration: int, row: list[Sample]) -> Sample:
+    """The job's iteration from every rank's sample of it (see `job_samples`)."""
+    labels = {sample.label for sample in row}
+    label = labels.pop() if len(labels) == 1 else FALLBACK if FALLBACK in labels else "mixed"
+    energies = [sample.energy_j for sample in row]
+    factors = [sample.factor for sample in row if sample.factor is not None]
+    return Sample(iteration, label, max(factors) if factors else None, max(s.time_s for s in row),
+                  None if None in energies else float(sum(energies)))
 
 
-def measured_counterfactual(samples: list[Sample], confidence: float = CONFIDENCE) -> dict[str, Any]:
-    """The measured saving of the deployed iterations against the probes among them: over all
-    of them, per regime (fastest plan: intrinsic; slowed for a straggler: intrinsic plus
-    extrinsic), and what the probes themselves cost (the saving forgone on them)."""
-    probes = [s for s in samples if s.label == PROBE]
-    deployed = [s for s in samples if s.label == DEPLOYED]
-    result: dict[str, Any] = {}
-    for regime, keep in (("all", lambda s: True), ("intrinsic", lambda s: (s.factor or 1.0) <= 1.0),
-                         ("extrinsic", lambda s: (s.factor or 1.0) > 1.0)):
-        comparison = Comparison.of(_moments([s for s in probes if keep(s)]),
-                                   _moments([s for s in deployed if keep(s)]), confidence)
-        result[regime] = comparison.to_dict() if comparison is not None else None
-    overall = result["all"]
-    if overall is not None:
-        forgone_j = overall["probes"] * (overall["default_energy_j"] - overall["deployed_energy_j"])
-        total_j = sum(s.energy_j for s in probes + deployed if s.energy_j is not None)
-        result["probe_cost"] = {
-            "probes": len(probes), "share_of_deployed": len(probes) / (len(probes) + len(deployed)),
-            "energy_j": forgone_j, "share_of_energy": forgone_j / total_j if total_j else None,
-        }
-    else:
-        result["probe_cost"] = {"probes": len(probes), "share_of_deployed": None, "energy_j": None,
-                                "share_of_energy": None}
-    return result
+REGIMES = {"all": lambda factor: True, "intrinsic": lambda factor: (factor or 1.0) <= 1.0,
+           "extrinsic": lambda factor: (factor or 1.0) > 1.0}
 
 
-def phase_costs(samples: list[Sample], default_energy_j: float | None, default_time_s: float | None) -> dict[str, Any]:
-    """Iterations, total time and energy per label (warm-up, profiling, solving, deployed,
-    probes, ...), and what each cost beyond default clocks when a default-clock figure is known
-    (from the probes, or from a run that only observed)."""
-    result: dict[str, Any] = {}
-    for label in dict.fromkeys(s.label for s in samples):
-        group = [s for s in samples if s.label == label]
-        energies = [s.energy_j for s in group if s.energy_j is not None]
-        time_s = sum(s.time_s for s in group)
-        energy_j = sum(energies) if energies else None
-        result[label] = {
-            "iterations": len(group), "time_s": time_s, "energy_j": energy_j,
-            "time_per_iteration_s": time_s / len(group),
-            "energy_per_iteration_j": energy_j / len(energies) if energies else None,
-            "extra_time_s": None if default_time_s is None else time_s - len(group) * default_time_s,
-            "extra_energy_j": (None if default_energy_j is None or not energies
-                               else energy_j - len(energies) * default_energy_j),
-        }
-    return result
+@dataclass
+class _LabelTotals:
+    iterations: int = 0
+    time_s: float = 0.0
+    energy_j: float = 0.0
+    energies: int = 0
 
 
-def default_figures(samples: list[Sample], counterfactual: Mapping[str, Any]) -> tuple[float | None, float | None]:
-    """Default-clock energy and time per iteration: from the probes, else from an observing
-    run's iterations (the first is skipped: it carries one-off allocation costs)."""
-    overall = counterfactual.get("all")
-    if overall is not None:
-        return overall["default_energy_j"], overall["default_time_s"]
-    observed = [s for s in samples if s.label == "observing"][1:]
-    energy, time = _moments(observed)
-    return (energy.mean, time.mean) if energy.count else (None, None)
+class RunFigures:
+    """The measured saving, default-clock figures and phase costs of a run's samples, fed one
+    sample at a time in iteration order: O(labels) memory, so `perseus-ext report` reads logs of
+    any length in constant memory and the runtime's close computes the very same figures."""
+
+    def __init__(self, confidence: float = CONFIDENCE) -> None:
+        self.confidence = confidence
+        self.iterations = 0
+        self._moments = {(side, regime): (Moments(), Moments()) for side in (PROBE, DEPLOYED) for regime in REGIMES}
+        self._counts = {PROBE: 0, DEPLOYED: 0}
+        self._measured_energy_j = {PROBE: 0.0, DEPLOYED: 0.0}
+        self._observing = (Moments(), Moments())
+        self._observing_seen = 0
+        self._labels: dict[str, _LabelTotals] = {}
+
+    def add(self, sample: Sample) -> None:
+        self.iterations += 1
+        side = sample.label if sample.label in self._counts else None
+        if side is not None:
+            self._counts[side] += 1
+            if sample.energy_j is not None:
+                self._measured_energy_j[side] += sample.energy_j
+                for regime, keep in REGIMES.items():
+                    if keep(sample.factor):
+                        energy, time = self._moments[side, regime]
+                        energy.add(sample.energy_j)
+                        time.add(sample.time_s)
+        if sample.label == "observing":
+            self._observing_seen += 1
+            if self._observing_seen > 1 and sample.energy_j is not None:  # the first carries one-off costs
+                self._observing[0].add(sample.energy_j)
+                self._observing[1].add(sample.time_s)
+        totals = self._labels.setdefault(sample.label, _LabelTotals())
+        totals.iterations += 1
+        totals.time_s += sample.time_s
+        if sample.energy_j is not None:
+            totals.energy_j += sample.energy_j
+            totals.energies += 1
+
+    def measured(self) -> dict[str, Any]:
+        """The deployed iterations against the probes among them: over all of them, per regime
+        (fastest plan: intrinsic; slowed for a straggler: intrinsic plus extrinsic), and what the
+        probes themselves cost (the saving forgone on them)."""
+        result: dict[str, Any] = {}
+        for regime in REGIMES:
+            comparison = Comparison.of(self._moments[PROBE, regime], self._moments[DEPLOYED, regime], self.confidence)
+            result[regime] = comparison.to_dict() if comparison is not None else None
+        probes, deployed = self._counts[PROBE], self._counts[DEPLOYED]
+        overall = result["all"]
+        if overall is not None:
+            forgone_j = overall["probes"] * (overall["default_energy_j"] - overall["deployed_energy_j"])
+            total_j = self._measured_energy_j[PROBE] + self._measured_energy_j[DEPLOYED]
+            result["probe_cost"] = {"probes": probes, "share_of_deployed": probes / (probes + deployed),
+                                    "energy_j": forgone_j, "share_of_energy": forgone_j / total_j if total_j else None}
+        else:
+            result["probe_cost"] = {"probes": probes, "share_of_deployed": None, "energy_j": None,
+                                    "share_of_energy": None}
+        return result
+
+    def default_per_iteration(self, measured: Mapping[str, Any]) -> tuple[float | None, float | None]:
+        """Default-clock energy and time per iteration: from the probes, else from an observing
+        run's iterations (the first is skipped: it carries one-off allocation costs)."""
+        overall = measured.get("all")
+        if overall is not None:
+            return overall["default_energy_j"], overall["default_time_s"]
+        energy, time = self._observing
+        return (energy.mean, time.mean) if energy.count else (None, None)
+
+    def phase_costs(self, default_energy_j: float | None, default_time_s: float | None) -> dict[str, Any]:
+        """Iterations, total time and energy per label (warm-up, profiling, solving, deployed,
+        probes, ...), and what each cost beyond default clocks when a default-clock figure is
+        known (from the probes, or from a run that only observed)."""
+        result: dict[str, Any] = {}
+        for label, totals in self._labels.items():
+            energy_j = totals.energy_j if totals.energies else None
+            result[label] = {
+                "iterations": totals.iterations, "time_s": totals.time_s, "energy_j": energy_j,
+                "time_per_iteration_s": totals.time_s / totals.iterations,
+                "energy_per_iteration_j": energy_j / totals.energies if totals.energies else None,
+                "extra_time_s": None if default_time_s is None else totals.time_s - totals.iterations * default_time_s,
+                "extra_energy_j": (None if default_energy_j is None or not totals.energies
+                                   else energy_j - totals.energies * default_energy_j),
+            }
+        return result
+
+    def figures(self) -> dict[str, Any]:
+        """What `perseus-ext report` and the runtime's job summary print."""
+        measured = self.measured()
+        default_energy_j, default_time_s = self.default_per_iteration(measured)
+        return {"iterations": self.iterations, "measured": measured,
+                "default_per_iteration": {"energy_j": default_energy_j, "time_s": default_time_s},
+                "phase_costs": self.phase_costs(default_energy_j, default_time_s)}
+
+    @classmethod
+    def of(cls, samples: Iterable[Sample], confidence: float = CONFIDENCE) -> RunFigures:
+        figures = cls(confidence)
+        for sample in samples:
+            figures.add(sample)
+        return figures
+
+
+def measured_counterfactual(samples: Iterable[Sample], confidence: float = CONFIDENCE) -> dict[str, Any]:
+    """`RunFigures.measured` of `samples`."""
+    return RunFigures.of(samples, confidence).measured()
+
+
+def phase_costs(samples: Iterable[Sample], default_energy_j: float | None, default_time_s: float | None) -> dict[str, Any]:
+    """`RunFigures.phase_costs` of `samples`."""
+    return RunFigures.of(samples).phase_costs(default_energy_j, default_time_s)
 
 
 # ------------------------------------------------------------------------------ runtime side

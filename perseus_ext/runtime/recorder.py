@@ -45,11 +45,12 @@ class RunRecorder:
     """Pending iterations in, finished `IterationRecord`s out, in iteration order."""
 
     def __init__(self, controller: Any, *, rank: int, pipeline: int, stage: int, latency: SwitchLatency,
-                 log_path: str | None, log_interval: int,
+                 log_path: str | None, log_interval: int, job_id: str | None = None,
                  on_record: Callable[[IterationRecord], None] | None = None,
                  saving: Callable[[], Comparison | None] | None = None) -> None:
         self.controller = controller
         self.rank, self.pipeline, self.stage = rank, pipeline, stage
+        self.job_id = job_id  # every row names its job: `perseus-ext report` never merges two jobs
         self.latency = latency
         self.log_interval = log_interval
         self.history: list[IterationRecord] = []
@@ -153,7 +154,7 @@ class RunRecorder:
         setting = record.setting
         if self._log_file is not None:
             row = {
-                "timestamp": record.wall_time, "iteration": record.iteration, "rank": record.rank,
+                "timestamp": record.wall_time, "job": self.job_id, "iteration": record.iteration, "rank": record.rank,
                 "pipeline": record.pipeline, "stage": record.stage, "phase": setting.phase.value,
                 "setting": setting.describe(), "plan": setting.plan,
                 "profiled_clock_mhz": setting.profiled_clock_mhz, "power_limit_w": setting.power_limit_w,

@@ -110,7 +110,8 @@ class PerseusRuntime:
         self.probes = BaselineProbes(config.baseline_fraction, config.straggler_check_interval)
         self.recorder = RunRecorder(self.controller, rank=self.comm.rank, pipeline=self.comm.pipeline,
                                     stage=stage, latency=self.setup.latency, log_path=config.log_path,
-                                    log_interval=config.log_interval, on_record=self.emissions.on_record,
+                                    log_interval=config.log_interval, job_id=self.job_id,
+                                    on_record=self.emissions.on_record,
                                     saving=self.probes.estimate)
         # The job-wide exchange (batch-size run, early stop, shared signal); None when unused.
         self.job = JobCoordinator.create(config, self.comm, self.gpu, self.policy)

@@ -30,10 +30,8 @@ from perseus_ext.runtime.baseline import (
     FALLBACK,
     PROBE,
     Comparison,
+    RunFigures,
     Sample,
-    default_figures,
-    measured_counterfactual,
-    phase_costs,
 )
 from perseus_ext.runtime.phase import Phase
 from perseus_ext.runtime.records import IterationRecord, PlanSwitch
@@ -199,12 +197,8 @@ def _policy_summary(policy: PolicySnapshot) -> dict[str, Any]:
 def job_figures(samples: list[Sample]) -> dict[str, Any]:
     """Measured saving (against the probes), default-clock figures and phase costs of a run's
     samples: one rank's, or the job's (`job_samples`); `perseus-ext report` and the runtime's
-    close both use it, so they agree."""
-    measured = measured_counterfactual(samples)
-    default_energy_j, default_time_s = default_figures(samples, measured)
-    return {"iterations": len(samples), "measured": measured,
-            "default_per_iteration": {"energy_j": default_energy_j, "time_s": default_time_s},
-            "phase_costs": phase_costs(samples, default_energy_j, default_time_s)}
+    close both use `RunFigures`, so they agree."""
+    return RunFigures.of(samples).figures()
 
 
 # ------------------------------------------------------------------------------ the job at close

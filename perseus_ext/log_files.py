@@ -1,0 +1,186 @@
+"""The runtime's JSONL logs (`perseus.log_path`), read typed, bounded and one job at a time.
+
+Why: `perseus-ext report` is fed whatever files a user globs: logs of several jobs, a log
+appended across restarts, one rank's log twice, a truncated or binary file, a log of any length.
+Every row is validated as a `LogRow` (finite, non-negative, physically possible figures, known
+phases) and a bad one is one error naming the file, the line and the field. The files are read
+twice, one line at a time, so memory does not grow with their length: a first pass finds, per
+file and rank, where each run starts and which job wrote it; the second streams the chosen runs,
+merged by iteration, into the report's accumulators.
+
+A run is one rank's iterations of one job: rows carry the job's id (`job`, the same on every
+rank). A log written before rows carried it tells runs apart by the iteration count going back.
+A report is one job's: logs whose latest runs are of different jobs are refused (name one with
+`--job`), and so is a rank given twice in one job -- never merged into one figure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from perseus_ext.inputs import InputError, iter_lines, validate_json_line
+from perseus_ext.runtime.baseline import Sample, label_of
+
+MAX_ITERATION = 1 << 53  # past a double's integers, an iteration count cannot be summed exactly
+MAX_RANK = 1 << 24  # 16 M ranks
+MAX_TIME_S = 1e6  # an iteration of 11 days is not a measurement
+MAX_ENERGY_J = 1e12  # 1 TJ in one iteration of one stage is not a measurement
+FIX = "give the JSONL files the runtime writes to perseus.log_path, unchanged"
+WHAT = "perseus-ext log"
+
+
+class LogRow(BaseModel):
+    """The fields of a log row that the report reads (the runtime writes more)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, frozen=True, extra="ignore")
+
+    iteration: Annotated[int, Field(ge=0, le=MAX_ITERATION)]
+    rank: Annotated[int, Field(ge=0, le=MAX_RANK)]
+    phase: Literal["warmup", "profiling", "solving", "deployed", "power_limit", "observing"]
+    time_s: Annotated[float, Field(ge=0.0, le=MAX_TIME_S)]
+    energy_j: Optional[Annotated[float, Field(ge=0.0, le=MAX_ENERGY_J)]] = None
+    factor: Optional[Annotated[float, Field(gt=0.0, le=1e6)]] = None
+    fell_back: bool = False
+    probe: bool = False
+    pipeline: Optional[Annotated[int, Field(ge=0, le=MAX_RANK)]] = None
+    stage: Optional[Annotated[int, Field(ge=0, le=MAX_RANK)]] = None
+    job: Optional[Annotated[str, Field(max_length=64)]] = None
+
+    def sample(self) -> Sample:
+        return Sample(self.iteration, label_of(self.phase, self.fell_back, self.probe), self.factor, self.time_s,
+                      self.energy_j)
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """One rank's run in one file: where it starts, and what its first row said."""
+
+    path: Path
+    rank: int
+    job: str | None
+    start_offset: int
+    start_line: int
+    pipeline: int | None
+    stage: int | None
+
+    def samples(self) -> Iterator[Sample]:
+        """The run's samples in iteration order, read one line at a time."""
+        last = -1
+        for number, _, text in iter_lines(self.path, what=WHAT, fix=FIX, start_offset=self.start_offset,
+                                          first_line=self.start_line):
+            if not text.strip():
+                continue
+            row = validate_json_line(LogRow, text, path=self.path, line=number, fix=FIX)
+            if row.rank != self.rank:
+                continue
+            if row.job != self.job or row.iteration <= last:
+                return  # the next run of this rank
+            last = row.iteration
+            yield row.sample()
+
+
+@dataclass(frozen=True)
+class JobLogs:
+    """The runs of one job, one per rank, sorted by rank."""
+
+    job: str | None
+    runs: tuple[RankRun, ...]
+
+    def merged(self, on_sample: dict[int, Callable[[Sample], None]]) -> Iterator[tuple[int, list[Sample]]]:
+        """(iteration, every rank's sample) for the iterations every rank recorded, in order;
+        each rank's every sample also goes to `on_sample[rank]`."""
+        streams = [run.samples() for run in self.runs]
+        heads: list[Sample | None] = []
+        for run, stream in zip(self.runs, streams):
+            heads.append(_next(stream, on_sample[run.rank]))
+        while all(head is not None for head in heads):
+            target = max(head.iteration for head in heads)
+            for k, run in enumerate(self.runs):
+                while heads[k] is not None and heads[k].iteration < target:
+                    heads[k] = _next(streams[k], on_sample[run.rank])
+            if any(head is None for head in heads):
+                break
+            if all(head.iteration == target for head in heads):
+                yield target, list(heads)
+                for k, run in enumerate(self.runs):
+                    heads[k] = _next(streams[k], on_sample[run.rank])
+        for k, run in enumerate(self.runs):  # the rest of the longer runs, for the per-rank figures
+            while heads[k] is not None:
+                heads[k] = _next(streams[k], on_sample[run.rank])
+
+
+def _next(stream: Iterator[Sample], callback: Callable[[Sample], None]) -> Sample | None:
+    sample = next(stream, None)
+    if sample is not None:
+        callback(sample)
+    return sample
+
+
+def _scan(path: Path) -> list[RankRun]:
+    """Every run the file holds, in the order they start (first pass)."""
+    runs: list[RankRun] = []
+    current: dict[int, tuple[RankRun, int, int]] = {}  # rank -> (its current run, last iteration, its line)
+    for number, offset, text in iter_lines(path, what=WHAT, fix=FIX):
+        if not text.strip():
+            continue
+        row = validate_json_line(LogRow, text, path=path, line=number, fix=FIX)
+        run = current.get(row.rank)
+        if run is not None and row.job == run[0].job and row.iteration <= run[1]:
+            if row.job is not None:
+                raise InputError(path, f"iteration {row.iteration} of rank {row.rank} of job {row.job} comes again "
+                                       f"after iteration {run[1]} (line {run[2]}): two processes wrote one rank's log",
+                                 "give each rank's log once; give every process its own perseus.log_path "
+                                 "(with {rank} in it)", line=number, field="iteration")
+            run = None  # a log written before rows named their job: the count going back is a restart
+        if run is None or row.job != run[0].job:
+            new = RankRun(path, row.rank, row.job, offset, number, row.pipeline, row.stage)
+            runs.append(new)
+            run = (new, row.iteration, number)
+        current[row.rank] = (run[0], row.iteration, number)
+    return runs
+
+
+def _describe(job: str | None) -> str:
+    return f"job {job}" if job is not None else "a job whose rows carry no job id (written before logs named their job)"
+
+
+def read_logs(paths: Iterable[str | os.PathLike[str]], job: str | None = None) -> JobLogs:
+    """The runs of one job from the logs: the job of the files' latest runs, or `job`."""
+    latest: list[RankRun] = []
+    for path in map(Path, paths):
+        runs = _scan(path)
+        if job is not None:
+            runs = [run for run in runs if run.job == job]
+        last_per_rank: dict[int, RankRun] = {}
+        for run in runs:
+            last_per_rank[run.rank] = run
+        latest.extend(last_per_rank.values())
+    if not latest:
+        where = f"job {job}" if job is not None else "any job"
+        raise InputError(", ".join(map(str, paths)), f"the logs hold no iteration records of {where}",
+                         "give the JSONL files the runtime wrote to perseus.log_path" +
+                         (" (--job: a job id the logs hold)" if job is not None else ""))
+    jobs = dict.fromkeys(run.job for run in latest)
+    if len(jobs) > 1:
+        parts = []
+        for name in jobs:
+            files = sorted(dict.fromkeys(str(run.path) for run in latest if run.job == name))
+            parts.append(f"{_describe(name)} in {', '.join(files)}")
+        named = [name for name in jobs if name is not None]
+        raise InputError(latest[0].path, f"the logs are of {len(jobs)} different jobs ({'; '.join(parts)})",
+                         f"give one job's logs, or choose one with --job ({', '.join(named) or 'none named'})")
+    by_rank: dict[int, RankRun] = {}
+    for run in latest:
+        other = by_rank.get(run.rank)
+        if other is not None:
+            raise InputError(run.path, f"rank {run.rank} of {_describe(run.job)} is also in {other.path} "
+                                       f"(line {other.start_line})", "give each rank's log once",
+                             line=run.start_line, field="rank")
+        by_rank[run.rank] = run
+    return JobLogs(next(iter(jobs)), tuple(by_rank[rank] for rank in sorted(by_rank)))
