@@ -194,7 +194,7 @@ def section_actuation(machine: Machine, gpu: Any, args: argparse.Namespace, dead
     from perseus_ext.actuation.controller import FrequencyController
     from perseus_ext.actuation.sequencer import ClockSequencer
     from perseus_ext.measurement.coverage import estimate_coverage
-    from perseus_ext.measurement.gpu.timeline import gpu_switch_latency
+    from perseus_ext.measurement.gpu import gpu_switch_latency
 
     latency = gpu_switch_latency(gpu)
     clocks = gpu.supported_sm_clocks()
