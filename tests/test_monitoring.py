@@ -95,6 +95,16 @@ def test_deepspeed_csv_monitor_gets_the_metrics_and_report_reproduces_the_demo(t
         rows = list(csv.reader(handle))
     phases = [float(row[1]) for row in rows if row[1] != "phase"]  # DeepSpeed repeats its header
     assert 3.0 in phases  # deployed iterations were written
+
+    def steps(name: str) -> set[int]:
+        with open(files[name]) as handle:
+            return {int(row[0]) for row in csv.reader(handle) if row[0].isdigit()}
+
+    # Stepped by samples like DeepSpeed's own scalars, every iteration up to the last one (its
+    # record arrives after the last train_batch and is written at close): the same steps.
+    samples_per_iteration = 4 * scenario.microbatches * scenario.pipelines
+    assert steps("perseus_energy_per_iteration_j.csv") == steps("Train_Samples_train_loss.csv") == {
+        samples_per_iteration * (iteration + 1) for iteration in range(scenario.iterations)}
     comparison = demo.compare(scenario, results)
     logs = sorted(tmp_path.glob("log-perseus-*.jsonl"))
     assert len(logs) == 2

@@ -198,14 +198,14 @@ def _attach_pipeline(engine: Any, config: Any) -> Any:
             micro_batches=pipe_schedule.micro_batches, stages=pipe_schedule.stages,
             stage_id=pipe_schedule.stage_id,
         )
+        iteration = runtime.iteration
         runtime.iteration_start()
         original_exec_schedule(tagged)
         runtime.iteration_end()
+        samples.record(iteration, self.global_samples)  # the OptimizerStep ran inside
         metrics.write()
 
-    from perseus_ext.monitoring import IterationMetrics, deepspeed_sink
-
-    metrics = IterationMetrics(runtime, [deepspeed_sink(getattr(engine, "monitor", None))])
+    samples, metrics = _metrics(engine, runtime)
     engine._exec_schedule = MethodType(exec_schedule, engine)
     return runtime
 
@@ -259,14 +259,28 @@ def _attach_engine(engine: Any, config: Any) -> Any:
     @functools.wraps(original_step)
     def step(*args: Any, **kwargs: Any) -> Any:
         boundary = state["in_iteration"] and engine.is_gradient_accumulation_boundary()
+        iteration = runtime.iteration
         result = original_step(*args, **kwargs)
         if boundary:
             state["in_iteration"] = False
             runtime.iteration_end()
+            samples.record(iteration, engine.global_samples)
+            metrics.write()
         return result
+
+    samples, metrics = _metrics(engine, runtime)
 
     engine.forward, engine.backward, engine.step = forward, backward, step
     return runtime
+
+
+def _metrics(engine: Any, runtime: Any) -> tuple[Any, Any]:
+    """Per-iteration metrics to DeepSpeed's monitor, stepped by samples like DeepSpeed's own
+    scalars, and to Prometheus when configured; the last records are written at close."""
+    from perseus_ext.monitoring import IterationMetrics, SampleCounts, deepspeed_sink
+
+    samples = SampleCounts(engine.train_batch_size)
+    return samples, IterationMetrics(runtime, [deepspeed_sink(getattr(engine, "monitor", None), samples)])
 
 
 def _ensure_log_output() -> None:

@@ -501,8 +501,7 @@ class MegatronPerseus:
             self._closed = True
             self._unpatch()
         if self.runtime is not None:
-            self.runtime.close()
-            self.metrics.write()  # the last iterations, recorded as the device finished them
+            self.runtime.close()  # its close hook writes the last iterations' metrics
         return self.summary()
 
 

@@ -146,6 +146,56 @@ class SimulatedWorkload(Section):
         return {"forward_seconds": list(self.forward_seconds), "backward_seconds": list(self.backward_seconds)}
 
 
+# ------------------------------------------------------------------------------ Prometheus
+PROMETHEUS_PORT_ENV = "PERSEUS_PROMETHEUS_PORT"  # the base port, when the section gives none
+PUSHGATEWAY_ENV = "PERSEUS_PUSHGATEWAY"  # the Pushgateway URL, when the section gives none
+Port = integer(1, 65535, example=9400, what="a TCP port")
+
+
+def _gateway_url(url: str) -> str:
+    """A Pushgateway address: `http(s)://host[:port]` or `host:port` (prometheus-client's forms)."""
+    from urllib.parse import urlsplit
+
+    target = url if "://" in url else f"http://{url}"
+    try:
+        parts = urlsplit(target)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise value_error(f"{show(url)} is not a Pushgateway address; e.g. \"http://pushgateway:9091\"")
+    return url
+
+
+class PrometheusConfig(Section):
+    """Per-rank metrics for Prometheus: an HTTP endpoint each rank serves (scraped), and/or
+    pushes to a Pushgateway (short jobs that end between two scrapes)."""
+
+    example: ClassVar[dict[str, Any]] = {"port": 9400}
+
+    port: Annotated[Port | None, Field(
+        description="base port of the /metrics endpoints: local rank r serves on port + r")] = None
+    address: Annotated[text(example="127.0.0.1", what="an address to listen on"), Field(
+        description="interface the endpoints listen on")] = "0.0.0.0"
+    pushgateway: Annotated[
+        Annotated[text(example="http://pushgateway:9091", what="a Pushgateway URL"), AfterValidator(_gateway_url)] | None,
+        Field(description="Pushgateway every rank pushes to (grouped by job and rank)")] = None
+    push_interval_s: Annotated[number(example=15, unit="seconds", above=0, at_most=86400), Field(
+        description="seconds between pushes while training; the last push is at close")] = 15.0
+    job: Annotated[text(example="gpt3-13b", what="a job name") | None, Field(
+        description="the `job` label (default: the job id perseus-ext draws, the same on every rank)")] = None
+
+    @model_validator(mode="after")
+    def _somewhere_to_go(self) -> PrometheusConfig:
+        if self.port is None and self.pushgateway is None and not os.environ.get(PROMETHEUS_PORT_ENV) \
+                and not os.environ.get(PUSHGATEWAY_ENV):
+            raise statement_error(
+                f"{PREFIX}.prometheus exports nowhere: give {PREFIX}.prometheus.port (each rank serves "
+                f"/metrics on port + local rank) or {PREFIX}.prometheus.pushgateway, e.g. {{\"port\": 9400}}"
+            )
+        return self
+
+
 # ------------------------------------------------------------------------------ saved profiles
 SIDECAR_LIMIT_BYTES = 1 << 20  # a sidecar is a few hundred bytes; anything huge is not ours
 
@@ -340,6 +390,14 @@ class PerseusConfig(Section):
                           "makes each run of a recurring job take its batch size from a store and report its cost "
                           "(`engine.perseus.report_metric(value)`; PerseusEarlyStop past its cost limit). Keys: "
                           "docs/policies.md.")] = None
+
+    prometheus: Annotated[
+        Annotated[PrometheusConfig, Rule("an object", PrometheusConfig.example)] | None,
+        Field(description="Per-rank Prometheus metrics (energy, power, clock, phase, plan, coverage, measured "
+                          "saving; labels job, rank, stage, pipeline): `{\"port\": 9400}` serves /metrics on "
+                          "port + local rank, `\"pushgateway\": URL` pushes every `push_interval_s` (15) and at "
+                          "the end; also `address`, `job`. `null`: env `PERSEUS_PROMETHEUS_PORT` / "
+                          "`PERSEUS_PUSHGATEWAY`, else off. docs/monitoring.md.")] = None
 
     _saved_blocking_power_w: float | None = PrivateAttr(default=None)
 

@@ -76,12 +76,14 @@ class PlanDeployment:
     def plan(self) -> Plan:
         return self.frontier.plans[self.index]
 
-    def stage_clocks(self, stage: int) -> tuple[int, ...]:
-        """The deployed plan's clocks of `stage`, in its execution order (cached per plan)."""
-        key = (self.index, stage)
+    def stage_clocks(self, stage: int, index: int | None = None) -> tuple[int, ...]:
+        """The clocks of `stage` in its execution order, of the deployed plan or of plan `index`
+        (cached per plan)."""
+        index = self.index if index is None else index
+        key = (index, stage)
         clocks = self._clock_cache.get(key)
         if clocks is None:
-            row = self.stage_table[self.index] if self.stage_table is not None else self.plan.frequencies[stage]
+            row = self.stage_table[index] if self.stage_table is not None else self.frontier.plans[index].frequencies[stage]
             clocks = self._clock_cache[key] = tuple(int(c) for c in row)
         return clocks
 
