@@ -26,7 +26,7 @@ from perseus_ext.emulator import (
     resolve_blocking_power,
 )
 from perseus_ext.emulator import report
-from perseus_ext.errors import ConfigError
+from perseus_ext.errors import ConfigError, PerseusError
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier, Plan
 from perseus_ext.planning.profile import load_profile
@@ -91,8 +91,56 @@ def test_scenario_parsing_and_trace(tmp_path):
         StragglerScenario.parse("1.2:x")
     bad = tmp_path / "bad.csv"
     bad.write_text("slowdown\n1.1\nfast\n")
-    with pytest.raises(ConfigError, match="row 3"):
+    with pytest.raises(PerseusError, match="bad.csv:3: slowdown: 'fast' is not a number"):
         StragglerScenario.from_trace(bad)
+
+
+@pytest.mark.parametrize("content, expected", [
+    ("\nslowdown\n1.2\n", None),  # a blank first line (was IndexError)
+    ("iteration,slowdown\n0,1.2\n1\n", "t.csv:3: slowdown: the row has no value in column 2"),  # short row
+    ("slowdown\n1e300\n", "t.csv:2: slowdown: 1e+300 is above 100"),  # was accepted silently
+    ("slowdown\nnan\n", "t.csv:2: slowdown: nan is not a finite number"),
+    ("slowdown\n0.5\n", "t.csv:2: slowdown: 0.5 is below 1"),
+    ("\n\n", "t.csv: the slowdown trace has no values"),
+])
+def test_a_bad_trace_is_one_error_naming_its_line(tmp_path, content, expected):
+    path = tmp_path / "t.csv"
+    path.write_text(content)
+    if expected is None:
+        assert StragglerScenario.from_trace(path).factors == (1.2,)
+    else:
+        with pytest.raises(PerseusError) as caught:
+            StragglerScenario.from_trace(path)
+        assert expected in str(caught.value)
+    (tmp_path / "latin.csv").write_bytes("slowdown\n1.2\n1,5\xe9\n".encode("latin-1"))
+    with pytest.raises(PerseusError, match="latin.csv:3: the slowdown trace is not UTF-8"):
+        StragglerScenario.from_trace(tmp_path / "latin.csv")
+
+
+def test_a_distribution_value_out_of_range_is_refused():
+    from perseus_ext.commands import emulate
+    from perseus_ext.emulator import scenario
+
+    assert emulate.MAX_SLOWDOWN == scenario.MAX_SLOWDOWN
+    with pytest.raises(ConfigError, match="from 1.0 .no straggler. to 100, got 1e.300"):
+        StragglerScenario.parse("1.0:0.9,1e300:0.1")
+    with pytest.raises(ConfigError, match="not finite"):
+        StragglerScenario.parse("1.0:0.9,1.2:inf")
+    assert StragglerScenario.parse("1.0:1e308,1.2:1e308").weights == pytest.approx((0.5, 0.5))  # no overflow
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--microbatches", "8", "--chunks", "64"], "--chunks 64 is more than the profile's"),
+    (["--microbatches", "8", "--global-batch", "12"], "--global-batch 12 is not a multiple of --microbatches 8"),
+    (["--microbatches", "4096", "--pp", "64"], "--pp 64 x --microbatches 4096 x --chunks 1"),
+    (["--microbatches", "8", "--slowdown-distribution", "1.0:1,1e300:1"], "--slowdown-distribution: slowdown factor"),
+])
+def test_emulate_layout_errors_name_the_flag(argv, flag, capsys):
+    from perseus_ext.cli import main
+
+    assert main(["emulate", "--profile", str(GPT3_A100), *argv]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
 
 
 # ------------------------------------------------------------------ planning & scaling
@@ -335,7 +383,7 @@ def test_cli_sweep_and_bad_input(tmp_path, capsys):
     assert code == 0
     assert (tmp_path / "savings_vs_slowdown.svg").stat().st_size > 0
     assert "1.30" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match="global batch 10 is not a multiple"):
+    with pytest.raises(ConfigError, match="--global-batch 10 is not a multiple"):
         _cli(["--profile", str(GPT3_A100), "--microbatches", "8", "--global-batch", "10",
               "--blocking-power", "a100"])
     with pytest.raises(ConfigError, match="known GPU"):

@@ -90,6 +90,7 @@ class _ClockAt:
     at: DeviceMarker | None
     after_s: float = 0.0
     by: DeviceMarker | None = None
+    epoch: int = 0  # `release_silent()` drops every change queued in an earlier epoch
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,7 @@ class FrequencyController:
         self._logged: set[str] = set()
         self._closed = False
         self._last_requested: int | None = None
+        self._epoch = 0  # bumped by release_silent(): changes queued before are dropped
         self._applied_clock: int | None = None
         self._clock_dirty = False  # a lock was attempted since the last successful reset
         self._initial_power_limit: float | None = None
@@ -259,13 +261,22 @@ class FrequencyController:
             self.dropped_count += 1
             return
         if self._worker is not None and not self._closed:
-            self._queue.put(_ClockAt(mhz, at, after_s, by))
+            self._queue.put(_ClockAt(mhz, at, after_s, by, self._epoch))
 
     def reset(self, at: DeviceMarker | None = None) -> None:
         """Ask for the default (unlocked) clocks from marker `at` on; non-blocking."""
         self._last_requested = None
         if self._worker is not None and not self._closed:
-            self._queue.put(_ClockAt(_RESET, at))
+            self._queue.put(_ClockAt(_RESET, at, epoch=self._epoch))
+
+    def release_silent(self) -> None:
+        """The hooks fell silent with a clock held (silence.py): drop every change queued so far
+        -- including any waiting for a marker the device may never reach -- and unlock the
+        clocks at once. Changes asked for afterwards apply as usual; never blocks."""
+        self._epoch += 1
+        self._last_requested = None
+        if self._worker is not None and not self._closed:
+            self._queue.put(_ClockAt(_RESET, None, epoch=self._epoch))
 
     def observe(self, at: DeviceMarker, tag: Any) -> None:
         """Time and meter the moment the device reaches `at`; collect with `observations()`."""
@@ -342,9 +353,9 @@ class FrequencyController:
             elif isinstance(item, _PowerLimit):
                 self._apply_power_limit(item.watts)
             elif isinstance(item, _ClockAt):
-                if self._superseded(item, batch[index + 1:]):
+                if item.epoch != self._epoch or self._superseded(item, batch[index + 1:]):
                     self.stale_skipped += 1
-                elif self._reach(item.at) and self._sleep_past(item, batch, index):
+                elif self._reach(item) and self._sleep_past(item, batch, index):
                     issued_s = time.perf_counter()
                     due_s = _due_s(item)
                     if self._apply_clock(item.target) and due_s is not None:
@@ -363,11 +374,12 @@ class FrequencyController:
                     return True
         return False
 
-    def _reach(self, marker: DeviceMarker | None) -> bool:
-        """Block this worker until the device reaches `marker`; False when stopping first."""
-        if marker is None:
+    def _reach(self, item: _ClockAt) -> bool:
+        """Block this worker until the device reaches `item`'s marker; False when stopping, or
+        when `release_silent()` dropped the item, first."""
+        if item.at is None:
             return True
-        return wait_for_marker(marker, lambda: self._stopping, lambda err: self._note_error(
+        return wait_for_marker(item.at, lambda: self._stopping or item.epoch != self._epoch, lambda err: self._note_error(
             "marker", err, "could not wait for a device marker", "its clock change happens at once instead"))
 
     def _sleep_past(self, item: _ClockAt, batch: list[Any], index: int) -> bool:
@@ -379,7 +391,7 @@ class FrequencyController:
         if item.after_s <= 0 or item.at is None:
             return True
         untimed_due_s = time.perf_counter() + item.after_s  # a marker without a device time
-        while not self._stopping:
+        while not self._stopping and item.epoch == self._epoch:
             due_s = _due_s(item)
             remaining = (untimed_due_s if due_s is None else due_s) - time.perf_counter()
             if remaining <= 0:

@@ -24,7 +24,7 @@ from perseus_ext.commands.options import (
 MAX_PARALLEL = 1 << 20  # GPUs per stage / stages / samples: far above any real job
 MAX_MICROBATCHES = 4096
 MAX_SCALE = 1e6
-MAX_SLOWDOWN = 100.0
+MAX_SLOWDOWN = 100.0  # perseus_ext.emulator.scenario's (not imported here: --help stays fast)
 DEFAULT_SWEEP = [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0]
 
 
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
     from perseus_ext.commands.options import blocking_power_w, check_pipeline_size, resolve_profile
     from perseus_ext.emulator import Emulator, JobLayout, StragglerScenario, report
-    from perseus_ext.errors import ConfigError
+    from perseus_ext.errors import ConfigError, PerseusError
     from perseus_ext.planning.profile import load_profile
 
     profile_path = resolve_profile(args.profile)
@@ -123,17 +123,29 @@ def run(args: argparse.Namespace) -> int:
     elif args.slowdown is not None:
         scenario = StragglerScenario.fixed(args.slowdown)
     elif args.slowdown_distribution is not None:
-        scenario = StragglerScenario.parse(args.slowdown_distribution)
+        try:
+            scenario = StragglerScenario.parse(args.slowdown_distribution)
+        except ConfigError as err:
+            raise ConfigError(f"--slowdown-distribution: {err}") from None
     elif args.slowdown_trace is not None:
         try:
             scenario = StragglerScenario.from_trace(args.slowdown_trace)
-        except (OSError, UnicodeDecodeError) as err:
-            raise ConfigError(f"--slowdown-trace {args.slowdown_trace}: cannot read it ({err})") from None
+        except PerseusError as err:
+            raise ConfigError(f"--slowdown-trace: {err}") from None
     else:
         scenario = StragglerScenario.none()
 
+    if pp < 1:
+        raise ConfigError(f"--chunks {args.chunks} is more than the profile's {profile.num_stages} stages: no "
+                          f"pipeline stage is left; lower --chunks or give --pp")
     for microbatches in args.microbatches:
-        check_pipeline_size(pp, microbatches, args.chunks)
+        check_pipeline_size(pp, microbatches, args.chunks, flags=("--pp", "--microbatches", "--chunks"))
+        per_pipeline = microbatches * args.microbatch_size
+        if args.global_batch is not None and args.global_batch % per_pipeline:
+            raise ConfigError(f"--global-batch {args.global_batch} is not a multiple of --microbatches {microbatches} "
+                              f"x --microbatch-size {args.microbatch_size} = {per_pipeline}: every data-parallel "
+                              f"pipeline must get as many samples; give a --global-batch that is a multiple of "
+                              f"{per_pipeline}")
     check_outputs(args)
     emulators = []
     for microbatches in args.microbatches:

@@ -111,13 +111,18 @@ def blocking_power_w(value: str | None, profile: Path) -> float:
     )
 
 
-def check_pipeline_size(stages: int, microbatches: int, chunks: int) -> None:
+def check_pipeline_size(stages: int, microbatches: int, chunks: int, *,
+                        flags: tuple[str, str, str] = ("--stages", "--microbatches", "--virtual-stages")) -> None:
+    """Refuse a solve too large to plan in one run, naming the flags (stages, microbatches,
+    model chunks) that set its size."""
     computations = 2 * stages * microbatches * chunks
     if computations > MAX_COMPUTATIONS:
+        stage_flag, microbatch_flag, chunk_flag = flags
         raise ConfigError(
-            f"{stages} stages x {microbatches} microbatches x {chunks} model chunks is "
+            f"{stage_flag} {stages} x {microbatch_flag} {microbatches} x {chunk_flag} {chunks} is "
             f"{computations:,} computations; the solver plans at most {MAX_COMPUTATIONS:,} in one "
-            f"run: use fewer microbatches"
+            f"run: lower {microbatch_flag} (at most {max(MAX_COMPUTATIONS // (2 * stages * chunks), 1)} here)"
+            f" or {chunk_flag}"
         )
 
 

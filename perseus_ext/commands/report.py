@@ -7,8 +7,6 @@ import argparse
 import json
 from pathlib import Path
 
-from perseus_ext.reporting import analyse, format_report, plot, read_logs
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -26,6 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from perseus_ext.reporting import analyse, format_report, plot, read_logs
+
     model = None
     if args.frontier:
         from perseus_ext.planning.frontier import Frontier

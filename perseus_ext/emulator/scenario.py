@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from perseus_ext.errors import ConfigError
+from perseus_ext.inputs import InputError
+
+MAX_SLOWDOWN = 100.0  # a pipeline 100 x slower than the rest is down, not straggling
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,20 @@ class StragglerScenario:
     @classmethod
     def distribution(cls, pairs: dict[float, float], name: str | None = None) -> "StragglerScenario":
         """`{factor: weight}`; weights are normalised (counts or probabilities both work)."""
-        total = sum(pairs.values())
-        factors = tuple(sorted(pairs))
-        if total <= 0:
+        for factor, weight in pairs.items():
+            if not math.isfinite(factor) or not 1.0 <= factor <= MAX_SLOWDOWN:
+                raise ConfigError(f"slowdown factor T'/T must be from 1.0 (no straggler) to {MAX_SLOWDOWN:g}, "
+                                  f"got {factor:g}")
+            if not math.isfinite(weight) or weight < 0:
+                raise ConfigError(f"slowdown weight of factor {factor:g} must be a finite non-negative number, "
+                                  f"got {weight:g}")
+        largest = max(pairs.values(), default=0.0)
+        if largest <= 0:
             raise ConfigError("slowdown weights must have a positive sum")
-        weights = tuple(pairs[f] / total for f in factors)
+        scaled = {factor: weight / largest for factor, weight in pairs.items()}  # no overflow in the sum
+        total = sum(scaled.values())
+        factors = tuple(sorted(pairs))
+        weights = tuple(scaled[f] / total for f in factors)
         label = name or "mix " + ", ".join(f"{f:g}:{w:.0%}" for f, w in zip(factors, weights))
         return cls(factors, weights, label)
 
@@ -72,6 +84,8 @@ class StragglerScenario:
                 ) from None
             if not sep:
                 raise ConfigError(f"slowdown distribution item {item!r} lacks ':WEIGHT'")
+            if not math.isfinite(key) or not math.isfinite(value):
+                raise ConfigError(f"slowdown distribution item {item!r} is not finite; write e.g. '1.0:0.9,1.2:0.1'")
             pairs[key] = pairs.get(key, 0.0) + value
         if not pairs:
             raise ConfigError("slowdown distribution is empty; write e.g. '1.0:0.9,1.2:0.1'")
@@ -79,30 +93,32 @@ class StragglerScenario:
 
     @classmethod
     def from_trace(cls, path: str | Path) -> "StragglerScenario":
-        """A per-iteration trace: a CSV whose column `slowdown` (or single column) holds T'/T."""
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"{path}: no such slowdown trace file")
-        with open(path, newline="") as fh:
-            rows = list(csv.reader(fh))
-        if not rows:
-            raise ConfigError(f"{path}: the slowdown trace is empty")
-        header = [h.strip().lower() for h in rows[0]]
-        column = header.index("slowdown") if "slowdown" in header else 0
-        body = rows[1:] if "slowdown" in header or not _is_number(rows[0][0]) else rows
+        """A per-iteration trace: a CSV whose column `slowdown` (or single column) holds T'/T,
+        read one line at a time (size and line length bounded, blank lines skipped); a bad
+        value is an `InputError` naming the file, the line and the column."""
+        from perseus_ext.inputs import TABLE_LIMIT_BYTES, check_file, finite_number, iter_lines
+
+        fix = "give a CSV of per-iteration slowdowns T'/T (a 'slowdown' column, or one number per line)"
+        check_file(path, what="slowdown trace", limit_bytes=TABLE_LIMIT_BYTES, fix=fix)
         counts: Counter[float] = Counter()
-        for number, row in enumerate(body, start=len(rows) - len(body) + 1):
-            if not row or not row[column].strip():
+        column: int | None = None
+        for number, _, text in iter_lines(path, what="slowdown trace", fix=fix):
+            if not text.strip():
                 continue
-            try:
-                counts[float(row[column])] += 1
-            except ValueError:
-                raise ConfigError(
-                    f"{path}, row {number}: slowdown {row[column]!r} is not a number"
-                ) from None
+            row = next(csv.reader([text]), [])
+            if column is None:  # the first non-blank line: a header, or already a value
+                header = [cell.strip().lower() for cell in row]
+                column = header.index("slowdown") if "slowdown" in header else 0
+                if "slowdown" in header or not _is_number(row[0] if row else ""):
+                    continue
+            if len(row) <= column or not row[column].strip():
+                raise InputError(path, f"the row has no value in column {column + 1}", fix, line=number,
+                                 field="slowdown")
+            counts[finite_number(row[column], path=path, line=number, field="slowdown", fix=fix, minimum=1.0,
+                                 maximum=MAX_SLOWDOWN)] += 1
         if not counts:
-            raise ConfigError(f"{path}: the slowdown trace has no values")
-        return cls.distribution(dict(counts), name=f"trace {path.name} ({sum(counts.values())} it.)")
+            raise InputError(path, "the slowdown trace has no values", fix)
+        return cls.distribution(dict(counts), name=f"trace {Path(path).name} ({sum(counts.values())} it.)")
 
     @property
     def is_steady(self) -> bool:

@@ -27,10 +27,12 @@ from typing import Any, Callable
 
 from perseus_ext.actuation.controller import FrequencyController
 from perseus_ext.actuation.sequencer import ClockSequencer
+from perseus_ext.actuation.silence import SilenceGuard, SilentEpisode
 from perseus_ext.errors import PerseusError
 from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
 from perseus_ext.runtime.baseline import BaselineProbes
+from perseus_ext.runtime.capture import capture_probe
 from perseus_ext.runtime.comm import ControlPlane, check_pipeline_rank
 from perseus_ext.runtime.config import PerseusConfig
 from perseus_ext.runtime.deployment import PlanDeployment, parse_announcement
@@ -49,6 +51,7 @@ from perseus_ext.runtime.summary import (
     PolicySnapshot,
     PowerLimitSnapshot,
     RunSnapshot,
+    SilenceReport,
     build_summary,
     gather_job_summary,
     log_summary,
@@ -58,6 +61,10 @@ from perseus_ext.measurement.gpu import GPU
 logger = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 5.0
+CAPTURE_REASON = ("a perseus-ext hook ran while a CUDA stream was capturing a CUDA graph: the graph's replays "
+                  "run without hooks, so no planned clock can follow them (megatron-core's full-iteration "
+                  "graph is supported through its replay, docs/megatron.md; per-layer graphs capture outside "
+                  "the hooks)")
 RECORD_WAIT_S = 5.0  # power-limit mode: longest wait for the previous iteration's device record
 
 
@@ -103,6 +110,10 @@ class PerseusRuntime:
         self.sequencer = ClockSequencer(self.controller, self.timeline,
                                         communication_clock=self.setup.communication_clock,
                                         latency=self.setup.latency)
+        # Hooks that fall silent (a CUDA graph replay, an unhooked schedule) never leave a clock held.
+        self.silence = SilenceGuard(lambda: self.controller.current_clock, self._hooks_fell_silent)
+        self._capturing = capture_probe()
+        self.captured_hooks = 0  # hooks that ran during a CUDA graph capture (and did nothing)
         self.store = ProfileStore(config.profile_path, gpus_per_stage=self.comm.gpus_per_stage,
                                   gpu_name=self.gpu.name if self.gpu is not None else None,
                                   blocking_power_per_gpu_w=config.blocking_power_w or config.saved_blocking_power_w)
@@ -144,6 +155,9 @@ class PerseusRuntime:
         """Pick the iteration's clocks and queue them at the device's iteration start."""
         if self._closed:
             return
+        self.silence.iteration_started()
+        if self._capture_noticed():
+            return
         try:
             self._compute_ended = False
             self._setting = self._current_setting()
@@ -158,6 +172,9 @@ class PerseusRuntime:
     def before_computation(self, kind: Kind | str, microbatch: int, chunk: int = 0) -> None:
         """The framework is about to launch this computation's work."""
         if self._closed:
+            return
+        self.silence.heartbeat()
+        if self._capture_noticed():
             return
         try:
             computation = Computation(self.stage, chunk, microbatch, Kind(kind))
@@ -182,6 +199,9 @@ class PerseusRuntime:
         """The framework has launched this computation's work: queue what comes next."""
         if self._closed:
             return
+        self.silence.heartbeat()
+        if self._capture_noticed():
+            return
         try:
             if self._profiling_now:
                 self.profiling.after_computation(Kind(kind).value, self.sequencer.planned_clock())
@@ -192,8 +212,9 @@ class PerseusRuntime:
     def mark_compute_end(self) -> None:
         """This stage's computations are launched; the data-parallel gradient sync follows,
         which straggler detection must not count."""
-        if self._closed or self._compute_ended:
+        if self._closed or self._compute_ended or self._capture_noticed():
             return
+        self.silence.heartbeat()
         try:
             self._compute_ended = True
             self.recorder.compute_end(self.iteration, self.timeline.record_marker())
@@ -205,15 +226,10 @@ class PerseusRuntime:
         """Record the iteration's end on the device and advance the lifecycle (collectives)."""
         if self._closed:
             return
+        self.silence.heartbeat()
         try:
-            self.mark_compute_end()
-            self.recorder.end(self.iteration, self.timeline.record_marker(), self.sequencer.trace)
-            disabled = self.controller.disabled_reason
-            if self.fallback_reason is None and disabled is not None:
-                self.fall_back(f"GPU clock control failed ({disabled})")
-            if self.fallback_reason is None and self.sequencer.position != len(self.order):
-                self.fall_back(f"the iteration ran {self.sequencer.position} computations on stage "
-                               f"{self.stage}, the schedule has {len(self.order)}")
+            if not self._capture_noticed():  # captured: nothing ran on the device, nothing to record
+                self._record_end()
         except Exception as err:
             self.fall_back("iteration_end failed", err)
         try:
@@ -495,6 +511,31 @@ class PerseusRuntime:
         self.phase = phase
         self._phase_iterations = 0
 
+    def _record_end(self) -> None:
+        """The iteration's end marker and the checks that it ran as planned."""
+        self.mark_compute_end()
+        self.recorder.end(self.iteration, self.timeline.record_marker(), self.sequencer.trace)
+        disabled = self.controller.disabled_reason
+        if self.fallback_reason is None and disabled is not None:
+            self.fall_back(f"GPU clock control failed ({disabled})")
+        if self.fallback_reason is None and self.sequencer.position != len(self.order):
+            self.fall_back(f"the iteration ran {self.sequencer.position} computations on stage "
+                           f"{self.stage}, the schedule has {len(self.order)}")
+
+    # ------------------------------------------------------------------ hooks that cannot steer
+    def _capture_noticed(self) -> bool:
+        """True while a CUDA graph is being captured: the hook then does nothing on the device
+        (a marker recorded now would belong to the graph). The first one falls back."""
+        if not self._capturing():
+            return False
+        self.captured_hooks += 1
+        self.fall_back(CAPTURE_REASON)
+        return True
+
+    def _hooks_fell_silent(self, episode: SilentEpisode) -> None:
+        """The silence guard's thread: a clock was held with no hook for longer than its bound."""
+        self.controller.release_silent()
+
     # ------------------------------------------------------------------ fallback and end
     def fall_back(self, reason: str, error: BaseException | None = None) -> None:
         """Stop steering clocks (and the power limit) on this rank for good; it still joins
@@ -546,6 +587,8 @@ class PerseusRuntime:
             exact_coverage=self.timeline.exact_coverage(), switch_latency_s=self.setup.latency.effective_s,
             plan_switches=tuple(deployment.switches) if deployment else (),
             controller_errors=self.controller.error_count,
+            silent_hooks=SilenceReport(self.silence.bound_s, self.silence.expected_iteration_s,
+                                       tuple(self.silence.episodes), self.captured_hooks),
             frontier=deployment.frontier if deployment else None, policy=policy)
 
     def on_close(self, hook: Callable[[], None]) -> None:
@@ -560,6 +603,7 @@ class PerseusRuntime:
         self._closed = True
         if self._solver is not None:
             self._solver.cancel()
+        self.silence.close()
         try:
             self.recorder.close(FLUSH_TIMEOUT_S)
         except Exception:

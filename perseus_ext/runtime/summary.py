@@ -26,6 +26,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from perseus_ext.actuation.silence import SilentEpisode
 from perseus_ext.runtime.baseline import (
     FALLBACK,
     PROBE,
@@ -82,6 +83,17 @@ class PolicySnapshot:
 
 
 @dataclass(frozen=True)
+class SilenceReport:
+    """The silence guard's state: its bound, the episodes it restored default clocks in, and how
+    many hooks ran during a CUDA graph capture."""
+
+    bound_s: float
+    expected_iteration_s: float | None
+    episodes: tuple[SilentEpisode, ...]
+    hooks_during_capture: int
+
+
+@dataclass(frozen=True)
 class RunSnapshot:
     """Everything one rank's summary is built from, taken by the runtime (`PerseusRuntime.snapshot`):
     the summary reads these typed fields, never the runtime itself."""
@@ -103,8 +115,20 @@ class RunSnapshot:
     switch_latency_s: float
     plan_switches: tuple[PlanSwitch, ...]
     controller_errors: int
+    silent_hooks: SilenceReport
     frontier: Frontier | None  # the deployed one (the leader's whole frontier, a rank's own share)
     policy: PolicySnapshot
+
+
+def _silence_summary(report: SilenceReport) -> dict[str, Any]:
+    """When the hooks fell silent with a clock held and the guard restored default clocks
+    (`actuation/silence.py`), and hooks that ran during a CUDA graph capture."""
+    return {
+        "bound_s": report.bound_s,
+        "expected_iteration_s": report.expected_iteration_s,
+        "episodes": [dict(dataclasses.asdict(e), why=e.describe()) for e in report.episodes],
+        "hooks_during_cuda_graph_capture": report.hooks_during_capture,
+    }
 
 
 def _coverage(run: RunSnapshot, deployed: list[IterationRecord]) -> dict[str, Any]:
@@ -150,6 +174,7 @@ def build_summary(run: RunSnapshot) -> dict[str, Any]:
         "clock_coverage": _coverage(run, deployed),
         "plan_switches": [dataclasses.asdict(s) for s in run.plan_switches],
         "controller_errors": run.controller_errors,
+        "silent_hooks": _silence_summary(run.silent_hooks),
         "policy": _policy_summary(run.policy),
     }
     if run.frontier is not None:
@@ -207,6 +232,9 @@ LABELS = tuple(phase.value for phase in Phase) + (PROBE, FALLBACK)  # a rank's i
 MIXED = "mixed"  # ranks ran different settings in one iteration (as `baseline.job_samples` says)
 
 
+SUMMED_RANK_FIGURES = 4  # fell back, coverage, coverage known, hooks fell silent; then the maxed one
+
+
 def _encode(samples: list[Sample], length: int, rank_figures: list[float]) -> tuple[list[float], list[float]]:
     """This rank's share of the job's per-iteration figures as two vectors, one summed and one
     maxed over the ranks: per iteration [present, energy, energy missing, fell back] and [time,
@@ -220,7 +248,7 @@ def _encode(samples: list[Sample], length: int, rank_figures: list[float]) -> tu
         sums[3 * length + k] = float(sample.label == FALLBACK)
         maxes[k], maxes[length + k] = sample.time_s, sample.factor or 0.0
         maxes[2 * length + k], maxes[3 * length + k] = code, -code
-    return sums + rank_figures[:3], maxes + rank_figures[3:]
+    return sums + rank_figures[:SUMMED_RANK_FIGURES], maxes + rank_figures[SUMMED_RANK_FIGURES:]
 
 
 def _decode(sums: list[float], maxes: list[float], length: int, ranks: int) -> list[Sample]:
@@ -247,6 +275,7 @@ def gather_job_summary(comm: "ControlPlane", run: RunSnapshot, summary: dict[str
     coverage = summary["clock_coverage"]["exact"] or summary["clock_coverage"]["estimated"]
     fell_back_at = summary["fell_back_at_iteration"]
     rank_figures = [float(fell_back_at is not None), coverage or 0.0, float(coverage is not None),
+                    float(len(summary["silent_hooks"]["episodes"]) > 0),
                     -math.inf if fell_back_at is None else -float(fell_back_at)]
     ranks = len(comm.members)
 
@@ -266,14 +295,14 @@ def gather_job_summary(comm: "ControlPlane", run: RunSnapshot, summary: dict[str
     except Exception as err:  # the figures are complete; only the exit's ordering is at stake
         logger.debug("perseus-ext: settling the ranks after the job summary failed: %s", err)
     length = int(length)
-    fell_back, coverage_sum, coverage_count = sums[-3:]
+    fell_back, coverage_sum, coverage_count, silenced = sums[-SUMMED_RANK_FIGURES:]
     first_fallback = maxes[-1]
-    job = job_figures(_decode(sums[:-3], maxes[:-1], length, ranks))
+    job = job_figures(_decode(sums[:-SUMMED_RANK_FIGURES], maxes[:-1], length, ranks))
     job.update(
         ranks=ranks, mode=summary["mode"], final_phase=summary["final_phase"],
         baseline_fraction=summary["baseline_fraction"],
         power_limit_mode=summary["policy"]["mode"] == "power_limit",
-        fell_back_ranks=round(fell_back),
+        fell_back_ranks=round(fell_back), silenced_ranks=round(silenced),
         first_fallback_iteration=None if first_fallback == -math.inf else round(-first_fallback),
         clock_coverage=coverage_sum / coverage_count if coverage_count else None,
         model_intrinsic_saving=summary["model"]["intrinsic_saving"] if "model" in summary else None,
@@ -388,6 +417,9 @@ def job_line(job: dict[str, Any]) -> str:
         parts.append(f"final phase {job['final_phase']}: no plan ran, so no saving")
     if job["fell_back_ranks"]:
         parts.append(f"{job['fell_back_ranks']} of {job['ranks']} ranks fell back to default clocks ({fallback})")
+    if job.get("silenced_ranks"):
+        parts.append(f"on {job['silenced_ranks']} of {job['ranks']} ranks the hooks fell silent while a clock "
+                     f"was held and default clocks were restored (silent_hooks in their summaries says why)")
     if job["model_intrinsic_saving"] is not None:
         parts.append(f"model: {100 * job['model_intrinsic_saving']:.1f}% intrinsic (pipeline 0's fastest plan)")
     if job["clock_coverage"] is not None:

@@ -1,0 +1,593 @@
+"""The real-GPU check: what only hardware can show about perseus-ext's actuation path, read-only.
+
+    python benchmarks/gpu_check.py --json gpu_check.json        # on one H100/H200, ~3 minutes
+    python benchmarks/gpu_check.py --cpu --json /tmp/check.json # fakes, in the test suite
+
+It NEVER changes clocks, power limits or any other GPU setting: before anything else runs, every
+pynvml write (nvmlDeviceSet*, nvmlDeviceReset*, nvmlDeviceClear*, ...) is replaced with a function
+that raises (`gpu_check_support.install_nvml_guard`), and perseus-ext runs in dry-run. Each section
+runs in its own try/except with its own time budget, and the JSON is rewritten after each one, so
+a crash or a timeout still leaves the figures measured before it. Sections:
+
+* nvml_reads      latency of the NVML reads perseus-ext makes (energy counter, power, SM clock);
+* energy_counter  the energy counter's update period and step;
+* event_timing    CUDA-event elapsed-time precision: the smallest step it reports, its float32
+                  quantisation far from the reference, and the device clock's rate against the host's;
+* actuation       real transformer blocks, forward and a real backward (weight gradients too), with
+                  the runtime's sequencer and a dry-run controller: the hook alone on the training
+                  thread (event record + queued request; median, p99), how far the host leads the
+                  device, the worker's notice delay, and the estimated clock coverage of a plan
+                  alternating two clocks;
+* end_to_end      perseus-ext's runtime end to end in dry-run: two pipeline stages' computations
+                  (1F1B, 4 microbatches) in one process, a saved profile, the solve, deployed
+                  iterations, and the coverage the runtime estimates.
+
+Needs torch with CUDA, nvidia-ml-py, and perseus-ext's own dependencies (wheels:
+benchmarks/gpu_wheels.sh). The whole run stops itself after --budget-s seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))
+
+from gpu_check_support import (  # noqa: E402
+    Budget,
+    FakeCuda,
+    GuardError,
+    Report,
+    install_fake_nvml,
+    install_nvml_guard,
+    stats,
+)
+
+logger = logging.getLogger("gpu_check")
+
+
+class Machine:
+    """The device under test: torch's CUDA, or (--cpu) torch on the CPU with fake events."""
+
+    def __init__(self, cpu: bool) -> None:
+        import torch
+
+        self.torch = torch
+        self.cpu = cpu
+        self.cuda = FakeCuda() if cpu else torch.cuda
+        self.device = "cpu" if cpu else "cuda"
+        self.dtype = torch.float32 if cpu else torch.bfloat16
+
+    def synchronize(self) -> None:
+        self.cuda.synchronize()
+
+    def timeline(self) -> Any:
+        from perseus_ext.measurement.gpu.cuda_timeline import CudaTimeline
+
+        return CudaTimeline(self.cuda)
+
+
+# ----------------------------------------------------------------------------- sections
+def section_environment(machine: Machine, gpu: Any, nvml: Any) -> dict[str, Any]:
+    torch = machine.torch
+    figures: dict[str, Any] = {
+        "python": platform.python_version(), "torch": torch.__version__,
+        "cuda_runtime": getattr(torch.version, "cuda", None), "mode": "cpu (fakes)" if machine.cpu else "gpu",
+        "gpu": gpu.name, "uuid": gpu.uuid,
+    }
+    try:
+        version = nvml.nvmlSystemGetDriverVersion()
+        figures["driver"] = version.decode() if isinstance(version, bytes) else version
+    except Exception as err:  # noqa: BLE001 - informative only
+        figures["driver"] = f"unknown ({err!r})"
+    if not machine.cpu:
+        figures["cuda_device"] = torch.cuda.get_device_name()
+    clocks = gpu.supported_sm_clocks()
+    figures.update(supported_sm_clocks_mhz=[clocks[0], clocks[-1]], supported_sm_clock_count=len(clocks),
+                   sm_clock_mhz=gpu.sm_clock(), power_w=gpu.power_w(), power_limit_w=gpu.power_limit_w(),
+                   can_set_clocks=gpu.can_set_clocks())
+    return figures
+
+
+def section_nvml_reads(gpu: Any, deadline: float, samples: int) -> dict[str, Any]:
+    reads = {"energy_mj": gpu.energy_mj, "power_w": gpu.power_w, "sm_clock": gpu.sm_clock}
+    figures = {}
+    for name, read in reads.items():
+        costs = []
+        for _ in range(samples):
+            if time.perf_counter() > deadline:
+                break
+            began = time.perf_counter_ns()
+            read()
+            costs.append((time.perf_counter_ns() - began) / 1000.0)
+        figures[f"{name}_read_us"] = stats(costs)
+    return figures
+
+
+def section_energy_counter(gpu: Any, deadline: float, updates: int) -> dict[str, Any]:
+    """Counter changes watched by polling every 0.5 ms (as `calibrate_counter` does), bounded."""
+    import numpy as np
+
+    change_times, steps = [], []
+    previous = gpu.energy_mj()
+    while len(change_times) < updates + 1 and time.perf_counter() < deadline:
+        time.sleep(0.0005)
+        value = gpu.energy_mj()
+        if value != previous:
+            change_times.append(time.perf_counter())
+            steps.append(value - previous)
+            previous = value
+    periods_ms = [1000.0 * p for p in np.diff(change_times)]
+    return {"update_period_ms": stats(periods_ms), "step_mj": stats([float(s) for s in steps[1:]]),
+            "updates_seen": max(0, len(change_times) - 1)}
+
+
+def section_event_timing(machine: Machine, deadline: float) -> dict[str, Any]:
+    """Smallest elapsed-time step, float32 quantisation far from a reference, device/host rate."""
+    import numpy as np
+
+    cuda = machine.cuda
+    empty_ms = []
+    while len(empty_ms) < 500 and time.perf_counter() < deadline:
+        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+        start.record()
+        end.record()
+        end.synchronize()
+        empty_ms.append(start.elapsed_time(end))
+    distinct = np.unique(np.asarray(empty_ms, dtype=np.float64))
+    steps = np.diff(distinct)
+    figures: dict[str, Any] = {
+        "empty_interval_us": stats([1000.0 * v for v in empty_ms]),
+        "smallest_step_us": round(1000.0 * float(steps[steps > 0].min()), 4) if (steps > 0).any() else None,
+        # elapsed_time is a float32 of milliseconds: its resolution at a distance from the reference
+        "float32_quantum_ms_after_1_day": float(np.spacing(np.float32(86_400_000.0))),
+        "float32_quantum_ms_after_7_days": float(np.spacing(np.float32(7 * 86_400_000.0))),
+    }
+    # Device clock rate vs the host's perf_counter: two synchronised events ~1.5 s apart.
+    span_s = min(1.5, max(0.0, (deadline - time.perf_counter()) / 2 - 0.1))
+    if span_s > 0.2:
+        first, last = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
+        first.record()
+        first.synchronize()
+        host_first = time.perf_counter()
+        time.sleep(span_s)
+        last.record()
+        last.synchronize()
+        host_last = time.perf_counter()
+        device_s = first.elapsed_time(last) / 1000.0
+        host_s = host_last - host_first
+        figures.update(rate_window_s=round(host_s, 3),
+                       device_minus_host_ppm=round(1e6 * (device_s - host_s) / host_s, 1),
+                       note_rate="includes the two synchronisations' jitter (~10 us each: ~15 ppm at 1.5 s)")
+    return figures
+
+
+def build_blocks(machine: Machine, layers: int, hidden: int) -> Any:
+    torch = machine.torch
+    heads = max(1, hidden // 128)
+    return torch.nn.ModuleList(
+        torch.nn.TransformerEncoderLayer(hidden, nhead=heads, dim_feedforward=4 * hidden, batch_first=True,
+                                         dropout=0.0)
+        for _ in range(layers)).to(device=machine.device, dtype=machine.dtype)
+
+
+def backward_through(machine: Machine, block: Any, output: Any, inputs: Any, grad: Any) -> Any:
+    """A real backward of one block: input AND weight gradients; returns the input gradient."""
+    params = [p for p in block.parameters() if p.requires_grad]
+    machine.torch.autograd.backward(output, grad, inputs=[inputs, *params])
+    return inputs.grad
+
+
+def section_actuation(machine: Machine, gpu: Any, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
+    torch = machine.torch
+    from perseus_ext.actuation.controller import FrequencyController
+    from perseus_ext.actuation.sequencer import ClockSequencer
+    from perseus_ext.measurement.coverage import estimate_coverage
+    from perseus_ext.measurement.gpu import gpu_switch_latency
+
+    latency = gpu_switch_latency(gpu)
+    clocks = gpu.supported_sm_clocks()
+    plan_clocks = (clocks[0], clocks[len(clocks) // 3])
+    blocks = build_blocks(machine, args.layers, args.hidden)
+    data = torch.randn(args.batch, args.sequence, args.hidden, device=machine.device, dtype=machine.dtype)
+    controller = FrequencyController(gpu, dry_run=True, watchdog=False, handle_signals=False)
+    timeline = machine.timeline()
+    sequencer = ClockSequencer(controller, timeline, latency=latency)
+    computations = 2 * args.layers
+    plan = tuple(plan_clocks[(k // 2) % 2] for k in range(computations))
+    hook_us: list[float] = []
+    start_hook_us: list[float] = []
+    traces = []
+    durations = None
+    iteration = 0
+    try:
+        while iteration < args.iterations and time.perf_counter() < deadline:
+            began = time.perf_counter_ns()
+            start = sequencer.start_iteration(iteration, plan, durations)
+            start_hook_us.append((time.perf_counter_ns() - began) / 1000.0)
+            controller.observe(start, iteration)
+            launches: list[float] = []
+            inputs, outputs = [], []
+            current = data
+            for block in blocks:  # forward: one computation per block
+                current = current.detach().requires_grad_(True)
+                t0 = time.perf_counter_ns()
+                sequencer.computation_started()
+                t1 = time.perf_counter_ns()
+                launches.append(t1 / 1e9)
+                out = block(current)
+                t2 = time.perf_counter_ns()
+                sequencer.computation_finished()
+                t3 = time.perf_counter_ns()
+                hook_us.append((t1 - t0 + t3 - t2) / 1000.0)
+                inputs.append(current)
+                outputs.append(out)
+                current = out
+            grad = torch.ones_like(outputs[-1])
+            for index in reversed(range(len(outputs))):  # backward: one computation per block
+                t0 = time.perf_counter_ns()
+                sequencer.computation_started()
+                t1 = time.perf_counter_ns()
+                launches.append(t1 / 1e9)
+                grad = backward_through(machine, blocks[index], outputs[index], inputs[index], grad)
+                t2 = time.perf_counter_ns()
+                sequencer.computation_finished()
+                t3 = time.perf_counter_ns()
+                hook_us.append((t1 - t0 + t3 - t2) / 1000.0)
+            for block in blocks:
+                block.zero_grad(set_to_none=True)
+            traces.append((sequencer.trace, launches))
+            if iteration == 1:  # planned durations from a timed iteration, to issue changes ahead
+                machine.synchronize()
+                spans = sequencer.trace.device_spans()
+                durations = tuple(end - begin for begin, end, _ in spans)
+            iteration += 1
+        machine.synchronize()
+        controller.flush(10)
+        notices_ms = [1000.0 * (o.noticed_s - o.device_time_s) for o in controller.observations()]
+        changes = [(c.issued_s, c.mhz) for c in controller.drain_changes()]
+    finally:
+        controller.close()
+    host_lead_ms, all_spans, compute_ms = [], [], []
+    for trace, launches in traces[2:]:
+        spans = trace.device_spans() or []
+        all_spans.extend(spans)
+        compute_ms.extend(1000.0 * (end - begin) for begin, end, _ in spans)
+        host_lead_ms.extend(1000.0 * (begin - launched) for (begin, _, _), launched in zip(spans, launches))
+    tally = estimate_coverage(all_spans, changes, latency, None, default_clock_mhz=clocks[0])
+    return {
+        "iterations": iteration, "computations_per_iteration": computations,
+        "model": f"{args.layers} TransformerEncoderLayer(hidden {args.hidden}, ffn {4 * args.hidden}), "
+                 f"batch {args.batch} x sequence {args.sequence}, {str(machine.dtype).replace('torch.', '')}; "
+                 "backward with weight gradients",
+        "computation_ms": stats(compute_ms),
+        "hook_us": stats(hook_us), "iteration_start_hook_us": stats(start_hook_us),
+        "host_lead_ms": stats(host_lead_ms),
+        "notice_delay_ms": stats(notices_ms),
+        "switch_latency_ms": 1000.0 * latency.switch_s, "transition_ms": 1000.0 * latency.transition_s,
+        "clock_changes": len(changes),
+        "estimated_coverage": tally.coverage,
+    }
+
+
+def _modelled_profile(path: str, gpu: Any, stage_times: list[tuple[float, float]]) -> float:
+    """A saved profile for the runtime (dry-run cannot profile: clocks never change). Times at
+    the max clock are the ones measured on this device; other clocks are modelled (70 % of the
+    time scales with 1/f) and so is power (static + dynamic ~ f^2.5). Returns the blocking power."""
+    from perseus_ext.planning.profile import Profile
+
+    clocks = gpu.supported_sm_clocks()
+    top = clocks[0]
+    limit_w = gpu.power_limit_w() or 700.0
+    busy_w, static_w = 0.8 * limit_w, 0.25 * limit_w
+    rows = []
+    for stage, (forward_s, backward_s) in enumerate(stage_times):
+        for kind, seconds in (("forward", forward_s), ("backward", backward_s)):
+            for clock in clocks[: max(2, len(clocks) * 2 // 3)][::6]:
+                ratio = clock / top
+                time_s = seconds * (0.3 + 0.7 / ratio)
+                power_w = static_w + (busy_w - static_w) * ratio ** 2.5
+                rows.append({"stage": stage, "instruction": kind, "frequency": clock,
+                             "time": time_s, "energy": power_w * time_s})
+    Profile.from_rows(rows).save(path)
+    return 0.15 * limit_w
+
+
+def _pipeline_order(schedule: Any) -> list[tuple[int, Any]]:
+    """One device-serial order of both stages' computations that respects the pipeline's
+    dependencies (F(s, m) after F(s-1, m); B(s, m) after B(s+1, m))."""
+    from perseus_ext.planning.schedule import Kind
+
+    orders = [list(order) for order in schedule.orders]
+    done: set[tuple[int, int, Kind]] = set()
+    position = [0] * len(orders)
+    result = []
+    last = len(orders) - 1
+    while any(position[s] < len(orders[s]) for s in range(len(orders))):
+        progressed = False
+        for stage, order in enumerate(orders):
+            while position[stage] < len(order):
+                computation = order[position[stage]]
+                m, kind = computation.microbatch, computation.kind
+                ready = ((kind is Kind.FORWARD and (stage == 0 or (stage - 1, m, kind) in done))
+                         or (kind is Kind.BACKWARD and (stage == last or (stage + 1, m, kind) in done)))
+                if not ready:
+                    break
+                result.append((stage, computation))
+                done.add((stage, m, kind))
+                position[stage] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the schedule's orders deadlock")
+    return result
+
+
+def section_end_to_end(machine: Machine, gpu: Any, args: argparse.Namespace, deadline: float,
+                       workdir: str) -> dict[str, Any]:
+    torch = machine.torch
+    from perseus_ext.planning.schedule import Kind, build_schedule
+    from perseus_ext.runtime import PerseusConfig, PerseusRuntime
+
+    stages, microbatches = 2, 4
+    schedule = build_schedule("1f1b", stages, microbatches)
+    # Stage 1 heavier (3:1): stage 0 then has slack the planner fills with lower clocks.
+    light = max(1, args.layers // 4)
+    models = [build_blocks(machine, light, args.hidden), build_blocks(machine, max(1, args.layers - light), args.hidden)]
+    # Twice the actuation section's batch: computations of several ms, as pipeline stages run.
+    batches = [torch.randn(2 * args.batch, args.sequence, args.hidden, device=machine.device, dtype=machine.dtype)
+               for _ in range(microbatches)]
+
+    def run_iteration(runtimes: list[Any] | None) -> None:
+        inputs: dict[tuple[int, int], Any] = {}
+        outputs: dict[tuple[int, int], Any] = {}
+        grads: dict[tuple[int, int], Any] = {}
+        active = [runtime for runtime in runtimes or () if runtime is not None]
+        for runtime in active:
+            runtime.iteration_start()
+        for stage, computation in order:
+            runtime = runtimes[stage] if runtimes else None
+            m = computation.microbatch
+            if runtime is not None:
+                runtime.before_computation(computation.kind, m)
+            if computation.kind is Kind.FORWARD:
+                source = batches[m] if stage == 0 else outputs[(stage - 1, m)]
+                x = source.detach().requires_grad_(True)
+                out = x
+                for block in models[stage]:
+                    out = block(out)
+                inputs[(stage, m)], outputs[(stage, m)] = x, out
+            else:
+                grad = grads.get((stage + 1, m))
+                grad = torch.ones_like(outputs[(stage, m)]) if grad is None else grad
+                params = [p for p in models[stage].parameters()]
+                torch.autograd.backward(outputs[(stage, m)], grad, inputs=[inputs[(stage, m)], *params])
+                grads[(stage, m)] = inputs[(stage, m)].grad
+            if runtime is not None:
+                runtime.after_computation(computation.kind, m)
+        for runtime in active:
+            runtime.mark_compute_end()
+        for model in models:  # the optimizer step, at the default clock
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-1e-6)
+                        p.grad = None
+        for runtime in active:
+            runtime.iteration_end()
+
+    order = _pipeline_order(schedule)
+    # Each stage's forward and backward time at the default clock, measured with events.
+    run_iteration(None)
+    machine.synchronize()
+    stage_times = []
+    for stage in range(stages):
+        x = batches[0].detach().requires_grad_(True)
+        start, middle, end = (machine.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record()
+        out = x
+        for block in models[stage]:
+            out = block(out)
+        middle.record()
+        torch.autograd.backward(out, torch.ones_like(out), inputs=[x, *models[stage].parameters()])
+        end.record()
+        end.synchronize()
+        stage_times.append((max(1e-4, start.elapsed_time(middle) / 1000.0), max(1e-4, middle.elapsed_time(end) / 1000.0)))
+        for p in models[stage].parameters():
+            p.grad = None
+    profile_path = os.path.join(workdir, "profile.csv")
+    blocking_w = _modelled_profile(profile_path, gpu, stage_times)
+    config = PerseusConfig.from_dict({
+        "enabled": True, "dry_run": True, "warmup_iterations": 1, "profile_path": profile_path,
+        "blocking_power_w": blocking_w, "solve_in_background": False, "baseline_fraction": 0,
+        "straggler_check_interval": 1000, "log_interval": 0,
+    })
+    # Stage 0's runtime is the pipeline's leader: it solves the two-stage frontier and deploys its
+    # own clocks. A stage-1 runtime needs its leader across a process group (a second process);
+    # here stage 1's computations run on the same device between stage 0's, as its receives.
+    runtimes = [PerseusRuntime(config, schedule=schedule, stage=0, gpu=gpu), None]
+    iterations = 0
+    phases = []
+    try:
+        while iterations < args.e2e_iterations and time.perf_counter() < deadline:
+            run_iteration(runtimes)
+            phase = runtimes[0].phase.value
+            if phases and phases[-1][0] == phase:
+                phases[-1][1] += 1
+            else:
+                phases.append([phase, 1])
+            iterations += 1
+        machine.synchronize()
+        summaries = []
+        runtimes[0].controller.flush(10)
+    finally:
+        runtimes[0].close()
+    for stage, runtime in enumerate(runtimes[:1]):
+        summary = runtime.summary()
+        coverage = summary.get("clock_coverage", {})
+        deployed = [r for r in runtime.recorder.history if r.setting.plan is not None]
+        summaries.append({
+            "stage": stage, "final_phase": summary.get("final_phase"),
+            "dry_run": runtime.controller.dry_run, "dry_run_changes": runtime.controller.dry_run_count,
+            "deployed_iterations": len(deployed),
+            "estimated_coverage": coverage.get("estimated"),
+            "first_clocks_issued_mhz": list(runtime.controller.dry_run_log[:12]),
+            "iteration_s": stats([r.time_s for r in deployed if getattr(r, "time_s", None) is not None], 5),
+        })
+    return {
+        "schedule": "1f1b, 2 stages (1:3 blocks) x 4 microbatches, both stages' computations in this one process; "
+                    "stage 0 runs perseus-ext's runtime (stage 1's computations are its waits)",
+        "stage_times_ms_at_default_clock": [[round(1000 * f, 3), round(1000 * b, 3)] for f, b in stage_times],
+        "profile": "times at the max clock measured here; other clocks modelled (dry-run cannot profile)",
+        "iterations": iterations, "phases": ", ".join(f"{phase} x{count}" for phase, count in phases),
+        "stages": summaries,
+    }
+
+
+def guard_drill(gpu: Any, fake_nvml: Any, attempts: list[str]) -> dict[str, Any]:
+    """(--cpu only) A controller that is NOT in dry-run sets a clock and resets it on the fake GPU:
+    the guard must refuse both writes before they reach NVML, and the controller fall back."""
+    from perseus_ext.actuation.controller import FrequencyController
+
+    logging.getLogger("perseus_ext").setLevel(logging.CRITICAL)  # the fallback's warning is expected
+    try:
+        controller = FrequencyController(gpu, dry_run=False, watchdog=False, handle_signals=False)
+        controller.set_clock(gpu.supported_sm_clocks()[-1])
+        controller.flush(5)
+        controller.close()
+    finally:
+        logging.getLogger("perseus_ext").setLevel(logging.NOTSET)
+    return {"blocked": sorted(set(attempts)), "reached_nvml": list(fake_nvml.writes),
+            "controller_errors": controller.error_count, "disabled_reason": controller.disabled_reason}
+
+
+# ----------------------------------------------------------------------------- driver
+def print_table(report: Report) -> None:
+    print()
+    print(f"{'section':<16} {'figure':<38} value")
+    print("-" * 90)
+    for section, figures in report.data["sections"].items():
+        for key, value in figures.items():
+            if isinstance(value, dict) and "median" in value:
+                text = f"median {value['median']}  p99 {value['p99']}  max {value['max']}  (n={value['n']})"
+            elif isinstance(value, float):
+                text = f"{value:.4g}"
+            else:
+                text = str(value)
+            print(f"{section:<16} {key:<38} {text[:200]}")
+            section = ""
+    print(flush=True)
+
+
+def run_section(report: Report, name: str, budget: Budget, wanted_s: float, body: Any) -> Any:
+    """Run one section with its own deadline; its figures or its error go to the report."""
+    if budget.left_s() < 1.0:
+        report.section(name, {"skipped": "out of time"})
+        return None
+    began = time.perf_counter()
+    print(f"[gpu_check] {name} (up to {min(wanted_s, budget.left_s()):.0f} s) ...", flush=True)
+    try:
+        figures = body(budget.section(wanted_s))
+    except Exception as err:  # noqa: BLE001 - a section's failure must not lose the others
+        figures = {"error": repr(err), "traceback": traceback.format_exc(limit=8)}
+    figures["section_s"] = round(time.perf_counter() - began, 2)
+    report.section(name, figures)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the figures here (rewritten after every section)")
+    parser.add_argument("--cpu", action="store_true", help="fakes instead of a GPU (the test suite runs this)")
+    parser.add_argument("--budget-s", type=float, default=210.0, help="the whole run's time budget")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--hidden", type=int, default=None)
+    parser.add_argument("--sequence", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--e2e-iterations", type=int, default=30)
+    args = parser.parse_args(argv)
+    defaults = dict(layers=4, hidden=64, sequence=16, batch=2) if args.cpu else \
+        dict(layers=4, hidden=4096, sequence=1024, batch=4)
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    report = Report(args.json)
+    budget = Budget(args.budget_s)
+    # A hang must not eat the device's time: dump the stacks and end the process past the budget.
+    faulthandler.dump_traceback_later(args.budget_s + 20, exit=False)
+    stopper = threading.Timer(args.budget_s + 40, lambda: (report.set("aborted", "over budget"), os._exit(3)))
+    stopper.daemon = True
+    stopper.start()
+
+    # 1. The guard, before perseus-ext or anything else can touch NVML.
+    if args.cpu:
+        nvml = install_fake_nvml()
+    else:
+        import pynvml as nvml
+    attempts: list[str] = []
+    replaced = install_nvml_guard(nvml, attempts)
+    try:
+        nvml.nvmlDeviceSetGpuLockedClocks(None, 1, 1)
+        guard_blocks = False
+    except GuardError:
+        guard_blocks = True
+    attempts.clear()
+    report.set("guard", {"replaced": len(replaced), "blocks_set_gpu_locked_clocks": guard_blocks,
+                         "names": replaced})
+    if not guard_blocks:
+        print("gpu_check: the NVML write guard does not hold; refusing to run", file=sys.stderr)
+        return 2
+
+    import torch  # noqa: F401 - after the guard
+
+    machine = Machine(args.cpu)
+    if not args.cpu and not torch.cuda.is_available():
+        report.set("error", "torch sees no CUDA device")
+        print("gpu_check: torch sees no CUDA device (use --cpu for the fake run)", file=sys.stderr)
+        return 2
+    if not args.cpu:
+        torch.cuda.init()
+    from perseus_ext.measurement.gpu import open_gpu
+
+    gpu = open_gpu("nvml")
+    if args.cpu:  # the drill: a live controller's clock writes on the fake GPU end at the guard
+        report.set("guard_drill", guard_drill(gpu, nvml, attempts))
+        attempts.clear()
+    run_section(report, "environment", budget, 10, lambda d: section_environment(machine, gpu, nvml))
+    run_section(report, "nvml_reads", budget, 10, lambda d: section_nvml_reads(gpu, d, 300))
+    run_section(report, "energy_counter", budget, 8, lambda d: section_energy_counter(gpu, d, 30))
+    run_section(report, "event_timing", budget, 8, lambda d: section_event_timing(machine, d))
+    run_section(report, "actuation", budget, 50, lambda d: section_actuation(machine, gpu, args, d))
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as workdir:
+        run_section(report, "end_to_end", budget, 80,
+                    lambda d: section_end_to_end(machine, gpu, args, d, workdir))
+    report.set("guard_attempts", list(attempts))  # writes perseus-ext tried (must be empty in dry-run)
+    report.set("finished_utc", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    faulthandler.cancel_dump_traceback_later()
+    stopper.cancel()
+    print_table(report)
+    if attempts:
+        print(f"gpu_check: NVML writes were attempted and blocked: {attempts}", file=sys.stderr)
+        return 1
+    failed = [name for name, figures in report.data["sections"].items() if "error" in figures]
+    if failed:
+        print(f"gpu_check: sections failed: {failed}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""benchmarks/gpu_check.py, the real-GPU check, kept from rotting: its `--cpu` mode runs every
+section on fakes (a fake pynvml, CPU tensors, CUDA events that are reached when recorded), and
+its NVML write guard is checked on the fake and on the real pynvml module's functions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from gpu_check_support import FakeNVML, GuardError, install_nvml_guard, is_write  # noqa: E402
+
+WRITES = ("nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks", "nvmlDeviceSetPowerManagementLimit",
+          "nvmlDeviceSetApplicationsClocks", "nvmlDeviceResetApplicationsClocks", "nvmlDeviceClearEccErrorCounts",
+          "nvmlDeviceSetMigMode", "nvmlDeviceCreateGpuInstance", "nvmlDeviceSetPersistenceMode",
+          "nvmlDeviceSetMemoryLockedClocks", "nvmlDeviceResetMemoryLockedClocks", "nvmlDeviceModifyDrainState")
+READS = ("nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetClockInfo",
+         "nvmlDeviceGetSupportedGraphicsClocks", "nvmlDeviceGetCreatableVgpus", "nvmlDeviceGetName", "nvmlInit",
+         "nvmlSystemGetDriverVersion", "nvmlDeviceGetPowerManagementLimitConstraints", "nvmlShutdown")
+
+
+def test_write_names_are_told_from_reads():
+    assert all(is_write(name) for name in WRITES)
+    assert not any(is_write(name) for name in READS)
+
+
+def test_the_guard_blocks_every_write_of_the_real_pynvml_and_keeps_its_reads():
+    pynvml = pytest.importorskip("pynvml")
+    copy = types.ModuleType("pynvml_copy")  # the real module's functions, patched on a copy
+    copy.__dict__.update({k: v for k, v in vars(pynvml).items() if not k.startswith("__")})
+    attempts: list[str] = []
+    replaced = set(install_nvml_guard(copy, attempts))
+    assert set(WRITES) <= replaced and "_nvmlGetFunctionPointer" in replaced
+    for name in READS:
+        assert getattr(copy, name) is getattr(pynvml, name)
+    with pytest.raises(GuardError, match="nvmlDeviceSetGpuLockedClocks is blocked"):
+        copy.nvmlDeviceSetGpuLockedClocks(None, 1410, 1410)
+    # the C entry point lookup refuses writes too (a wrapper the name pattern missed still fails)
+    with pytest.raises(GuardError, match="nvmlDeviceSetPowerManagementLimit"):
+        copy._nvmlGetFunctionPointer("nvmlDeviceSetPowerManagementLimit")
+    assert attempts == ["nvmlDeviceSetGpuLockedClocks", "nvmlDeviceSetPowerManagementLimit"]
+    assert pynvml.nvmlDeviceSetGpuLockedClocks.__name__ == "nvmlDeviceSetGpuLockedClocks"  # original untouched
+
+
+def test_the_guard_on_the_fake_keeps_writes_from_it():
+    fake = FakeNVML()
+    install_nvml_guard(fake, [])
+    with pytest.raises(GuardError):
+        fake.nvmlDeviceResetGpuLockedClocks(fake.device)
+    assert fake.writes == []
+    assert fake.nvmlDeviceGetTotalEnergyConsumption(fake.device) >= 0
+
+
+def test_cpu_mode_runs_every_section_and_the_guard_stops_a_live_controller(tmp_path):
+    out = tmp_path / "check.json"
+    process = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--cpu", "--json", str(out),
+                              "--budget-s", "150", "--iterations", "12", "--e2e-iterations", "12"],
+                             capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["guard"]["blocks_set_gpu_locked_clocks"] and report["guard"]["replaced"] >= 5
+    drill = report["guard_drill"]  # a controller NOT in dry-run: its writes end at the guard
+    assert drill["blocked"] == ["nvmlDeviceResetGpuLockedClocks", "nvmlDeviceSetGpuLockedClocks"]
+    assert drill["reached_nvml"] == [] and drill["controller_errors"] >= 1 and drill["disabled_reason"]
+    assert report["guard_attempts"] == []  # the measured sections (dry-run) tried no write at all
+    sections = report["sections"]
+    assert set(sections) == {"environment", "nvml_reads", "energy_counter", "event_timing", "actuation",
+                             "end_to_end"}
+    assert not [name for name, figures in sections.items() if "error" in figures]
+    assert sections["energy_counter"]["update_period_ms"]["median"] == pytest.approx(20, abs=5)
+    assert sections["event_timing"]["float32_quantum_ms_after_7_days"] == 64.0
+    actuation = sections["actuation"]
+    assert actuation["iterations"] == 12 and actuation["hook_us"]["n"] == 12 * 8
+    assert actuation["notice_delay_ms"]["n"] == 12 and actuation["estimated_coverage"] is not None
+    (stage,) = sections["end_to_end"]["stages"]
+    assert stage["dry_run"] and stage["final_phase"] == "deployed" and stage["deployed_iterations"] >= 8
+    assert stage["dry_run_changes"] > 0 and stage["estimated_coverage"] is not None
+    assert "hook_us" in process.stdout  # the table
