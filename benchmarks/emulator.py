@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     args = parser.parse_args()
 
-    profile = load_profile(args.profile, pareto=False)
+    profile = load_profile(args.profile)
     for _ in range(args.repeat):
         start = time.perf_counter()
         solve_s, sweep_s, at_1_2 = 0.0, 0.0, []

@@ -104,8 +104,8 @@ def run_seed(seed: int) -> dict:
     schedule = build_schedule("1f1b", 2, MICROBATCHES)
     options = SolverOptions(min_grid_points=300)
     truth_profile = Profile.from_rows(true_rows(gpus))
-    full = solve_frontier(schedule, truth_profile.pareto(), idle_w, options, switch_latency_s=SWITCH_LATENCY_S)
-    searched = solve_frontier(schedule, Profile.from_rows(rows).pareto(), float(np.mean(blocking)), options,
+    full = solve_frontier(schedule, truth_profile, idle_w, options, switch_latency_s=SWITCH_LATENCY_S)
+    searched = solve_frontier(schedule, Profile.from_rows(rows), float(np.mean(blocking)), options,
                               switch_latency_s=SWITCH_LATENCY_S)
     true_model = CostModel(schedule, truth_profile, idle_w, SWITCH_LATENCY_S)
     baseline_time, baseline_energy = (float(v) for v in true_model.replay(true_model.fastest_choice()))

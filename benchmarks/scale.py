@@ -38,9 +38,9 @@ def split_stages(profile: Profile, factor: int) -> Profile:
 
 
 def solve_once(profile_path: str, stages: int, microbatches: int, chunks: int, power: float, queue) -> None:
-    raw = load_profile(profile_path, pareto=False)
+    raw = load_profile(profile_path)
     base = raw.num_stages
-    profile = (raw if stages == base else split_stages(raw, stages // base)).pareto()
+    profile = (raw if stages == base else split_stages(raw, stages // base))
     if chunks > 1:
         schedule = interleaved(stages, microbatches, chunks)
     else:

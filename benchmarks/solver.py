@@ -200,7 +200,7 @@ def main() -> None:
         have_lowtime = False
         print("lowtime not installed: perseus-ext only (pip install lowtime==0.3.0)")
 
-    raw = load_profile(args.profile, pareto=False)
+    raw = load_profile(args.profile)
     header = (
         f"{'M':>4} {'ours pts':>8} {'ours s':>7} {'CPU s':>6} {'MiB':>5} {'lowtime pts':>11} "
         f"{'lowtime s':>9} {'CPU s':>8} {'MiB':>5} {'speedup':>8} {'max dE J':>9} {'mean dE J':>9} {'saving %':>8}"

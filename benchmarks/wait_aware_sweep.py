@@ -25,7 +25,6 @@ from perseus_ext.data import shipped_profile
 from perseus_ext.emulator.report import comparison_table
 from perseus_ext.planning.energy import BLOCKING_POWER_W
 from perseus_ext.planning.profile import Profile, load_profile
-from perseus_ext.planning.wait_aware import wait_useful_profile
 
 PROFILES = ("gpt3-175b-a100_sxm", "bloom-a100_sxm", "gpt3-175b-a40", "bloom-a40")
 FACTORS = (1.05, 1.1, 1.2, 1.3, 1.5, 2.0)
@@ -45,7 +44,7 @@ def command(stem: str, microbatches: list[int], factors: list[float]) -> str:
 def wait_optimal_clocks(profile: Profile, blocking_power_w: float) -> set[int]:
     """Per (stage, instruction), the clock of least energy - blocking power x time."""
     clocks = set()
-    for op in wait_useful_profile(profile, blocking_power_w).points.values():
+    for op in profile.useful_clocks(blocking_power_w).points.values():
         clocks.add(int(op.frequencies[int(np.argmin(op.energies - blocking_power_w * op.times))]))
     return clocks
 
@@ -59,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     for stem in args.profiles:
         started = time.perf_counter()
-        profile = load_profile(shipped_profile(stem), pareto=False)
+        profile = load_profile(shipped_profile(stem))
         power = BLOCKING_POWER_W[blocking_power_key(stem)]
         sweeps, ties = {}, []
         for microbatches in args.microbatches:

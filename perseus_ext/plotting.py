@@ -88,11 +88,20 @@ def plot_frontier(
     figure = _new_figure(7.0, 4.8)
     ax = figure.add_subplot()
     unit, scale = _energy_unit(frontier.baseline.energy)
-    times = np.array([p.time for p in frontier.plans])
-    energies = np.array([p.energy for p in frontier.plans]) / scale
+    ordinary = frontier.ordinary_plans
+    times = np.array([p.time for p in ordinary])
+    energies = np.array([p.energy for p in ordinary]) / scale
     ax.plot(times, energies, "-", color="tab:blue", lw=1.5, zorder=2)
     ax.plot(times, energies, "o", color="tab:blue", ms=2.5, zorder=2,
-            label=f"perseus-ext frontier ({len(frontier.plans)} plans)")
+            label=f"perseus-ext frontier ({len(ordinary)} plans)")
+    extension = frontier.plans[len(ordinary):]
+    if extension:
+        # Its own series: these plans are chosen by energy - blocking power x stages x time
+        # (an iteration held to a deadline), so in one line with the ordinary plans it would
+        # jump back in time and zig-zag.
+        ax.plot([p.time for p in extension], [p.energy / scale for p in extension], "s-",
+                color="tab:cyan", ms=2.0, lw=0.8, zorder=1,
+                label=f"wait-aware plans, iteration held to a deadline ({len(extension)} plans)")
     base = frontier.baseline
     ax.plot(base.time, base.energy / scale, "X", color="black", ms=10, zorder=4,
             label=f"baseline, fastest clocks: {base.time:.4g} s, {base.energy / scale:.4g} {unit}")

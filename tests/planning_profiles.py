@@ -24,4 +24,4 @@ def profile_path(name: str) -> Path:
 def sub_profile(raw: Profile, stages: int, clocks: tuple[int, ...]) -> Profile:
     """The first `stages` stages of a published profile, measured at `clocks` only."""
     rows = [r for r in raw.rows() if r["stage"] < stages and r["frequency"] in clocks]
-    return Profile.from_rows(rows, source=f"{raw.source}[{stages} stages, {clocks}]").pareto()
+    return Profile.from_rows(rows, source=f"{raw.source}[{stages} stages, {clocks}]")

@@ -22,7 +22,7 @@ A100 = shipped_profile("gpt3-175b-a100_sxm")
 
 @pytest.fixture()
 def four_stage_profile(tmp_path: Path) -> Path:
-    raw = load_profile(A100, pareto=False)
+    raw = load_profile(A100)
     rows = [r for r in raw.rows() if r["stage"] < 4 and r["frequency"] >= 1200]
     path = tmp_path / "slice-4stages.csv"  # names no GPU: no default blocking power
     Profile.from_rows(rows).save(path)
@@ -50,6 +50,27 @@ def test_frontier_writes_json_plot_and_summary(tmp_path: Path, four_stage_profil
     assert plot.stat().st_size > 10_000
     summary = capsys.readouterr().out
     assert "T_min" in summary and "intrinsic saving" in summary and "T* (min energy)" in summary
+
+
+def test_wait_aware_frontier_and_its_useful_clocks(tmp_path: Path, capsys) -> None:
+    """`--wait-aware` appends the plans for an iteration held to a deadline (Pareto in time and
+    energy - P_block S time, slower than T* where energy rises again); the summary counts the
+    clocks the planner keeps at this blocking power (the published A100 profile: 472 of 608)."""
+    out, plot = tmp_path / "f.json", tmp_path / "f.png"
+    assert main([
+        "frontier", "--profile", "gpt3-175b-a100_sxm", "--microbatches", "4", "--wait-aware",
+        "--out", str(out), "--plot", str(plot),
+    ]) == 0
+    summary = capsys.readouterr().out
+    assert "useful clocks  472 of 608 measured" in summary and " wait-aware" in summary
+    data = json.loads(out.read_text())
+    start = data["extension_start"]
+    ordinary, extension = data["plans"][:start], data["plans"][start:]
+    assert extension and extension[-1]["time"] > ordinary[-1]["time"]
+    slope = 8 * 83.64
+    costs = [p["energy"] - slope * p["time"] for p in extension]
+    assert all(a > b for a, b in zip(costs, costs[1:]))  # each later one is cheaper once held
+    assert plot.stat().st_size > 10_000
 
 
 def test_shipped_profile_by_name_and_interleaved(tmp_path: Path) -> None:
@@ -115,7 +136,7 @@ def test_the_executable_prints_only_its_summary_and_exits_at_once(tmp_path: Path
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert [line.split()[0] for line in lines] == ["profile", "schedule", "solved", "all", "T_min", "T*", "wrote"]
+    assert [line.split()[0] for line in lines] == ["profile", "useful", "schedule", "solved", "all", "T_min", "T*", "wrote"]
     assert "HiGHS" not in result.stdout + result.stderr
     assert json.loads(out.read_text())["plans"]
     bad = subprocess.run(command[:-2] + ["--resolution", "0"], capture_output=True, text=True, timeout=120)

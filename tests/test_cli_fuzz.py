@@ -71,7 +71,7 @@ EMULATE_OPTIONS = st.lists(st.one_of(
 @pytest.fixture(scope="module")
 def places(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("cli-fuzz")
-    raw = load_profile(shipped_profile("gpt3-175b-a40"), pareto=False)
+    raw = load_profile(shipped_profile("gpt3-175b-a40"))
     rows = [r for r in raw.rows() if r["stage"] < 2 and r["frequency"] in (1740, 1500, 1200)]
     tiny = root / "tiny-a40"
     Profile.from_rows(rows).save(tiny.with_suffix(".csv"))

@@ -19,7 +19,7 @@ from perseus_ext.planning.profile import Profile, load_profile
 @pytest.fixture()
 def tiny_profile(tmp_path: Path) -> Path:
     """2 stages x 3 clocks, sliced from the published A100 profile (names no GPU)."""
-    raw = load_profile(shipped_profile("gpt3-175b-a100_sxm"), pareto=False)
+    raw = load_profile(shipped_profile("gpt3-175b-a100_sxm"))
     rows = [r for r in raw.rows() if r["stage"] < 2 and r["frequency"] in (1410, 1200, 1005)]
     path = tmp_path / "tiny.csv"
     Profile.from_rows(rows).save(path)
@@ -75,10 +75,10 @@ def test_verbosity_works_after_the_subcommand(flag, level, caplog, tmp_path) -> 
     assert logging.getLogger("perseus_ext").level == level
     emitted = [r for r in caplog.records if r.name == "perseus_ext.planning.profile"
                and logging.getLogger("perseus_ext").isEnabledFor(r.levelno)]
-    per_clock = [r for r in emitted if "stage 0 forward: dropped 1 dominated clock(s) [1410]" in r.getMessage()]
+    per_clock = [r for r in emitted if "stage 0 forward: dropped 1 clock(s) [1410]" in r.getMessage()]
     assert [r.levelno for r in per_clock] == ([logging.DEBUG] if level == logging.DEBUG else [])
     # The one-line summary is INFO: shown by default and with -v, not with -q.
-    assert any("dropped 1 dominated" in r.getMessage() for r in emitted) is (level != logging.WARNING)
+    assert any("3 of 4 clock measurements useful" in r.getMessage() for r in emitted) is (level != logging.WARNING)
 
 
 def test_frontier_and_emulate_take_the_same_profile_names_and_blocking_power(tmp_path, capsys) -> None:

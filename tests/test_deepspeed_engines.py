@@ -162,7 +162,7 @@ def test_a_model_that_misjudges_the_measured_iteration_is_warned_about(tmp_path,
     assert not [r for r in caplog.records if "the frontier models" in r.getMessage() and "(+" in r.getMessage()]
     caplog.clear()
 
-    load_profile(path, pareto=False).scaled(0.5, 0.5).save(path)
+    load_profile(path).scaled(0.5, 0.5).save(path)
     halved = PerseusRuntime(make_config(profile_path=str(path)), schedule=schedule, stage=0, gpu=sim_gpu())
     train_steadily(halved, 10)
     halved.close()

@@ -40,7 +40,7 @@ A100_BLOCKING_W = 83.64
 
 @pytest.fixture(scope="module")
 def raw_profile():
-    return load_profile(GPT3_A100, pareto=False)
+    return load_profile(GPT3_A100)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ PROFILES = Path(__file__).resolve().parent.parent / "examples" / "profiles"
 
 def _published(name: str, kind: str) -> tuple[int, float, float, float]:
     """(min-energy clock, E_min/E_max, t(855)/t_max, E(855)/E_max) of stage 0 of a profile."""
-    op = load_profile(PROFILES / f"{name}.csv", pareto=False)[0, kind]
+    op = load_profile(PROFILES / f"{name}.csv")[0, kind]
     best = int(np.argmin(op.energies))
     low = op.index_of(855)
     return (

@@ -18,7 +18,7 @@ def two_stage_profile() -> Profile:
         for instruction, fast, slow in (("forward", (1.0, 10.0), (2.0, 6.0)), ("backward", (2.0, 20.0), (3.0, 15.0))):
             rows.append({"stage": stage, "instruction": instruction, "frequency": 1000, "time": fast[0], "energy": fast[1]})
             rows.append({"stage": stage, "instruction": instruction, "frequency": 500, "time": slow[0], "energy": slow[1]})
-    return Profile.from_rows(rows, source="hand").pareto()
+    return Profile.from_rows(rows, source="hand")
 
 
 def test_replay_matches_hand_computation() -> None:

@@ -18,7 +18,7 @@ from perseus_ext.planning.solver import solve_frontier
 
 @pytest.fixture(scope="module")
 def frontier() -> Frontier:
-    raw = load_profile(profile_path("gpt3-175b-a100_sxm"), pareto=False)
+    raw = load_profile(profile_path("gpt3-175b-a100_sxm"))
     profile = sub_profile(raw, 4, tuple(range(1410, 850, -45)))
     return solve_frontier(one_f_one_b(4, 8), profile, P_BLOCK_A100)
 

@@ -10,10 +10,10 @@ from perseus_ext.errors import ProfileError
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.profile import Profile, load_profile
 from perseus_ext.planning.schedule import one_f_one_b
-from perseus_ext.planning.solver import solve_frontier
+from perseus_ext.planning.solver import planning_model, solve_frontier
 from perseus_ext.planning.switching import count_switches, merge_switches, repair_latency
 from perseus_ext.planning.thinning import with_fewer_switches
-from perseus_ext.planning.wait_aware import plan_ending_at, solve_wait_aware, waiting_energy
+from perseus_ext.planning.wait_aware import plan_ending_at, waiting_energy
 from planning_profiles import P_BLOCK_A100, profile_path, sub_profile
 
 
@@ -23,7 +23,7 @@ def hand_profile() -> Profile:
         for kind, fast, slow in (("forward", (1.0, 10.0), (2.0, 6.0)), ("backward", (2.0, 20.0), (3.0, 15.0))):
             rows.append({"stage": stage, "instruction": kind, "frequency": 1000, "time": fast[0], "energy": fast[1]})
             rows.append({"stage": stage, "instruction": kind, "frequency": 500, "time": slow[0], "energy": slow[1]})
-    return Profile.from_rows(rows, source="hand").pareto()
+    return Profile.from_rows(rows, source="hand")
 
 
 def choice_for(model: CostModel, clocks: dict[str, int]) -> np.ndarray:
@@ -96,14 +96,14 @@ def scalar_replay(model: CostModel, choice: np.ndarray, latency: float) -> tuple
 
 @pytest.fixture(scope="module")
 def raw_a100() -> Profile:
-    return load_profile(profile_path("gpt3-175b-a100_sxm"), pareto=False)
+    return load_profile(profile_path("gpt3-175b-a100_sxm"))
 
 
 def test_every_plan_reports_its_exact_latency_aware_replay(raw_a100: Profile) -> None:
     profile = sub_profile(raw_a100, 3, (1410, 1290, 1170, 1050, 930))
     schedule = one_f_one_b(3, 5)
     frontier = solve_frontier(schedule, profile, P_BLOCK_A100, switch_latency_s=0.01)
-    model = CostModel(schedule, profile, P_BLOCK_A100, switch_latency_s=0.01)
+    model = planning_model(schedule, profile, P_BLOCK_A100, switch_latency_s=0.01)
     assert frontier.baseline.time == pytest.approx(model.replay(model.fastest_choice(), 0.0)[0])
     for plan in frontier.plans:
         time, energy = scalar_replay(model, model.choice_of(plan), 0.01)
@@ -191,10 +191,10 @@ def test_fewer_switches_keeps_the_frontier_honest_and_nearly_as_cheap(raw_a100: 
     per change more than before while making fewer changes in all."""
     profile = sub_profile(raw_a100, 4, tuple(range(1410, 600, -90)))
     schedule = one_f_one_b(4, 8)
-    frontier = solve_wait_aware(schedule, profile, P_BLOCK_A100, switch_latency_s=0.005)
+    frontier = solve_frontier(schedule, profile, P_BLOCK_A100, switch_latency_s=0.005, wait_aware=True)
     cost_j = 5.0  # a quarter of a computation's energy: changes between neighbouring clocks go
     thinned = with_fewer_switches(frontier, schedule, profile, P_BLOCK_A100, 0.005, cost_j)
-    model = CostModel(schedule, profile, P_BLOCK_A100, 0.005)
+    model = planning_model(schedule, profile, P_BLOCK_A100, 0.005, wait_aware=True)
     for plan in thinned.plans:
         assert (plan.time, plan.energy) == pytest.approx(model.replay(model.choice_of(plan)))
     assert thinned.fastest.time <= frontier.fastest.time + 1e-9

@@ -33,12 +33,14 @@ def write(tmp_path: Path, text: str) -> Path:
 
 @pytest.mark.parametrize("name", shipped_profile_names())
 def test_shipped_profiles_load(name: str) -> None:
-    profile = load_profile(shipped_profile(name))
-    assert profile.num_stages == 8
-    for op in profile.points.values():
-        # Pareto: faster options cost more energy, slower ones less.
+    measured = load_profile(shipped_profile(name))
+    assert measured.num_stages == 8
+    assert all(np.all(np.diff(op.frequencies) < 0) for op in measured.points.values())
+    power = 70.38 if name.endswith("a40") else 83.64
+    for op in measured.useful_clocks(power).points.values():
+        # Useful clocks: faster ones cost more in energy - blocking power x time, slower ones less.
         assert np.all(np.diff(op.times) > 0)
-        assert np.all(np.diff(op.energies) < 0)
+        assert np.all(np.diff(op.energies - power * op.times) < 0)
         assert np.all(np.diff(op.frequencies) < 0)
 
 
@@ -136,28 +138,33 @@ def test_oversized_files_are_refused_without_reading_them(tmp_path: Path) -> Non
     assert peak_bytes < 2 * MAX_PROFILE_BYTES
 
 
-def test_pareto_filter_drops_noise_and_logs_it(caplog: pytest.LogCaptureFixture) -> None:
+def test_useful_clocks_drop_noise_keep_what_waiting_pays_for_and_log_it(caplog: pytest.LogCaptureFixture) -> None:
     rows = [
-        # 1300 MHz measured faster than 1410 (noise): 1410 is dominated.
+        # 1300 MHz measured faster than 1410 (noise): 1410 is never useful.
         {"stage": 0, "instruction": "forward", "frequency": 1410, "time": 0.051, "energy": 24},
         {"stage": 0, "instruction": "forward", "frequency": 1300, "time": 0.050, "energy": 22},
         {"stage": 0, "instruction": "forward", "frequency": 1100, "time": 0.060, "energy": 18},
-        # Below the minimum-energy clock energy rises again: 900 is dominated.
+        # Below the minimum-energy clock energy rises again (+1 J in 10 ms): 900 is useful only
+        # where blocking power over 100 W is paid for the time it saves.
         {"stage": 0, "instruction": "forward", "frequency": 900, "time": 0.070, "energy": 19},
         {"stage": 0, "instruction": "backward", "frequency": 1410, "time": 0.1, "energy": 40},
         {"stage": 0, "instruction": "backward", "frequency": 1300, "time": 0.11, "energy": 38},
         {"stage": 0, "instruction": "backward", "frequency": 1100, "time": 0.12, "energy": 36},
         {"stage": 0, "instruction": "backward", "frequency": 900, "time": 0.13, "energy": 35},
     ]
+    measured = Profile.from_rows(rows, source="noisy")
     with caplog.at_level(logging.DEBUG, logger="perseus_ext.planning.profile"):
-        profile = Profile.from_rows(rows, source="noisy").pareto()
+        profile = measured.useful_clocks(50.0)
     assert profile[0, "forward"].frequencies.tolist() == [1300, 1100]
     assert profile[0, "backward"].frequencies.tolist() == [1410, 1300, 1100, 900]
     assert sorted(profile.dropped) == [(0, "forward", 900), (0, "forward", 1410)]
     per_clock = [r for r in caplog.records if r.levelno == logging.DEBUG]
     summary = [r for r in caplog.records if r.levelno == logging.INFO]
-    assert [r.getMessage() for r in per_clock] == ["noisy: stage 0 forward: dropped 2 dominated clock(s) [1410, 900]"]
-    assert len(summary) == 1 and "dropped 2 dominated clock measurement(s)" in summary[0].getMessage()
+    assert [r.getMessage() for r in per_clock] == ["noisy: stage 0 forward: dropped 2 clock(s) [1410, 900]"]
+    assert len(summary) == 1 and "6 of 8 clock measurements useful at blocking power 50 W; dropped 2" in summary[0].getMessage()
+    assert measured.useful_clocks(150.0)[0, "forward"].frequencies.tolist() == [1300, 1100, 900]
+    with pytest.raises(ProfileError, match="blocking power"):
+        measured.useful_clocks(-1.0)
 
 
 def test_scaling_multiplies_time_and_energy(tmp_path: Path) -> None:

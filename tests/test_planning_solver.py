@@ -21,13 +21,13 @@ P_BLOCK_A100 = 83.64
 
 @pytest.fixture(scope="module")
 def raw_a100() -> Profile:
-    return load_profile(A100, pareto=False)
+    return load_profile(A100)
 
 
 def sub_profile(raw: Profile, stages: int, clocks: tuple[int, ...]) -> Profile:
     """The first `stages` stages of a published profile, measured at `clocks` only."""
     rows = [r for r in raw.rows() if r["stage"] < stages and r["frequency"] in clocks]
-    return Profile.from_rows(rows, source=f"{A100.name}[{stages} stages, {clocks}]").pareto()
+    return Profile.from_rows(rows, source=f"{A100.name}[{stages} stages, {clocks}]")
 
 
 def test_exact_milp_agrees_with_brute_force(raw_a100: Profile) -> None:
@@ -134,7 +134,7 @@ def test_profile_whose_slower_clocks_save_no_time(recwarn) -> None:
         for i, t in (("forward", 0.05), ("backward", 0.1))
         for f, e in ((1410, 30.0), (1200, 25.0))
     ]
-    profile = Profile.from_rows(rows).pareto()
+    profile = Profile.from_rows(rows)
     frontier = solve_frontier(one_f_one_b(2, 3), profile, P_BLOCK_A100)
     assert len(frontier.plans) == 1
     # 1410 MHz is dominated (same time, more energy): every computation runs at 1200 MHz.

@@ -11,15 +11,10 @@ import pytest
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.exact import exact_wait_aware
 from perseus_ext.planning.frontier import Frontier
-from perseus_ext.planning.profile import Profile, load_profile
+from perseus_ext.planning.profile import Profile, load_profile, pareto_indices, useful_indices
 from perseus_ext.planning.schedule import one_f_one_b
-from perseus_ext.planning.wait_aware import (
-    plan_ending_at,
-    solve_wait_aware,
-    wait_useful_profile,
-    waiting_cost_profile,
-    waiting_energy,
-)
+from perseus_ext.planning.solver import solve_frontier
+from perseus_ext.planning.wait_aware import plan_ending_at, waiting_energy
 
 A100 = Path(__file__).resolve().parents[1] / "examples" / "profiles" / "gpt3-175b-a100_sxm.csv"
 P_BLOCK_A100 = 83.64
@@ -27,7 +22,7 @@ P_BLOCK_A100 = 83.64
 
 @pytest.fixture(scope="module")
 def raw_a100() -> Profile:
-    return load_profile(A100, pareto=False)
+    return load_profile(A100)
 
 
 def raw_sub_profile(raw: Profile, stages: int, clocks: tuple[int, ...]) -> Profile:
@@ -36,20 +31,22 @@ def raw_sub_profile(raw: Profile, stages: int, clocks: tuple[int, ...]) -> Profi
     return Profile.from_rows(rows, source=f"{A100.name}[{stages} stages, {clocks}]")
 
 
-def test_wait_useful_clocks_keep_what_the_energy_filter_drops(raw_a100: Profile) -> None:
-    useful = wait_useful_profile(raw_a100, P_BLOCK_A100)
-    filtered = raw_a100.pareto()
+def test_useful_clocks_keep_what_an_energy_filter_drops(raw_a100: Profile) -> None:
+    """A clock is dropped only if another is no slower and no costlier in energy - P_block x
+    time: slower clocks that cost a little more energy are kept (they are cheaper once the
+    blocking they replace is paid); on computations that can never wait, energy decides too."""
+    useful = raw_a100.useful_clocks(P_BLOCK_A100)
     extra = 0
     for key, op in useful.points.items():
-        assert set(filtered.points[key].frequencies) <= set(op.frequencies)
-        extra += len(op) - len(filtered.points[key])
+        raw = raw_a100.points[key]
+        energy_only = set(raw.frequencies[pareto_indices(raw.times, raw.energies)])
+        assert energy_only <= set(op.frequencies)
+        extra += len(op) - len(energy_only)
         waiting = op.energies - P_BLOCK_A100 * op.times
         assert np.all(np.diff(op.times) > 0) and np.all(np.diff(waiting) < 0)
+        never_slack = useful_indices(raw.times, raw.energies, P_BLOCK_A100, never_slack=True)
+        assert set(raw.frequencies[never_slack]) == energy_only
     assert extra > 0  # clocks slower than each computation's min-energy clock are back
-    shifted = waiting_cost_profile(useful, P_BLOCK_A100)
-    for key, op in shifted.points.items():
-        assert np.all(op.energies > 0)
-        assert op.energies[-1] == pytest.approx(useful.points[key].energies[-1])
 
 
 # (stages, microbatches, clocks): the lowest clocks lie below most computations' min-energy
@@ -68,7 +65,7 @@ def test_extension_within_half_a_percent_of_the_exact_wait_aware_optimum(
 ) -> None:
     raw = raw_sub_profile(raw_a100, stages, clocks)
     schedule = one_f_one_b(stages, microbatches)
-    frontier = solve_wait_aware(schedule, raw, P_BLOCK_A100)
+    frontier = solve_frontier(schedule, raw, P_BLOCK_A100, wait_aware=True)
     exact_model = CostModel(schedule, raw, P_BLOCK_A100)  # every measured clock
     t_min = frontier.fastest.time
     t_slowest = float(exact_model.dag.makespan(exact_model.times[np.arange(exact_model.num_nodes),
@@ -85,7 +82,7 @@ def test_extension_within_half_a_percent_of_the_exact_wait_aware_optimum(
 def test_extension_plans_are_exact_replays_and_keep_the_ordinary_frontier(raw_a100: Profile) -> None:
     raw = raw_sub_profile(raw_a100, 3, (1410, 1275, 1140, 1035, 960, 885))
     schedule = one_f_one_b(3, 4)
-    frontier = solve_wait_aware(schedule, raw, P_BLOCK_A100)
+    frontier = solve_frontier(schedule, raw, P_BLOCK_A100, wait_aware=True)
     start = frontier.extension_start
     assert start is not None and start < len(frontier.plans)
     ordinary, extension = frontier.ordinary_plans, frontier.plans[start:]
@@ -103,7 +100,7 @@ def test_extension_plans_are_exact_replays_and_keep_the_ordinary_frontier(raw_a1
             other is not plan and other.time <= plan.time and other.energy - slope * other.time <= waiting
             for other in frontier.plans
         )
-    model = CostModel(schedule, wait_useful_profile(raw, P_BLOCK_A100), P_BLOCK_A100)
+    model = CostModel(schedule, raw.useful_clocks(P_BLOCK_A100), P_BLOCK_A100)
     for plan in extension:
         time, energy = model.replay(model.choice_of(plan))
         assert (plan.time, plan.energy) == (pytest.approx(time, rel=1e-12), pytest.approx(energy, rel=1e-12))
@@ -123,8 +120,8 @@ def test_latency_aware_extension_reports_latency_aware_replays(raw_a100: Profile
     raw = raw_sub_profile(raw_a100, 2, (1410, 1200, 1050, 900))
     schedule = one_f_one_b(2, 4)
     latency = 0.004
-    frontier = solve_wait_aware(schedule, raw, P_BLOCK_A100, switch_latency_s=latency)
-    model = CostModel(schedule, wait_useful_profile(raw, P_BLOCK_A100), P_BLOCK_A100, latency)
+    frontier = solve_frontier(schedule, raw, P_BLOCK_A100, switch_latency_s=latency, wait_aware=True)
+    model = CostModel(schedule, raw.useful_clocks(P_BLOCK_A100), P_BLOCK_A100, latency)
     extension = frontier.plans[frontier.extension_start:]
     assert extension
     for plan in extension:
@@ -137,14 +134,14 @@ def test_one_global_clock_is_the_exact_optimum_when_every_computation_waits_best
     is 855 MHz, and the all-855 plan meets the deadline, so that plan -- one global clock -- is
     the exact wait-aware optimum (the cost is a sum over computations, each at its minimum):
     perseus-ext can only tie the global clock there, as the emulator's sweep shows."""
-    bloom = load_profile(A100.with_name("bloom-a100_sxm.csv"), pareto=False)
+    bloom = load_profile(A100.with_name("bloom-a100_sxm.csv"))
     raw = Profile.from_rows([r for r in bloom.rows() if r["stage"] < 3
                              and r["frequency"] in (1410, 1200, 1050, 960, 900, 855, 810, 750)])
-    useful = wait_useful_profile(raw, P_BLOCK_A100)
+    useful = raw.useful_clocks(P_BLOCK_A100)
     assert {int(op.frequencies[np.argmin(op.energies - P_BLOCK_A100 * op.times)])
             for op in useful.points.values()} == {855}
     schedule = one_f_one_b(3, 4)
-    frontier = solve_wait_aware(schedule, raw, P_BLOCK_A100)
+    frontier = solve_frontier(schedule, raw, P_BLOCK_A100, wait_aware=True)
     deadline = 2.0 * frontier.fastest.time
     model = CostModel(schedule, raw, P_BLOCK_A100)
     uniform = np.argmax(model.frequencies == 855, axis=1)

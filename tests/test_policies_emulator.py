@@ -26,7 +26,7 @@ A100_MAX_POWER_W = 400.0
 
 @pytest.fixture(scope="module")
 def profile():
-    return load_profile(ROOT / "examples" / "profiles" / "gpt3-175b-a100_sxm.csv", pareto=False)
+    return load_profile(ROOT / "examples" / "profiles" / "gpt3-175b-a100_sxm.csv")
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ def _load(data: bytes) -> Profile | None:
         path = Path(directory) / "fuzz.csv"
         path.write_bytes(data)
         try:
-            return load_profile(path, pareto=False)
+            return load_profile(path)
         except ProfileError as err:
             assert str(path) in str(err)
             return None
@@ -102,19 +102,21 @@ def valid_profiles(draw) -> list[dict[str, object]]:
 
 @FUZZ
 @given(rows=valid_profiles())
-def test_valid_profiles_round_trip_and_pareto_filter(rows) -> None:
+def test_valid_profiles_round_trip_and_useful_clock_filter(rows) -> None:
     profile = Profile.from_rows(rows, source="generated")
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "p.csv"
         profile.save(path)
-        again = load_profile(path, pareto=False)
+        again = load_profile(path)
     assert again.rows() == profile.rows()
-    filtered = profile.pareto()
-    for key, op in filtered.points.items():
-        assert np.all(np.diff(op.times) > 0) and np.all(np.diff(op.energies) < 0)
-        original = profile.points[key]
-        # Every dropped clock is beaten on both time and energy by a kept one.
-        for f, t, e in zip(original.frequencies, original.times, original.energies):
-            if f not in op.frequencies:
-                assert any(kt <= t and ke <= e for kt, ke in zip(op.times, op.energies))
+    for power in (0.0, 83.64):
+        filtered = profile.useful_clocks(power)
+        for key, op in filtered.points.items():
+            waiting = op.energies - power * op.times
+            assert np.all(np.diff(op.times) > 0) and np.all(np.diff(waiting) < 0)
+            original = profile.points[key]
+            # Every dropped clock is beaten on both time and energy - P_block x time by a kept one.
+            for f, t, e in zip(original.frequencies, original.times, original.energies):
+                if f not in op.frequencies:
+                    assert any(kt <= t and kw <= e - power * t for kt, kw in zip(op.times, waiting))
     assert all(math.isfinite(r["time"]) for r in filtered.rows())

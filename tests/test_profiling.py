@@ -141,7 +141,7 @@ def _frontier_saving(profilers, gpus, *, full_sweep: bool) -> float:
                       "time": r.time - measured.overhead_s,
                       "energy": r.energy - measured.overhead_s * measured.blocking_power_w} for r in measured.rows]
             blocking.append(measured.blocking_power_w)
-    frontier = solve_frontier(build_schedule("1f1b", 2, MICROBATCHES), Profile.from_rows(rows).pareto(),
+    frontier = solve_frontier(build_schedule("1f1b", 2, MICROBATCHES), Profile.from_rows(rows),
                               float(np.mean(blocking)), SolverOptions(min_grid_points=300), switch_latency_s=0.025)
     return frontier.intrinsic_saving()
 

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from perseus_ext.planning.profile import load_profile
 
     profile_path = resolve_profile(args.profile)
-    profile = load_profile(profile_path, pareto=False)
+    profile = load_profile(profile_path)
     pp = args.pp if args.pp is not None else profile.num_stages // args.chunks
     blocking = blocking_power_w(args.blocking_power, profile_path)
     if args.sweep is not None:

@@ -48,6 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--switch-latency", type=bounded_float(0.0, 10.0), default=0.0,
                         help="effective clock-change latency in seconds: plans pay for it and avoid changes "
                              "not worth it (default: %(default)s)")
+    parser.add_argument("--wait-aware", action="store_true",
+                        help="also the plans for an iteration held to a longer time anyway (a straggler): "
+                             "cheapest in energy - blocking power x stages x time, up to the all-slowest plan")
     parser.add_argument("--out", type=Path, help="write the frontier JSON here")
     parser.add_argument("--plot", type=Path, help="write a frontier plot here (.png, .svg or .pdf)")
     parser.set_defaults(func=run, exit_at_once=True)
@@ -66,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     # The solver's numpy work is elementwise: OpenBLAS's thread pool would only add ~60 ms of
     # CPU to the command's start-up (a user's own setting is kept).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    from perseus_ext.planning.profile import load_profile
+    from perseus_ext.planning.profile import load_profile, useful_indices
     from perseus_ext.planning.schedule import build_schedule
     from perseus_ext.planning.solver import SolverOptions, solve_frontier
 
@@ -81,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     frontier = solve_frontier(
         schedule, profile, power,
         SolverOptions(resolution=args.resolution, progress=sys.stderr.isatty()),
-        switch_latency_s=args.switch_latency,
+        switch_latency_s=args.switch_latency, wait_aware=args.wait_aware,
     )
     elapsed = time.perf_counter() - started
     if args.out:
@@ -93,9 +96,15 @@ def run(args: argparse.Namespace) -> int:
 
     fast, cheapest, base = frontier.fastest, frontier.min_energy, frontier.baseline
     print(f"profile        {path.name} ({profile.num_stages} stages), blocking power {power:g} W")
+    measured = sum(len(op) for op in profile.points.values())
+    useful = sum(len(useful_indices(op.times, op.energies, power)) for op in profile.points.values())
+    print(f"useful clocks  {useful} of {measured} measured (dropped: another clock of the same "
+          f"computation no slower and no costlier in energy - {power:g} W x time)")
     print(f"schedule       {schedule.kind.value}, {stages} stages x {args.microbatches} microbatches"
           + (f" x {args.virtual_stages} virtual stages" if args.virtual_stages > 1 else ""))
-    print(f"solved in      {elapsed:.2f} s: {len(frontier.plans)} plans")
+    ordinary = len(frontier.ordinary_plans)
+    print(f"solved in      {elapsed:.2f} s: {ordinary} plans"
+          + (f" + {len(frontier.plans) - ordinary} wait-aware" if ordinary < len(frontier.plans) else ""))
     print(f"all max clock  T = {base.time:.4f} s, energy {base.energy:,.1f} J")
     print(f"T_min          T = {fast.time:.4f} s, energy {fast.energy:,.1f} J "
           f"(intrinsic saving {frontier.intrinsic_saving():.2%} at no slowdown)")

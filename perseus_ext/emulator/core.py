@@ -35,11 +35,9 @@ from perseus_ext.errors import ConfigError, ProfileError
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier, Plan
 from perseus_ext.planning.profile import Profile
-from perseus_ext.planning.schedule import PipelineSchedule
-from perseus_ext.planning.wait_aware import extend_frontier
 from perseus_ext.policies.base import OperatingPointPolicy, StragglerPolicy
 
-FrontierSolver = Callable[[PipelineSchedule, Profile, float], Frontier]
+FrontierSolver = Callable[..., Frontier]  # as solve_frontier(schedule, profile, blocking_power, wait_aware=)
 
 MAX_CLOCK = "max-clock"
 GLOBAL_CLOCK = "global-clock"
@@ -185,8 +183,8 @@ class _PipelineCost:
 class Emulator:
     """Emulates a TP x PP x DP job from a profiled pipeline slice.
 
-    `profile` is the measured stage profile, preferably unfiltered (`load_profile(path,
-    pareto=False)`): the planner gets its Pareto-filtered version, while the max-clock and
+    `profile` is the measured stage profile, every clock as measured (`load_profile(path)`):
+    the planner keeps its useful clocks (`Profile.useful_clocks`), while the max-clock and
     global-clock baselines replay the GPUs' measured behaviour at every clock, dominated ones
     included. Scaling to the full model: each stage's times are multiplied by `time_scale`
     and each GPU's energies by `energy_scale` (default: `time_scale`, i.e. the full model has
@@ -244,12 +242,10 @@ class Emulator:
         plans are then scaled back. This is exact (the frequency choices are the same) and
         keeps the solver's time grid at the slice's resolution, which is what makes the
         emulator fast. With `wait_aware` (the runtime's default) the frontier carries the
-        wait-aware plans past its minimum-energy plan, planned on the unfiltered profile.
+        wait-aware plans past its minimum-energy plan, from the same solve.
         """
         slice_blocking = self.blocking_power * self.time_scale / self.energy_scale
-        solved = self._solver(self.schedule, self.profile.pareto(), slice_blocking)
-        if self.wait_aware:
-            solved = extend_frontier(solved, self.schedule, self.profile, slice_blocking)
+        solved = self._solver(self.schedule, self.profile, slice_blocking, wait_aware=self.wait_aware)
         energy_factor = self.energy_scale * self.layout.tensor_parallel
 
         def scale(plan: Plan) -> Plan:

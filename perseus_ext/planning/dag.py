@@ -123,6 +123,27 @@ class PipelineDAG:
         """Per level: (its nodes, their first and second successors), as `level_preds`."""
         return [(lv, self.succs[lv, 0].copy(), self.succs[lv, 1].copy()) for lv in self.levels]
 
+    @cached_property
+    def on_every_path(self) -> np.ndarray:
+        """(N,) bool: nodes every path from a first to a last computation passes through, i.e.
+        the computations that can never have slack, whatever the clocks.
+
+        In a topological order, node v lies on every such path exactly when no edge jumps over
+        it (from before v to after v), no computation after it has no predecessor and none
+        before it has no successor (a path that avoids v would need one of the three)."""
+        n = len(self)
+        has_pred, has_succ = self.preds[:, 0] != NO_NODE, self.succs[:, 0] != NO_NODE
+        before, after = np.nonzero(self.preds != NO_NODE)
+        tail = self.preds[before, after]
+        jumps = np.zeros(n + 1, dtype=np.int64)
+        np.add.at(jumps, tail + 1, 1)
+        np.add.at(jumps, before, -1)
+        jumped = np.cumsum(jumps)[:n] > 0
+        index = np.arange(n)
+        last_source = int(np.flatnonzero(~has_pred).max())
+        first_sink = int(np.flatnonzero(~has_succ).min())
+        return ~jumped & (index >= last_source) & (index <= first_sink)
+
     def edges(self) -> list[tuple[int, int]]:
         return [(int(p), i) for i in range(len(self)) for p in self.preds[i] if p != NO_NODE]
 

@@ -27,7 +27,7 @@ import numpy as np
 from perseus_ext.errors import ConfigError, ProfileError
 from perseus_ext.planning.dag import PipelineDAG
 from perseus_ext.planning.frontier import Plan
-from perseus_ext.planning.profile import Profile
+from perseus_ext.planning.profile import OperatingPoints, Profile, pareto_indices
 from perseus_ext.planning.schedule import PipelineSchedule
 
 BLOCKING_POWER_W = {"a100": 83.64, "a40": 70.38}  # published, Perseus artifact
@@ -76,7 +76,14 @@ class CostModel:
         profile: Profile,
         blocking_power: float,
         switch_latency_s: float = 0.0,
+        *,
+        energy_filter_on_every_path: bool = False,
     ):
+        """`energy_filter_on_every_path`: computations every path of the iteration passes through
+        (`PipelineDAG.on_every_path`) keep only clocks cheaper in energy than every faster one.
+        Right for a frontier of (time, energy) alone: time such a computation saves shortens the
+        iteration, so no blocking is saved. Not for plans of an iteration held to a deadline
+        (the wait-aware extension), where they can wait too."""
         if not np.isfinite(blocking_power) or blocking_power < 0:
             raise ProfileError(
                 f"blocking power must be a non-negative number of watts, got {blocking_power!r}"
@@ -101,9 +108,14 @@ class CostModel:
                 f"(or every virtual stage) of this pipeline"
             )
         options = []
-        for c in self.dag.computations:
+        never_slack = self.dag.on_every_path if energy_filter_on_every_path else None
+        for i, c in enumerate(self.dag.computations):
             stage = schedule.virtual_stage(c) if per_virtual_stage else c.stage
-            options.append(profile[stage, c.kind.value])
+            op = profile[stage, c.kind.value]
+            if never_slack is not None and never_slack[i]:
+                keep = np.array(pareto_indices(op.times, op.energies))
+                op = OperatingPoints(op.frequencies[keep], op.times[keep], op.energies[keep])
+            options.append(op)
         width = max(len(op) for op in options)
         n = len(options)
         self.num_options = np.array([len(op) for op in options])

@@ -1,7 +1,7 @@
 """Exact minimum-energy plans for small pipelines: the yardstick for the frontier solver.
 
 `exact_min_energy` solves, for one deadline, the discrete problem exactly as a mixed-integer
-program (HiGHS through `scipy.optimize.milp`): one binary per (computation, clock), start times,
+program (HiGHS, quiet): one binary per (computation, clock), start times,
 and the iteration time as a variable so blocking energy is charged on the plan's own time.
 `exact_wait_aware` solves the wait-aware problem (the iteration ends at the deadline whatever
 the plan, so every stage pays blocking power until then). `brute_force_min_energy` enumerates every assignment and is only for the tiniest cases (it
@@ -14,11 +14,12 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
+import highspy
 from scipy import sparse
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
+from perseus_ext.planning.relaxation import quiet_highs
 
 
 @dataclass(frozen=True)
@@ -102,25 +103,42 @@ def exact_solve(
     for r, row in enumerate(rows):
         for col, val in row.items():
             a[r, col] = val
-    integrality = np.r_[np.ones(nx), np.zeros(n + 1)]
-    bounds = Bounds(np.zeros(num_vars), np.r_[np.ones(nx), np.full(n, np.inf), deadline])
-    result = milp(
-        cost,
-        constraints=LinearConstraint(a.tocsr(), lower, upper),
-        integrality=integrality,
-        bounds=bounds,
-        options={"mip_rel_gap": rel_gap, **({"time_limit": time_limit_s} if time_limit_s else {})},
-    )
-    if result.status == 2:  # infeasible
+    matrix = a.tocsc()
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = num_vars, len(rows)
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.zeros(num_vars)
+    lp.col_upper_ = np.r_[np.ones(nx), np.full(n, highspy.kHighsInf), deadline]
+    lp.row_lower_ = np.where(np.isinf(lower), -highspy.kHighsInf, lower)
+    lp.row_upper_ = np.array(upper, dtype=float)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = matrix.indptr
+    lp.a_matrix_.index_ = matrix.indices
+    lp.a_matrix_.value_ = matrix.data
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * nx + [highspy.HighsVarType.kContinuous] * (n + 1)
+    # Nothing on the terminal: HiGHS's log, and its MIP solver's own prints, go nowhere.
+    highs = quiet_highs()
+    highs.setOptionValue("mip_rel_gap", float(rel_gap))
+    if time_limit_s:
+        highs.setOptionValue("time_limit", float(time_limit_s))
+    highs.passModel(lp)
+    highs.run()
+    status = highs.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
         return None
-    if result.x is None:
-        raise SolverError(f"exact MILP failed at deadline {deadline}: {result.message}")
+    info = highs.getInfo()
+    if info.primal_solution_status != 2:  # kSolutionStatusFeasible
+        raise SolverError(
+            f"exact MILP found no plan at deadline {deadline}: {highs.modelStatusToString(status)}"
+        )
+    x = np.array(highs.getSolution().col_value)
     choice = np.zeros(n, dtype=np.int64)
     for col, (i, k) in enumerate(option_index):
-        if result.x[col] > 0.5:
+        if x[col] > 0.5:
             choice[i] = k
     time, energy = model.replay(choice, switch_latency_s=0.0)
-    bound = getattr(result, "mip_dual_bound", None)
+    bound = float(info.mip_dual_bound)
+    bound = None if not np.isfinite(bound) else bound
     if wait_aware:
         constant = p * stages * deadline
         energy = energy + p * stages * max(0.0, deadline - time)

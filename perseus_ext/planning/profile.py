@@ -1,4 +1,4 @@
-"""Per-stage time/energy profiles: loading, validation and Pareto filtering.
+"""Per-stage time/energy profiles: loading, validation and the useful-clock filter.
 
 The on-disk format is the Perseus/Zeus CSV `stage,instruction,frequency,time,energy`
 (seconds and joules of one computation at one SM clock in MHz). The profiling pass writes it,
@@ -156,33 +156,40 @@ class Profile:
                         f"drop those clocks everywhere"
                     )
 
-    def pareto(self) -> "Profile":
-        """Keep, per (stage, instruction), only clocks no other clock beats on both time and energy.
+    def useful_clocks(self, blocking_power: float) -> "Profile":
+        """Keep, per (stage, instruction), only the clocks some plan can gain from: a clock is
+        dropped only if another clock of the same computation is no slower and no costlier in
+        energy - `blocking_power` x time (the same notion everywhere: `useful_indices`).
 
-        Measurements are noisy: a lower clock can come out *faster*, or a clock below the
-        minimum-energy one costs more energy while also being slower. Such points are never
-        worth running, so they are dropped here: one INFO line in all, the clocks at DEBUG.
+        A GPU that finishes a computation early waits at blocking power for the time it saved,
+        so on a computation with slack a slower clock that costs a little more energy can still
+        be cheaper in total; only clocks beaten on both time and that cost can never help.
+        Measurement noise (a lower clock that comes out faster) is dropped by the same rule.
+        One INFO line in all, the clocks at DEBUG.
         """
+        check_blocking_power(blocking_power)
         filtered: dict[tuple[int, str], OperatingPoints] = {}
         dropped: list[tuple[int, str, int]] = list(self.dropped)
         newly_dropped = 0
         for key, op in self.points.items():
-            keep = pareto_indices(op.times, op.energies)
-            keep_set = set(keep)
-            lost = [int(op.frequencies[i]) for i in range(len(op)) if i not in keep_set]
-            if lost:
+            keep = useful_indices(op.times, op.energies, blocking_power)
+            if len(keep) < len(op):
+                keep_set = set(keep)
+                lost = [int(op.frequencies[i]) for i in range(len(op)) if i not in keep_set]
                 dropped += [(key[0], key[1], f) for f in lost]
                 newly_dropped += len(lost)
                 logger.debug(
-                    "%s: stage %d %s: dropped %d dominated clock(s) %s",
-                    self.source, key[0], key[1], len(lost), lost,
+                    "%s: stage %d %s: dropped %d clock(s) %s", self.source, key[0], key[1], len(lost), lost,
                 )
             idx = np.array(keep)
             filtered[key] = OperatingPoints(op.frequencies[idx], op.times[idx], op.energies[idx])
         if newly_dropped:
+            total = sum(len(op) for op in self.points.values())
             logger.info(
-                "%s: dropped %d dominated clock measurement(s) (slower and costlier than another "
-                "clock of the same computation); -v lists them", self.source, newly_dropped,
+                "%s: %d of %d clock measurements useful at blocking power %g W; dropped %d (another "
+                "clock of the same computation is no slower and no costlier in energy - blocking "
+                "power x time); -v lists them",
+                self.source, total - newly_dropped, total, blocking_power, newly_dropped,
             )
         return Profile(filtered, self.source, dropped)
 
@@ -214,8 +221,9 @@ class Profile:
             writer.writerows(self.rows())
 
 
-def load_profile(path: str | Path, pareto: bool = True) -> Profile:
-    """Read and validate a profile CSV; by default drop dominated clocks (logged)."""
+def load_profile(path: str | Path) -> Profile:
+    """Read and validate a profile CSV, every measured clock kept (the planner keeps the
+    useful ones, `Profile.useful_clocks`, once it knows the blocking power)."""
     path = Path(path)
     rows = _read_rows(path)
     header = [name.strip() for name in rows[0]]
@@ -232,8 +240,28 @@ def load_profile(path: str | Path, pareto: bool = True) -> Profile:
         body.append((row_number, dict(zip(header, row))))
     if not body:
         raise ProfileError(f"{path}: no measurements after the header; add rows {','.join(COLUMNS)}")
-    profile = Profile.from_numbered_rows(body, source=str(path))
-    return profile.pareto() if pareto else profile
+    return Profile.from_numbered_rows(body, source=str(path))
+
+
+def useful_indices(
+    times: np.ndarray, energies: np.ndarray, blocking_power: float, never_slack: bool = False
+) -> list[int]:
+    """Indices of a computation's useful clocks, by increasing time: those no other clock beats
+    on both time and energy - `blocking_power` x time (what the clock costs over the iteration
+    when the computation has slack). `never_slack`: the computation is on every path of the
+    iteration, so any time it saves shortens the iteration: a clock must also be cheaper in
+    energy than every faster one."""
+    keep = pareto_indices(times, energies - blocking_power * times)
+    if never_slack:
+        keep = [keep[i] for i in pareto_indices(times[keep], energies[keep])]
+    return keep
+
+
+def check_blocking_power(blocking_power: float) -> None:
+    if not np.isfinite(blocking_power) or blocking_power < 0:
+        raise ProfileError(
+            f"blocking power must be a non-negative number of watts, got {blocking_power!r}"
+        )
 
 
 def pareto_indices(times: np.ndarray, energies: np.ndarray, tolerance: float = 0.0) -> list[int]:

@@ -140,12 +140,19 @@ def _simplex(lp: "highspy.HighsLp") -> "highspy.Highs":
     on this LP it reduces little (8 x 24: 737 rows to 658) for its cost: the cold solves at
     T_min and T* take 17 and 5 ms without it, 35 and 20 ms with it.
     """
-    highs = _QuietHighs()
-    highs.setOptionValue("output_flag", False)
+    highs = quiet_highs()
     highs.setOptionValue("solver", "simplex")
     highs.setOptionValue("threads", 1)
     highs.setOptionValue("presolve", "off")
     highs.passModel(lp)
+    return highs
+
+
+def quiet_highs() -> "highspy.Highs":
+    """A HiGHS instance that prints nothing: no banner (`_simplex`), no log."""
+    highs = _QuietHighs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("log_to_console", False)
     return highs
 
 
@@ -202,13 +209,17 @@ class AnchorWalk:
 
     def __init__(
         self, model: CostModel, count: int, t_min: float, t_slowest: float,
-        grid_step: Callable[[float], float], progress: bool = False,
+        grid_step: Callable[[float], float], progress: bool = False, to_slowest: bool = False,
     ):
+        """`to_slowest`: after the ordinary anchors (up to two past T*), also every other one
+        up to the all-slowest plan, on the same grid (the wait-aware extension's deadlines)."""
         if t_slowest - t_min < _EPS:  # slower clocks save no time: a single deadline
             count = 1
         self._spacing = (t_slowest - t_min) / max(count - 1, 1)
         self._t_min, self._t_slowest, self._count = t_min, max(t_slowest, t_min), count
         self._grid_step = grid_step
+        self._to_slowest = to_slowest
+        self.ordinary_end = t_min  # the last ordinary anchor, once the high end knows T*
         # The kept anchors by position (only T_min until the high end knows T*).
         self._deadlines = np.array([t_min])
         self._durations = np.empty((model.num_nodes, count))
@@ -247,9 +258,16 @@ class AnchorWalk:
         if last == self._count - 1:
             deadlines[-1] = self._t_slowest
         step = self._grid_step(float(deadlines[-1]))
-        k = np.round((deadlines[:-1] - self._t_min) / step)  # non-decreasing: drop repeats
-        k = k[np.r_[True, np.diff(k) > 0]]  # (np.unique would import numpy.ma: start-up time)
-        on_grid = self._t_min + step * k
+        self.ordinary_end = float(deadlines[-1])
+        if self._to_slowest and last < self._count - 1:
+            beyond = np.r_[np.arange(last + 2, self._count - 1, 2), self._count - 1]
+            deadlines = np.r_[deadlines, self._t_min + self._spacing * beyond]
+            deadlines[-1] = self._t_slowest
+        inner = deadlines[:-1]
+        # On the grid, but the ordinary end (where the ordinary grid ends) and the last.
+        on_grid = np.where(inner == self.ordinary_end, inner, self._t_min + step * np.round((inner - self._t_min) / step))
+        on_grid = on_grid[np.r_[True, np.diff(on_grid) > 0]]  # drop repeats (np.unique would
+        # import numpy.ma: start-up time)
         return np.r_[on_grid[on_grid < deadlines[-1] - step / 2], deadlines[-1]]
 
     def _guard(self, walk, *args: object) -> None:
@@ -273,7 +291,7 @@ class AnchorWalk:
 
     def _walk_high(self, relaxation: "ConvexRelaxation") -> None:
         deadlines = self._kept_deadlines(relaxation.min_energy_deadline(self._t_min, self._t_slowest))
-        meet = self._t_min + self.LOW_END_SHARE * (deadlines[-1] - self._t_min)
+        meet = self._t_min + self.LOW_END_SHARE * (self.ordinary_end - self._t_min)
         self._deadlines = deadlines
         self._split = max(1, int(np.searchsorted(deadlines, meet)))
         self._anchors_known.set()

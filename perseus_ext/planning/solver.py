@@ -72,27 +72,57 @@ def solve_frontier(
     blocking_power: float,
     options: SolverOptions | None = None,
     switch_latency_s: float = 0.0,
+    *,
+    wait_aware: bool = False,
 ) -> Frontier:
     """Every Pareto-optimal (iteration time, energy) plan from T_min to the min-energy plan.
 
-    `switch_latency_s`: effective latency of a clock change (see `energy.py`); every plan's
-    time and energy are the latency-aware replay of its clocks, and changes that cost more
-    than they save are merged away. 0 plans for instant clock changes.
+    `profile` as measured: the solver plans on its useful clocks (`Profile.useful_clocks` at
+    `blocking_power`; with `wait_aware` off, computations every path passes through also drop
+    clocks costlier in energy than a faster one). `switch_latency_s`: effective latency of a
+    clock change (see `energy.py`); every plan's time and energy are the latency-aware replay
+    of its clocks, and changes that cost more than they save are merged away. 0 plans for
+    instant clock changes.
+
+    `wait_aware`: also the plans for an iteration held to a deadline T' anyway (a straggler):
+    cheapest in energy - blocking power x stages x time, up to the all-slowest plan, appended
+    from `Frontier.extension_start` on (`wait_aware.py` has the cost). The same solve: its LP,
+    rounding and reclaim minimise that cost at every deadline already, so the extension only
+    continues the deadline grid past T* to the all-slowest plan.
     """
     options = options or SolverOptions()
     options.validate()  # also catches options changed with object.__setattr__ or pickled
     num_nodes = sum(len(order) for order in schedule.orders)
     check_problem_size(options, num_nodes, options.min_grid_points, _anchor_count(options, num_nodes))
-    model = CostModel(schedule, profile, blocking_power, switch_latency_s)
-    return FrontierSolver(model, options).solve()
+    model = planning_model(schedule, profile, blocking_power, switch_latency_s, wait_aware=wait_aware)
+    return FrontierSolver(model, options, wait_aware).solve()
+
+
+def planning_model(
+    schedule: PipelineSchedule,
+    profile: Profile,
+    blocking_power: float,
+    switch_latency_s: float = 0.0,
+    *,
+    wait_aware: bool = False,
+) -> CostModel:
+    """The cost model `solve_frontier` plans on: the profile's useful clocks (with `wait_aware`
+    off, computations on every path also drop clocks costlier in energy than a faster one).
+    Its replays are what the frontier's plans report (with clock-change latency, a clock the
+    model lacks is stood in for by the nearest one it has, `energy.py`)."""
+    return CostModel(
+        schedule, profile.useful_clocks(blocking_power), blocking_power, switch_latency_s,
+        energy_filter_on_every_path=not wait_aware,
+    )
 
 
 class FrontierSolver:
     """Runs the steps of the module docstring on one `CostModel`."""
 
-    def __init__(self, model: CostModel, options: SolverOptions):
+    def __init__(self, model: CostModel, options: SolverOptions, wait_aware: bool = False):
         self.model = model
         self.options = options
+        self.wait_aware = wait_aware
 
     def solve(self) -> Frontier:
         model = self.model
@@ -112,15 +142,22 @@ class FrontierSolver:
         anchor_count = _anchor_count(self.options, model.num_nodes)
         walk = AnchorWalk(
             model, anchor_count, t_min, t_slowest, lambda t_max: self._grid_step(t_min, t_max),
-            self.options.progress,
+            self.options.progress, to_slowest=self.wait_aware,
         )
         try:
             anchors, grid = self._first_pass(walk, pool, block, t_min)
         finally:
             walk.close()
+        # The ordinary frontier's deadlines (to the walk's ordinary end past T*); the
+        # extension's follow on the same grid.
+        ordinary_grid = grid[: len(self._deadline_grid(t_min, walk.ordinary_end, walk.ordinary_end))]
         # Rounding loses more at some deadlines than at others. Give every deadline a second
-        # chance: the best plan found for any earlier deadline, stretched into the new slack.
-        best = _best_so_far(pool.times, pool.energies, grid)
+        # chance: the best plan found for any earlier deadline, stretched into the new slack
+        # (past the ordinary end: best in energy - blocking power x stages x time).
+        best = _best_so_far(pool.times, pool.energies, ordinary_grid)
+        if len(grid) > len(ordinary_grid):
+            waiting = pool.energies - self._slope * pool.times
+            best = np.r_[best, _best_so_far(pool.times, waiting, grid[len(ordinary_grid):])]
         for k in range(0, len(grid), block):
             carried, deadlines = pool.choices[:, best[k : k + block]], grid[k : k + block]
             pool.extend_all(_in_two(
@@ -138,10 +175,10 @@ class FrontierSolver:
                 break
             pool.add(reclaim_slack(model, pool.choices[:, keep[stretch_from]], stretch_to))
 
-        if len(grid) * (model.num_nodes * model.times.shape[1]) ** 2 <= self.options.polish_budget:
+        if len(ordinary_grid) * (model.num_nodes * model.times.shape[1]) ** 2 <= self.options.polish_budget:
             # The best plan at every grid deadline, then every frontier plan at its own time
             # (a plan that ties a better one in time is only found there).
-            pool.add(polish(model, pool.best_for(grid), grid))
+            pool.add(polish(model, pool.best_for(ordinary_grid), ordinary_grid))
             keep = pool.frontier(resolution)
             pool.add(polish(model, pool.choices[:, keep], pool.times[keep]))
 
@@ -157,20 +194,40 @@ class FrontierSolver:
         # Only non-dominated plans: a gap filler (slower and no cheaper than a faster plan)
         # would be read as a frontier point by users and the straggler policy.
         keep = np.array(_pareto(pool.times, pool.energies))
+        extension_start = None
+        if self.wait_aware:
+            # Cheapest in energy - P_block S T for some deadline T' the iteration is held to,
+            # and not already an ordinary plan (mostly past T*).
+            waiting = _pareto(pool.times, pool.energies - self._slope * pool.times)
+            extension = np.setdiff1d(waiting, keep)
+            extension = extension[np.argsort(pool.times[extension], kind="stable")]
+            if extension.size:
+                extension_start = len(keep)
+                keep = np.r_[keep, extension]
         plans = tuple(model.make_plans(pool.choices[:, keep], pool.times[keep], pool.energies[keep]))
-        frontier = Frontier(model.schedule.describe(), model.blocking_power, plans, model.to_plan(fastest))
+        frontier = Frontier(
+            model.schedule.describe(), model.blocking_power, plans, model.to_plan(fastest), extension_start,
+        )
+        ordinary = frontier.ordinary_plans
         logger.info(
-            "frontier: %d plans, T %.4f..%.4f s, energy %.1f..%.1f J (%d LP anchors)",
-            len(plans), plans[0].time, plans[-1].time, plans[0].energy, plans[-1].energy, len(anchors),
+            "frontier: %d plans, T %.4f..%.4f s, energy %.1f..%.1f J (%d LP anchors)%s",
+            len(ordinary), ordinary[0].time, ordinary[-1].time, ordinary[0].energy, ordinary[-1].energy,
+            len(anchors), "" if extension_start is None else
+            f"; wait-aware plans: {len(plans) - len(ordinary)}, up to T {plans[-1].time:.4f} s",
         )
         return frontier
+
+    @property
+    def _slope(self) -> float:
+        """Joules a plan saves per second it is slower when the iteration is held anyway."""
+        return self.model.blocking_power * self.model.num_stage_gpus
 
     def _first_pass(
         self, walk: AnchorWalk, pool: "_CandidatePool", block: int, t_min: float
     ) -> tuple[np.ndarray, np.ndarray]:
         """Steps 2-3 at every grid deadline once the LP walk has ended; (anchor deadlines, grid)."""
         anchors, durations = walk.result()
-        grid = self._deadline_grid(t_min, float(anchors[-1]))
+        grid = self._deadline_grid(t_min, float(anchors[-1]), walk.ordinary_end)
         for k in range(0, len(grid), block):
             relaxed, deadlines = interpolate(anchors, durations, grid[k : k + block]), grid[k : k + block]
             pool.extend_all(_in_two(
@@ -185,10 +242,10 @@ class FrontierSolver:
         step = min(options.resolution / options.grid_oversampling, (t_max - t_min) / options.min_grid_points)
         return max(step, 1e-9)
 
-    def _deadline_grid(self, t_min: float, t_max: float) -> np.ndarray:
-        """Deadlines from T_min to t_max, `_grid_step` apart (t_min + step * k, as the LP
-        anchors that lie on them are computed)."""
-        step = self._grid_step(t_min, t_max)
+    def _deadline_grid(self, t_min: float, t_max: float, ordinary_end: float) -> np.ndarray:
+        """Deadlines from T_min to t_max, `_grid_step(ordinary_end)` apart (t_min + step * k, as
+        the LP anchors that lie on them are computed)."""
+        step = self._grid_step(t_min, ordinary_end)
         grid = t_min + step * np.arange(int(np.ceil((t_max - t_min) / step - 1e-9)) + 1)
         grid[-1] = max(grid[-1], t_max)
         return grid

@@ -15,7 +15,7 @@ from perseus_ext.planning.frontier import Frontier
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.planning.switching import merge_switches
-from perseus_ext.planning.wait_aware import distinct_plans, pareto_plans, wait_useful_profile
+from perseus_ext.planning.wait_aware import distinct_plans, pareto_plans
 
 CHUNK_CELLS = 400_000  # computations x plans merged at once by `with_fewer_switches`
 
@@ -26,12 +26,12 @@ def with_fewer_switches(frontier: Frontier, schedule: PipelineSchedule, profile:
     `switch_cost_j` each (`merge_switches`), then Pareto-filtered again: the ordinary plans in
     time and energy, the wait-aware extension in time and energy - S x P_block x time.
 
-    `profile` is the unfiltered profile the frontier was solved from (it has every clock a plan
+    `profile` is the measured profile the frontier was solved from (it has every clock a plan
     may use); no plan gets slower, and every plan reports its exact replay.
     """
     if switch_cost_j <= 0:
         return frontier
-    model = CostModel(schedule, wait_useful_profile(profile, blocking_power), blocking_power, switch_latency_s)
+    model = CostModel(schedule, profile.useful_clocks(blocking_power), blocking_power, switch_latency_s)
     plans = frontier.plans
     choices = np.stack([model.choice_of(plan) for plan in plans], axis=1)
     deadlines = np.array([plan.time for plan in plans])
@@ -46,7 +46,7 @@ def with_fewer_switches(frontier: Frontier, schedule: PipelineSchedule, profile:
     thinned = list(plans)
     for column, plan in zip(changed, model.make_plans(merged[:, changed], times, energies)):
         thinned[column] = plan
-    ordinary = pareto_plans(distinct_plans(thinned), 0.0)  # as `extend_frontier`: from every plan
+    ordinary = pareto_plans(distinct_plans(thinned), 0.0)  # from every plan, as the solver does
     slope = len(frontier.fastest.frequencies) * frontier.blocking_power
     if frontier.extension_start is None:
         return dataclasses.replace(frontier, plans=tuple(ordinary))

@@ -41,7 +41,7 @@ class ProfileStore:
             return None
         fix = f"delete {self.path} (and {sidecar_path(self.path)}) to profile again"
         try:
-            profile = load_profile(self.path, pareto=False)  # as measured: the planner filters
+            profile = load_profile(self.path)  # as measured: the planner filters
         except PerseusError as err:
             raise ConfigError(f"{KEY} {self.path} is not a usable profile ({err}); {fix}") from None
         if profile.num_stages != schedule.num_stages:

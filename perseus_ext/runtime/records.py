@@ -64,9 +64,6 @@ class SolveOutcome:
     solve_s: float
     in_background: bool
     measured: MeasuredProfile | None = None  # what the frontier was solved from (planned durations)
-    # Why the frontier has no wait-aware extension (planning/wait_aware.py) when it failed;
-    # the ordinary frontier is still deployed.
-    extension_error: str | None = None
 
 
 @dataclass(frozen=True)

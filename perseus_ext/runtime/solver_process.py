@@ -37,8 +37,7 @@ logger = logging.getLogger(__name__)
 
 def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveOutcome:
     """The frontier with its wait-aware extension and without clock changes that save less than
-    `problem.switch_cost_j`, or the error that prevented the frontier; never raises. A failed
-    extension leaves the ordinary frontier (and says why)."""
+    `problem.switch_cost_j`, or the error that prevented the frontier; never raises."""
     started = time.perf_counter()
     try:
         from perseus_ext.planning.solver import solve_frontier
@@ -46,22 +45,11 @@ def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveOutcome
         measured = problem.measured
         profile = measured.for_schedule(problem.schedule)  # one entry per virtual stage
         frontier = solve_frontier(
-            problem.schedule, profile.pareto(), measured.blocking_power_per_stage_w,
-            problem.options, switch_latency_s=problem.switch_latency_s,
+            problem.schedule, profile, measured.blocking_power_per_stage_w,
+            problem.options, switch_latency_s=problem.switch_latency_s, wait_aware=True,
         )
     except Exception as err:  # reported to every rank of the pipeline instead
         return SolveOutcome(None, f"{type(err).__name__}: {err}", time.perf_counter() - started, in_background)
-    extension_error = None
-    try:
-        from perseus_ext.planning.wait_aware import extend_frontier
-
-        frontier = extend_frontier(
-            frontier, problem.schedule, profile, measured.blocking_power_per_stage_w,
-            problem.options, switch_latency_s=problem.switch_latency_s,
-        )
-    except Exception as err:  # the ordinary frontier still serves every deadline up to T*
-        extension_error = f"{type(err).__name__}: {err}"
-        logger.warning("perseus-ext: no wait-aware plans past the minimum-energy plan (%s)", extension_error)
     try:
         from perseus_ext.planning.thinning import with_fewer_switches
 
@@ -72,8 +60,7 @@ def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveOutcome
     except Exception:  # the frontier as solved is still exact, only with more clock changes
         logger.exception("perseus-ext: merging clock changes that save less than %.3g J failed",
                          problem.switch_cost_j)
-    return SolveOutcome(frontier, None, time.perf_counter() - started, in_background, measured,
-                        extension_error)
+    return SolveOutcome(frontier, None, time.perf_counter() - started, in_background, measured)
 
 
 class BackgroundSolve:
