@@ -60,6 +60,7 @@ from perseus_ext.adapters.megatron_args import (
     chain_extra_args,
     config_from_args,
 )
+from perseus_ext.adapters.megatron_graphs import COMBINED_1F1B_FLAG, GraphMode, MegatronExecution, detect
 from perseus_ext.errors import ConfigError
 from perseus_ext.planning.schedule import (
     Computation,
@@ -104,10 +105,7 @@ PATCH_SURFACES: dict[tuple[int, int], PatchSurface] = {
 def patch_surface(version: str) -> PatchSurface:
     """The surface of a megatron-core version string; ConfigError for releases before 0.16.
     A newer release gets the newest known surface (checked name by name when patching)."""
-    try:
-        major_minor = tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
-        raise ConfigError(f"perseus: cannot read the megatron-core version {version!r}") from None
+    major_minor = release_of(version)
     known = sorted(PATCH_SURFACES)
     if major_minor in PATCH_SURFACES:
         return PATCH_SURFACES[major_minor]
@@ -119,6 +117,31 @@ def patch_surface(version: str) -> PatchSurface:
     return PATCH_SURFACES[known[-1]]
 
 
+def release_of(version: str) -> tuple[int, int]:
+    """(major, minor) of a megatron-core version string."""
+    try:
+        return tuple(int(part) for part in version.split(".")[:2])  # type: ignore[return-value]
+    except ValueError:
+        raise ConfigError(f"perseus: cannot read the megatron-core version {version!r}") from None
+
+
+def default_clock_reason(execution: MegatronExecution) -> str | None:
+    """Why a job in this execution mode runs at default clocks (mode observe), None when its
+    hooks can steer clocks."""
+    if execution.combined_1f1b:
+        return (f"perseus: {COMBINED_1F1B_FLAG} makes megatron-core train with its combined_1f1b schedule, "
+                f"whose combined_forward_backward_step runs one microbatch's forward together with "
+                f"another's backward (their expert all-to-alls overlapped) and calls neither forward_step "
+                f"nor backward_step: no per-computation clock can follow it. perseus-ext measures this job "
+                f"at default clocks (mode observe); drop {COMBINED_1F1B_FLAG} to let it plan clocks")
+    if execution.graph_mode is GraphMode.FULL_ITERATION:
+        return (f"perseus: {execution.graph_flags} replays each training iteration as one CUDA graph "
+                f"(megatron-core's FullCudaGraphWrapper): no hook runs after the capture, so no planned "
+                f"clock can follow the computations. perseus-ext measures this job at default clocks "
+                f"(mode observe)")
+    return None
+
+
 def _installed_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -128,6 +151,16 @@ def _installed_version() -> str:
         from megatron.core import package_info
 
         return package_info.__version__
+
+
+def _model_config(model: Any) -> Any:
+    """The model chunk's megatron-core TransformerConfig, None if it has none."""
+    from megatron.core.utils import get_model_config
+
+    try:
+        return get_model_config(model)
+    except Exception:  # a model megatron cannot read a config from: nothing to detect
+        return None
 
 
 def _microbatch_group_size(model: Any) -> int | None:
@@ -232,6 +265,7 @@ class MegatronPerseus:
         self._unidentified: str | None = None
         self._originals: dict[str, Callable] = {}
         self._schedules: dict[tuple, PipelineSchedule] = {}
+        self.execution: MegatronExecution | None = None  # CUDA graphs / combined_1f1b, from args or model config
         self._closed = False
 
     # ---- installation ------------------------------------------------------------------
@@ -259,6 +293,27 @@ class MegatronPerseus:
         for name, original in self._originals.items():
             setattr(module, name, original)
         self._originals.clear()
+
+    def adopt_execution(self, source: Any) -> None:
+        """Read the job's CUDA-graph mode and combined_1f1b from `source` (the parsed arguments,
+        or the model's TransformerConfig at the first iteration) and adapt the config: modes
+        whose hooks cannot steer clocks run at default clocks with one warning that names the
+        flag. A source that shows nothing special keeps what an earlier one said."""
+        execution = detect(source, release_of(_installed_version()))
+        special = execution.graph_mode is not GraphMode.NONE or execution.combined_1f1b
+        if self.execution is not None and (not special or execution == self.execution):
+            return
+        self.execution = execution
+        if not special or self._config is None:
+            return
+        reason = default_clock_reason(execution)
+        if reason is None:
+            log.info("perseus: per-layer CUDA graphs (%s): megatron-core's schedule still calls "
+                     "forward_step and backward_step once per computation, so clocks are planned and "
+                     "set per computation as without graphs", execution.graph_flags)
+        elif self._config.mode == "optimize":
+            log.warning("%s", reason)
+            self._config = self._config.model_copy(update={"mode": "observe"})
 
     # ---- wrappers --------------------------------------------------------------------------
 
@@ -412,6 +467,8 @@ class MegatronPerseus:
             if self._config is None:
                 self._closed = True
                 self._unpatch()
+            else:
+                self.adopt_execution(self._args)
         return self._config
 
     @staticmethod
@@ -444,9 +501,12 @@ class MegatronPerseus:
 
     def _build_runtime(self, bound: dict, original: Callable, models: list[Any]) -> bool:
         """First training iteration: build the schedule this stage runs and the runtime."""
-        config = self._resolve_config()
-        if config is None:  # --perseus not given: stay out of the way for good
+        if self._resolve_config() is None:  # --perseus not given: stay out of the way for good
             return False
+        model_config = _model_config(models[0])
+        if model_config is not None:
+            self.adopt_execution(model_config)
+        config = self._config
         self.schedule = self._schedule_of(bound, original, models)
         _check_mode(config, self.schedule.num_stages, f"this job (megatron-core's {original.__name__})")
         pp_group = self._pp_group(bound) if self.schedule.num_stages > 1 else None
@@ -540,6 +600,8 @@ def install(
                               wandb_writer=wandb_writer)
     perseus._config = config
     perseus._patch()
+    if args is not None:
+        perseus.adopt_execution(args)
     atexit.register(perseus.close)
     _INSTALLED = perseus
     return perseus
