@@ -113,6 +113,7 @@ class ClockSequencer:
         self._previous_last_end = last_end
         self._last_first_start = None
         marker = self.timeline.record_marker()
+        self.timeline.anchor_at(marker)
         self._clocks = clocks
         self._durations_s = durations_s
         self._unresolved = [*self._unresolved[-2:], self.trace]

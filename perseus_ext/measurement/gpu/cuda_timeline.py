@@ -4,21 +4,104 @@ A marker is a `torch.cuda.Event(enable_timing=True)` recorded on the current str
 is asynchronous (the training thread never waits), and the controller's worker thread may block
 on `event.synchronize()` to learn when the device got there.
 
-Device times: CUDA gives event-to-event elapsed times, not wall-clock times. Each marker's time
-is its elapsed time from a reference event plus an offset aligning the reference to
-`time.perf_counter`. Every time the host notices a marker reached (a successful query or wait) at
-perf_counter time n, n - elapsed is an upper bound of that offset (the device got there no later
-than the host noticed); the smallest bound seen so far is used, so estimates only tighten.
+Device times, for weeks of training. CUDA gives event-to-event elapsed times, not wall-clock
+times, as a 32-bit float of milliseconds: measured from one event recorded when the job starts,
+a marker's time would be quantised to 8 ms after a day and 64 ms after a week (the size of the
+clock-switching latency and of the computations being timed). So markers are measured from an
+*anchor*, an event the device has reached recently, and the anchor moves forward: to the
+iteration start marker once the device has reached it (`anchor_at`, which the sequencer calls
+at every iteration start), or to any marker noticed more than `ANCHOR_MAX_AGE_S` after it.
+Nothing is synchronised for it: an anchor is a marker someone already waited for or queried.
+Anchor-to-anchor elapsed times add up (float64) to a device clock `d` that never loses
+precision; a link longer than `LONG_LINK_S` (its float32 rounding no longer negligible) starts
+the offset estimate afresh.
+
+The host/device offset. Every time the host notices a marker reached (a successful query or
+wait) at perf_counter time n, n - d bounds the offset from above (the device got there no later
+than the host noticed). The device's clock drifts against the host's (tens of ppm, either way),
+so the offset is modelled as a line, offset(d) = level + rate · d: the rate is fitted to the
+lowest bound of each `BUCKET_S` of device time, over the last `RATE_BUCKETS` buckets that hold
+one, and the level is the lowest rate-corrected bound of the last `WINDOW_BUCKETS` of them. An offset taken as the
+smallest bound ever seen (this module's first version) falls behind a device clock that runs
+slow, by the drift: 30 s a week at 50 ppm.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
+import threading
 import time
 from typing import Any
 
 from perseus_ext.measurement.gpu.timeline import DeviceMarker, DeviceTimeline
 
 POLL_S = 0.001  # query interval of a wait with a timeout (event.synchronize cannot time out); each query takes the GIL
+ANCHOR_MAX_AGE_S = 10.0  # without iteration starts: any marker noticed this long after the anchor becomes one
+LONG_LINK_S = 60.0  # an anchor-to-anchor link this long (float32 ms step ~4 us) restarts the offset estimate
+BUCKET_S = 1.0  # device time over which the lowest offset bound is kept
+WINDOW_BUCKETS = 120  # latest buckets holding a bound that the offset's level is taken from (rate-corrected)
+RATE_BUCKETS = 600  # latest buckets holding a bound that the drift rate is fitted to
+REFIT_EVERY = 16  # new buckets between two fits of the rate (a fit reads all RATE_BUCKETS)
+MIN_RATE_SPAN_S = 10.0  # no rate is fitted over a shorter span
+MAX_RATE = 1e-3  # |drift| above 1000 ppm is noise in the bounds, not a clock
+
+
+class OffsetEstimate:
+    """host time − device time as a line over device time, from notice bounds; thread-safe to
+    read (one tuple), written under the timeline's lock."""
+
+    def __init__(self) -> None:
+        self._buckets: collections.deque[list[float]] = collections.deque(maxlen=RATE_BUCKETS)  # [index, d, bound]
+        self._line: tuple[float, float] = (float("inf"), 0.0)  # (level, rate)
+        self._new_buckets = 0
+
+    def add(self, d: float, bound: float) -> None:
+        """A marker at device time d was noticed at host time d + bound."""
+        index = d // BUCKET_S
+        buckets = self._buckets
+        if buckets and index <= buckets[-1][0]:
+            last = buckets[-1]
+            if index == last[0] and bound < last[2]:
+                last[1], last[2] = d, bound
+            level, rate = self._line
+            self._line = (min(level, bound - rate * d), rate)
+            return
+        buckets.append([index, d, bound])
+        self._new_buckets += 1
+        if self._new_buckets >= REFIT_EVERY or len(buckets) < REFIT_EVERY:
+            self._refit()
+        else:
+            level, rate = self._line
+            self._line = (min(level, bound - rate * d), rate)
+
+    def _refit(self) -> None:
+        buckets = self._buckets
+        rate = self._line[1]
+        self._new_buckets = 0
+        if len(buckets) >= 3 and buckets[-1][1] - buckets[0][1] >= MIN_RATE_SPAN_S:
+            n = len(buckets)
+            mean_d = sum(b[1] for b in buckets) / n
+            mean_bound = sum(b[2] for b in buckets) / n
+            spread = sum((b[1] - mean_d) ** 2 for b in buckets)
+            if spread > 0:
+                fitted = sum((b[1] - mean_d) * (b[2] - mean_bound) for b in buckets) / spread
+                rate = max(-MAX_RATE, min(MAX_RATE, fitted))
+        recent = itertools.islice(buckets, max(0, len(buckets) - WINDOW_BUCKETS), None)
+        self._line = (min(b[2] - rate * b[1] for b in recent), rate)
+
+    def restart(self) -> None:
+        """Forget the bounds (the device clock's coordinate may have shifted); keep the rate."""
+        self._buckets.clear()
+        self._line = (float("inf"), self._line[1])
+
+    def offset_s(self, d: float) -> float:
+        level, rate = self._line
+        return level + rate * d
+
+    @property
+    def rate(self) -> float:
+        return self._line[1]
 
 
 class CudaTimeline(DeviceTimeline):
@@ -30,49 +113,74 @@ class CudaTimeline(DeviceTimeline):
 
             cuda = torch.cuda
         self._cuda = cuda
-        self._reference = cuda.Event(enable_timing=True)
-        self._reference.record()
-        # Once, at construction: the reference must be complete before elapsed times exist.
-        self._reference.synchronize()
-        self._offset_s = time.perf_counter()
+        self._lock = threading.Lock()
+        self.offset = OffsetEstimate()
+        reference = cuda.Event(enable_timing=True)
+        reference.record()
+        # Once, at construction: the first anchor must be complete before elapsed times exist.
+        reference.synchronize()
+        self._anchor_event = reference
+        self._anchor_d = 0.0
+        self._next_anchor: CudaMarker | None = None
+        self.anchors = 1  # anchors taken so far (the reference included)
+        self.offset.add(0.0, time.perf_counter())
 
     def record_marker(self) -> DeviceMarker:
         event = self._cuda.Event(enable_timing=True)
         event.record()
         return CudaMarker(self, event)
 
+    def anchor_at(self, marker: DeviceMarker) -> None:
+        """Measure later markers from `marker` once the device has reached it (an iteration
+        start); never blocks."""
+        if isinstance(marker, CudaMarker) and marker.timeline is self:
+            self._next_anchor = marker
+
     def synchronize(self) -> None:
         self._cuda.synchronize()
 
-    def _noticed(self, event: Any, at_s: float) -> float:
-        """Tighten the offset with a marker noticed reached at `at_s`; its device time."""
-        elapsed_s = self._reference.elapsed_time(event) / 1000.0
-        self._offset_s = min(self._offset_s, at_s - elapsed_s)
-        return elapsed_s
+    def _noticed(self, marker: CudaMarker, at_s: float) -> float:
+        """A marker noticed reached at `at_s`: its device time d (tightens the offset, and may
+        become the anchor)."""
+        with self._lock:
+            d = self._anchor_d + self._anchor_event.elapsed_time(marker.event) / 1000.0
+            link_s = d - self._anchor_d
+            if marker is self._next_anchor or link_s >= ANCHOR_MAX_AGE_S:
+                if marker is self._next_anchor:
+                    self._next_anchor = None
+                if link_s > 0:
+                    self._anchor_event, self._anchor_d = marker.event, d
+                    self.anchors += 1
+                    if link_s >= LONG_LINK_S:
+                        self.offset.restart()
+            self.offset.add(d, at_s - d)
+        return d
 
-    def device_time_of(self, elapsed_s: float) -> float:
-        return self._offset_s + elapsed_s
+    def device_time_of(self, d: float) -> float:
+        return d + self.offset.offset_s(d)
 
 
 class CudaMarker(DeviceMarker):
-    """One CUDA event; its elapsed time from the reference is read once it has completed."""
+    """One CUDA event; its device time is read once it has completed."""
+
+    __slots__ = ("timeline", "event", "_d")
 
     def __init__(self, timeline: CudaTimeline, event: Any) -> None:
-        self._timeline = timeline
-        self._event = event
-        self._elapsed_s: float | None = None
+        self.timeline = timeline
+        self.event = event
+        self._d: float | None = None
 
     def query(self) -> bool:
-        if self._elapsed_s is None and self._event.query():
-            self._elapsed_s = self._timeline._noticed(self._event, time.perf_counter())
-        return self._elapsed_s is not None
+        if self._d is None and self.event.query():
+            self._d = self.timeline._noticed(self, time.perf_counter())
+        return self._d is not None
 
     def wait(self, timeout_s: float | None = None) -> bool:
-        if self._elapsed_s is not None:
+        if self._d is not None:
             return True
         if timeout_s is None:
-            self._event.synchronize()
-            self._elapsed_s = self._timeline._noticed(self._event, time.perf_counter())
+            self.event.synchronize()
+            self._d = self.timeline._noticed(self, time.perf_counter())
             return True
         deadline = time.perf_counter() + timeout_s
         while not self.query():
@@ -84,4 +192,4 @@ class CudaMarker(DeviceMarker):
     def device_time_s(self) -> float | None:
         if not self.query():
             return None
-        return self._timeline.device_time_of(self._elapsed_s)
+        return self.timeline.device_time_of(self._d)

@@ -106,6 +106,11 @@ class DeviceTimeline(abc.ABC):
     def synchronize(self) -> None:
         """Host waits until all launched work is done (used only while profiling)."""
 
+    def anchor_at(self, marker: DeviceMarker) -> None:
+        """An iteration starts at `marker`: a timeline that measures times from a reference
+        (CUDA events) measures later markers from this one once the device has reached it, so
+        their precision does not decay over weeks. Never blocks; nothing to do elsewhere."""
+
     def launch(self, label: str, seconds_at_max_clock: float, *,
                planned_clock_mhz: int | None = None, after: Sequence[str] = (),
                publish: str | None = None) -> None:
