@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from perseus_ext.log_files import JobLogs, read_logs
-from perseus_ext.runtime.baseline import Sample
+from perseus_ext.runtime.baseline import Sample, no_saving_reason
 
 STRAGGLER_LABEL = "deployed (slowed for a straggler)"
 
@@ -90,8 +90,7 @@ def format_report(analysis: dict[str, Any]) -> str:
     overall = measured["all"]
     if overall is None:
         default = job["default_per_iteration"]
-        lines.append("  no baseline probe and plan iterations to compare (perseus.baseline_fraction 0, a run that "
-                     "never deployed a plan, or one that only observed)")
+        lines.append(f"  no measured saving: {no_saving_reason(job['phase_costs'])}")
         if default["energy_j"] is not None:
             lines.append(f"  default clocks: energy/iteration {default['energy_j']:.1f} J, time/iteration "
                          f"{default['time_s']:.4f} s")

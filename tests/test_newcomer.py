@@ -151,3 +151,33 @@ def test_megatron_tiny_example_runs_from_readmes_venv(tmp_path):
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert "perseus-ext" in output and "No module named" not in output
+
+
+# --------------------------------------------------------------------------- short jobs
+def test_a_job_of_50_deployed_iterations_measures_its_saving_by_default(caplog):
+    """With the default baseline_fraction (0.01) a 60-iteration job used to end with no probe,
+    no measured saving and no word on when profiling pays back."""
+    import logging
+
+    from perseus_ext.planning.schedule import build_schedule
+    from perseus_ext.runtime import PerseusRuntime
+    from perseus_ext.runtime.phase import Phase
+    from runtime_helpers import make_config, sim_gpu, train
+
+    config = make_config(straggler_check_interval=10)  # the default check interval, default fraction
+    assert config.baseline_fraction == PerseusConfig().baseline_fraction == 0.01
+    runtime = PerseusRuntime(config, schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=sim_gpu())
+    caplog.set_level(logging.INFO, logger="perseus_ext")
+    while runtime.phase is not Phase.DEPLOYED:
+        train(runtime, 1)
+    train(runtime, 52)  # 50 deployed iterations recorded (records arrive about an iteration late)
+    runtime.close()
+    estimate = runtime.probes.estimate()
+    assert estimate is not None and estimate.probes >= 3, estimate
+    assert estimate.saving_low is not None and estimate.saving_low <= estimate.saving <= estimate.saving_high
+    summary = runtime.summary()
+    assert summary["energy_saving_vs_default"] is not None
+    told = [r.getMessage() for r in caplog.records if "profiling (" in r.getMessage()]
+    assert len(told) == 1, told  # once
+    assert "vs default clocks" in told[0] and ("repays it after" in told[0] or "nothing to repay" in told[0]
+                                                or "not repaid" in told[0])

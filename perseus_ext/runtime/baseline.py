@@ -28,6 +28,7 @@ from typing import Any, Iterable, Mapping
 
 from scipy import stats
 
+from perseus_ext.runtime.phase import Phase
 from perseus_ext.runtime.records import IterationRecord
 
 MAX_GUARD_ITERATIONS = 2
@@ -43,14 +44,33 @@ def probe_guard(check_interval: int) -> int:
     return min(MAX_GUARD_ITERATIONS, check_interval // 2)
 
 
+EARLY_ITERATIONS = 50  # a job of this many deployed iterations gets a measured saving by default
+EARLY_PERIOD = 12  # ... from a probe in every 12 of them at least: 4 probes in the first 50
+
+
 class ProbeSchedule:
-    """Decides, identically on every rank, which deployed iterations run at default clocks."""
+    """Decides, identically on every rank, which deployed iterations run at default clocks.
+
+    The first `EARLY_ITERATIONS` deployed iterations probe at least one in `EARLY_PERIOD` (with
+    the default fraction of 0.01 a short job would otherwise end with no probe and no measured
+    saving); from then on one in `1 / fraction`. A weeks-long job pays 4 early probes; a job of
+    50 deployed iterations gets a saving with its interval."""
 
     def __init__(self, fraction: float, check_interval: int) -> None:
         self.period = round(1.0 / fraction) if fraction > 0 else None
+        self.early = self.period is not None and self.period > EARLY_PERIOD
         self.check_interval = check_interval
         self.guard = probe_guard(check_interval)
-        self._probed_period = -1
+        self._probed_period: tuple[bool, int] = (False, -1)
+
+    def _window(self, deployed_index: int) -> tuple[tuple[bool, int], int, int]:
+        """(window id, offset in it, its length) of a deployed iteration."""
+        if self.early and deployed_index < EARLY_ITERATIONS:
+            window, offset = divmod(deployed_index, EARLY_PERIOD)
+            return (True, window), offset, EARLY_PERIOD
+        start = EARLY_ITERATIONS if self.early else 0
+        window, offset = divmod(deployed_index - start, self.period)
+        return (False, window), offset, self.period
 
     def clear_of_checks(self, deployed_index: int) -> bool:
         """Whether the iteration is `guard` or more iterations from the nearest straggler check
@@ -65,8 +85,8 @@ class ProbeSchedule:
         latest plan took effect (None: no switch yet)."""
         if self.period is None:
             return False
-        period, offset = divmod(deployed_index, self.period)
-        if period == self._probed_period or offset < self.period // 2 or not self.clear_of_checks(deployed_index):
+        period, offset, length = self._window(deployed_index)
+        if period == self._probed_period or offset < length // 2 or not self.clear_of_checks(deployed_index):
             return False
         if iterations_since_switch is not None and iterations_since_switch < self.guard:
             return False
@@ -360,6 +380,8 @@ class BaselineProbes:
         self.schedule = ProbeSchedule(fraction, check_interval)
         self._default = (Moments(), Moments())
         self._deployed = (Moments(), Moments())
+        self._profiling = _LabelTotals()
+        self._payback_told = False
 
     def is_probe(self, deployed_index: int, iterations_since_switch: int | None) -> bool:
         return self.schedule.is_probe(deployed_index, iterations_since_switch)
@@ -367,6 +389,12 @@ class BaselineProbes:
     def observe(self, records: Iterable[IterationRecord]) -> None:
         for record in records:
             setting = record.setting
+            if setting.phase is Phase.PROFILING and not setting.fell_back:
+                self._profiling.iterations += 1
+                self._profiling.time_s += record.time_s
+                if record.energy_j is not None:
+                    self._profiling.energy_j += record.energy_j
+                    self._profiling.energies += 1
             if setting.fell_back or record.energy_j is None:
                 continue
             target = self._default if setting.probe else self._deployed if setting.plan is not None else None
@@ -374,6 +402,58 @@ class BaselineProbes:
                 target[0].add(record.energy_j)
                 target[1].add(record.time_s)
 
+    def payback_once(self) -> str | None:
+        """Once, as soon as the saving has an interval: what profiling cost this GPU and after
+        how many deployed iterations the measured saving repays it (None before, and after)."""
+        if self._payback_told:
+            return None
+        estimate = self.estimate()
+        if estimate is None or estimate.saving_low is None:
+            return None
+        self._payback_told = True
+        return payback_line(estimate, self._profiling)
+
     def estimate(self) -> Comparison | None:
         """The saving measured so far on this rank (None before the first probe is recorded)."""
         return Comparison.of(self._default, self._deployed)
+
+
+def payback_line(estimate: Comparison, profiling: _LabelTotals) -> str:
+    """Profiling's cost against default clocks, on this GPU: its extra energy plus its extra time
+    priced at the default-clock power (what the GPU would have drawn running on for that time),
+    repaid by the measured saving per deployed iteration."""
+    if profiling.iterations == 0 or not profiling.energies:
+        return f"measured saving {estimate.describe()}; no profiling this run (a saved profile), nothing to repay"
+    extra_time_s = profiling.time_s - profiling.iterations * estimate.default_time_s
+    extra_energy_j = profiling.energy_j - profiling.energies * estimate.default_energy_j
+    default_power_w = estimate.default_energy_j / estimate.default_time_s
+    cost_j = extra_energy_j + max(extra_time_s, 0.0) * default_power_w
+    saved_j = estimate.default_energy_j - estimate.deployed_energy_j
+    spent = (f"profiling ({profiling.iterations} iterations) cost {extra_time_s:+.2f} s and {extra_energy_j:+.0f} J "
+             f"vs default clocks, {cost_j:.0f} J with the extra time at the default-clock {default_power_w:.0f} W")
+    if cost_j <= 0:
+        return f"{spent}: nothing to repay; measured saving {estimate.describe()}"
+    if saved_j <= 0:
+        return f"{spent}; measured saving {estimate.describe()}: not repaid at this saving"
+    return (f"{spent}; the measured saving, {saved_j:.1f} J/iteration ({estimate.describe()}), repays it after "
+            f"{math.ceil(cost_j / saved_j)} deployed iterations")
+
+
+def no_saving_reason(phase_costs: Mapping[str, Any], baseline_fraction: float | None = None) -> str:
+    """Why a run has no measured saving, from what it ran (its `phase_costs` labels): only the
+    reason that applies."""
+    deployed = phase_costs.get(DEPLOYED, {}).get("iterations", 0)
+    probes = phase_costs.get(PROBE, {}).get("iterations", 0)
+    fraction = "" if baseline_fraction is None else f" {baseline_fraction:g}"
+    if deployed == 0 and probes == 0:
+        if "observing" in phase_costs:
+            return "the run only observed (mode observe): default clocks throughout, nothing to compare"
+        return "no plan was deployed (the run ended before: warm-up, profiling or solving)"
+    if probes == 0:
+        if baseline_fraction == 0:
+            return f"{deployed} deployed iterations and no baseline probe: perseus.baseline_fraction is 0"
+        return (f"{deployed} deployed iterations and no baseline probe yet (perseus.baseline_fraction{fraction}: the "
+                f"first comes within {EARLY_PERIOD} deployed iterations)")
+    if deployed == 0:
+        return f"{probes} baseline probes but no iteration ran a plan (they fell back)"
+    return f"{probes} baseline probe(s) without an energy reading"

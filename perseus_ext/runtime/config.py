@@ -355,8 +355,9 @@ class PerseusConfig(Section):
     baseline_fraction: Annotated[number(example=0.01, at_least=0, at_most=0.5), Field(
         description="Share of deployed iterations run at default clocks as baseline probes (about one in "
                     "`1 / fraction`, the same iterations on every rank, never next to a straggler check or plan "
-                    "switch): the measured saving and its confidence interval come from them. `0` = no probes, "
-                    "no measured saving.")] = 0.01
+                    "switch): the measured saving and its confidence interval come from them. The first 50 deployed "
+                    "iterations probe at least one in 12, so a job of 50 deployed iterations gets a measured saving "
+                    "with its interval. `0` = no probes, no measured saving.")] = 0.01
     communication_clock: Annotated[
         int | Literal["min"] | None,
         Rule('null, "min" or a clock in MHz (an integer >= 1)', "min",

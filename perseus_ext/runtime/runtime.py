@@ -383,6 +383,10 @@ class PerseusRuntime:
         self._phase_iterations += 1
         records = self.recorder.collect()
         self.probes.observe(records)
+        payback = self.probes.payback_once()
+        if payback is not None:  # once per job: rank 0 says it, the others' go to DEBUG
+            logger.log(logging.INFO if self.comm.rank == 0 else logging.DEBUG, "perseus-ext: rank %d: %s",
+                       self.comm.rank, payback)
         if self.phase is Phase.WARMUP and self._phase_iterations >= self.config.warmup_iterations:
             self._end_warmup()
         elif self.phase is Phase.PROFILING:

@@ -33,6 +33,7 @@ from perseus_ext.runtime.baseline import (
     Comparison,
     RunFigures,
     Sample,
+    no_saving_reason,
 )
 from perseus_ext.runtime.phase import Phase
 from perseus_ext.runtime.records import IterationRecord, PlanSwitch
@@ -356,8 +357,7 @@ def summary_line(summary: dict[str, Any]) -> str:
         parts.append(f"energy saving {100 * summary['energy_saving_vs_default']:.1f}% vs "
                      f"{summary['saving_source']}")
     elif summary["final_phase"] == "deployed":
-        parts.append(f"no baseline probe recorded (baseline_fraction {summary['baseline_fraction']:g}): "
-                     "no measured saving")
+        parts.append(f"no measured saving: {no_saving_reason(summary['phase_costs'], summary['baseline_fraction'])}")
     else:
         parts.append(f"final phase {summary['final_phase']}: no plan ran, so no saving")
     if "model" in summary:
@@ -411,8 +411,7 @@ def job_line(job: dict[str, Any]) -> str:
                      f"{costs['power_limit']['energy_per_iteration_j']:.1f} J under the limits"
                      + (f", {warmup:.1f} J in warm-up at default clocks (unpaired)" if warmup else ""))
     elif job["final_phase"] == "deployed":
-        parts.append(f"no baseline probe recorded (baseline_fraction {job['baseline_fraction']:g}): "
-                     "no measured saving")
+        parts.append(f"no measured saving: {no_saving_reason(job['phase_costs'], job['baseline_fraction'])}")
     else:
         parts.append(f"final phase {job['final_phase']}: no plan ran, so no saving")
     if job["fell_back_ranks"]:
