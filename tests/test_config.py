@@ -142,7 +142,7 @@ BAD = [
     ({"enabled": "yes"}, "perseus.enabled must be true or false, got \"yes\""),
     ({"enabled": 1}, "perseus.enabled must be true or false"),
     ({"mode": "turbo"}, 'perseus.mode must be one of "optimize", "observe", got "turbo"'),
-    ({"gpu": "cuda:0"}, "perseus.gpu must be \"nvml\" or \"sim:<preset>[?options]\""),
+    ({"gpu": "cuda:0"}, "perseus.gpu must be \"nvml\", \"zeusd\" or \"sim:<preset>[?options]\""),
     ({"gpu": 3}, "perseus.gpu must be"),
     ({"seed": -1}, "perseus.seed must be an integer >= 0, got -1"),
     ({"seed": "1"}, "perseus.seed must be an integer >= 0"),

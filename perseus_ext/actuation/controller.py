@@ -51,13 +51,12 @@ from perseus_ext.actuation.watchdog import WatchdogLink, start_watchdog
 from perseus_ext.background import start_background
 from perseus_ext.measurement.gpu import (
     GPU,
-    PERMISSION_HELP,
     SIMULATED_HINT,
     GPUError,
-    GPUPermissionError,
     GPUUnavailableError,
     open_gpu,
 )
+from perseus_ext.measurement.gpu.common import StrictControlError
 
 if TYPE_CHECKING:
     from perseus_ext.measurement.gpu.timeline import DeviceMarker
@@ -134,7 +133,8 @@ class FrequencyController:
         """gpu None means no usable device: everything is recorded, nothing is applied.
 
         dry_run None = decide from `gpu.can_set_clocks()`: without the privilege, warn once and
-        record clocks instead of setting them; with `strict=True`, raise GPUPermissionError.
+        record clocks instead of setting them; with `strict=True`, raise StrictControlError (a
+        ConfigError and a GPUPermissionError) naming what is missing.
         """
         self.gpu = gpu
         self.strict = strict
@@ -198,11 +198,9 @@ class FrequencyController:
             return True
         if allowed:
             return False
-        message = (
-            f"{self.gpu.name}: this process may not change GPU clocks; {PERMISSION_HELP}"
-        )
+        message = f"{self.gpu.name}: this process may not change GPU clocks; {self.gpu.control_help()}"
         if self.strict:
-            raise GPUPermissionError(message + " (strict mode: not falling back to dry-run)")
+            raise StrictControlError(message + " (strict mode: not falling back to dry-run)")
         logger.warning(
             "%s. Running in DRY-RUN mode: the clocks perseus-ext would set are recorded "
             "(FrequencyController.dry_run_log), the GPU stays at its default clocks.",

@@ -213,12 +213,18 @@ def main(argv: list[str]) -> int:
     if ending == "clean" or claims.empty:
         return 0
     finished, notes = restore(spec, claims)
-    where = spec.get("uuid") or spec.get("state_file")
+    where = spec.get("uuid") or spec.get("state_file") or _zeusd_target(spec)
     why = "died" if ending == "died" else "could not restore its GPU"
     summary = "; ".join(dict.fromkeys(notes)) or "nothing to do"
     print(f"perseus-ext watchdog: trainer {trainer_pid} {why}; on {where}: {summary}"
           + ("" if finished else " -- GIVING UP, the GPU may still be locked"), file=sys.stderr)
     return 0 if finished else 1
+
+
+def _zeusd_target(spec: dict[str, Any]) -> str:
+    reader = spec.get("reader") or {}
+    return (f"GPU {spec.get('gpu_id')} of zeusd at {spec.get('socket_path') or spec.get('host_port')} "
+            f"({reader.get('uuid') or reader.get('state_file')})")
 
 
 if __name__ == "__main__":

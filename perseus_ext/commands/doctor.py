@@ -2,8 +2,8 @@
 
 Read-only (clocks and power limits are never changed), so it is safe on a shared node. It
 reports the installation (autoload hook, framework versions), every GPU NVML sees and which of
-them each CUDA device of this process maps to, the permission to set clocks (and how to grant
-it), and one GPU's measured behaviour: energy counter update period and the cost of the
+them each CUDA device of this process maps to, which path can set clocks here (root, zeusd or
+none) and why (and how to grant it), and one GPU's measured behaviour: energy counter update period and the cost of the
 per-computation clock hook. Exit code 0: everything needed for the chosen GPU works; 1: a
 problem is listed at the end.
 """
@@ -30,11 +30,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "doctor",
         help="report GPUs, NVML mapping, permissions and framework versions",
         description="Check the environment perseus-ext runs in (read-only): installation, "
-        "framework versions, GPUs and their NVML mapping, permission to set clocks, and one "
+        "framework versions, GPUs and their NVML mapping, which path can set clocks (root, zeusd or "
+        "none) and why, and one "
         "GPU's energy counter update period and clock-hook cost.",
     )
     parser.add_argument("--gpu", default=None,
-                        help="GPU to measure: 'nvml' or 'sim:<preset>' (default: $PERSEUS_GPU or nvml)")
+                        help="GPU to measure: 'nvml', 'zeusd' or 'sim:<preset>' (default: $PERSEUS_GPU or nvml)")
     parser.add_argument("--local-rank", type=bounded_int(0, 1023), default=0,
                         help="CUDA device of this process to measure (default: %(default)s)")
     parser.add_argument("--updates", type=bounded_int(2, 1000), default=10,
@@ -115,18 +116,37 @@ def nvml_devices() -> dict[str, Any]:
 
 
 def permissions(nvml: dict[str, Any]) -> dict[str, Any]:
-    """Whether this process may set clocks; None (not "yes") where NVML sees no GPU: root may
-    set nothing on a machine without one."""
+    """Whether this process may set clocks (None, not "yes", where NVML sees no GPU: root may set
+    nothing on a machine without one), and which path can set them here: `root` (CAP_SYS_ADMIN:
+    NVML sets them), `zeusd` (a daemon at ZEUSD_SOCK_PATH / ZEUSD_HOST_PORT lets this process, with
+    ZEUSD_TOKEN, change them) or `none`, and why. The daemon is asked; no GPU is touched."""
+    from perseus_ext.errors import PerseusError
     from perseus_ext.measurement.gpu.common import PERMISSION_HELP
     from perseus_ext.measurement.gpu.nvml import has_clock_privilege
+    from perseus_ext.measurement.gpu.zeusd import check_control
+    from perseus_ext.measurement.gpu.zeusd_client import ENV_HOST_PORT, ENV_SOCK_PATH, ENV_TOKEN, ZeusdClient, ZeusdEndpoint
 
     if not nvml["available"]:
-        return {"can_set_clocks": None, "how_to_grant": None}
+        return {"can_set_clocks": None, "how_to_grant": None, "path": "none", "why": "NVML sees no GPU here"}
     allowed = has_clock_privilege()
-    return {
-        "can_set_clocks": allowed,
-        "how_to_grant": None if allowed else PERMISSION_HELP,
-    }
+    report: dict[str, Any] = {"can_set_clocks": allowed, "how_to_grant": None if allowed else PERMISSION_HELP}
+    if allowed:
+        return {**report, "path": "root", "why": "this process holds CAP_SYS_ADMIN: NVML sets clocks directly"}
+    try:
+        endpoint = ZeusdEndpoint.from_env()
+    except PerseusError as err:
+        return {**report, "path": "none", "why": str(err)}
+    if endpoint is None:
+        return {**report, "path": "none", "why": f"no CAP_SYS_ADMIN, and neither {ENV_SOCK_PATH} nor "
+                                                  f"{ENV_HOST_PORT} is set (no zeusd to ask)"}
+    client = ZeusdClient(endpoint, os.environ.get(ENV_TOKEN))
+    try:
+        _, why = check_control(client)
+    except PerseusError as err:
+        return {**report, "path": "none", "why": str(err)}
+    finally:
+        client.close()
+    return {**report, "path": "zeusd", "why": why}
 
 
 def hook_cost_us(gpu: Any, calls: int = 20000) -> dict[str, float]:
@@ -189,8 +209,10 @@ def _print_report(report: dict[str, Any]) -> list[str]:
     perms = report["permissions"]
     allowed = perms["can_set_clocks"]
     print(f"permission to set clocks: {'no GPU to set' if allowed is None else 'yes' if allowed else 'no'}")
-    if perms["how_to_grant"]:
-        print(f"  {perms['how_to_grant']}; without it perseus-ext runs in dry-run mode")
+    if perms["how_to_grant"] and perms["path"] != "zeusd":
+        print(f"  {perms['how_to_grant']}, or have the operator run zeusd and set ZEUSD_SOCK_PATH")
+    print(f"clock control path: {perms['path']}: {perms['why']}"
+          + ("; perseus-ext runs in dry-run mode" if perms["path"] == "none" else ""))
     gpu = report["gpu"]
     if gpu["available"]:
         counter, hook = gpu["energy_counter"], gpu["set_clock_hook"]

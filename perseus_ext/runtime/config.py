@@ -253,6 +253,14 @@ def _known_gpu_spec(spec: str) -> str:
     return spec
 
 
+def _gpu_spec_shape(spec: str) -> bool:
+    """"nvml", "sim:<preset>...", "zeusd" or "zeusd:<reading backend>" (the simulator's seam)."""
+    spec = spec.strip()
+    if spec == "zeusd" or spec.startswith("zeusd:"):
+        spec = spec.partition(":")[2] or "nvml"
+    return spec == "nvml" or spec.startswith("sim:")
+
+
 def resolved_gpu_spec(gpu: str | None) -> str:
     """The GPU backend a rank will open: the key, else env PERSEUS_GPU, else NVML."""
     return (gpu if gpu is not None else os.environ.get(GPU_ENV, "nvml")).strip()
@@ -276,11 +284,14 @@ class PerseusConfig(Section):
         description="`observe` never touches clocks: it only measures and logs time and energy per iteration "
                     "(and paces a simulated GPU) — the baseline for comparisons.")] = Mode.OPTIMIZE
     gpu: Annotated[
-        Annotated[str, Rule('"nvml" or "sim:<preset>[?options]"', "sim:a100_sxm",
-                            lambda s: s.strip() == "nvml" or s.strip().startswith("sim:")),
+        Annotated[str, Rule('"nvml", "zeusd" or "sim:<preset>[?options]"', "sim:a100_sxm", _gpu_spec_shape),
                   AfterValidator(_known_gpu_spec)] | None,
-        Field(description="GPU backend: `\"nvml\"` or `\"sim:<preset>[?options]\"` (presets `a100_sxm`, `a40`, "
-                          "`h100`; see docs/device.md). `null` reads env `PERSEUS_GPU`, default `nvml`.")] = None
+        Field(description="GPU backend: `\"nvml\"`, `\"zeusd\"` (clock and power-limit changes through the zeusd "
+                          "daemon at `ZEUSD_SOCK_PATH` or `ZEUSD_HOST_PORT`, bearer token `ZEUSD_TOKEN`; reads "
+                          "through NVML) or `\"sim:<preset>[?options]\"` (presets `a100_sxm`, `a40`, `h100`; see "
+                          "docs/device.md). `null` reads env `PERSEUS_GPU`, default `nvml`. Whatever the backend, "
+                          "when a zeusd variable is set and the process may not set clocks itself, changes go "
+                          "through zeusd.")] = None
     seed: Annotated[integer(0, example=0), Field(
         description="Base seed of simulated GPUs (rank r uses seed + r).")] = 0
     dry_run: Annotated[flag(example=True) | None, Field(
@@ -410,7 +421,7 @@ class PerseusConfig(Section):
                 f"{PREFIX}.straggler_threshold ({self.straggler_threshold:g}), or plans would never return "
                 f"after a straggler recovers; e.g. 0.02 and 0.05"
             )
-        if self.simulated_workload is not None and not resolved_gpu_spec(self.gpu).startswith("sim:"):
+        if self.simulated_workload is not None and not resolved_gpu_spec(self.gpu).removeprefix("zeusd:").startswith("sim:"):
             where = f"{PREFIX}.gpu" if self.gpu is not None else f"{PREFIX}.gpu (null: env {GPU_ENV}, default nvml)"
             raise statement_error(
                 f"{PREFIX}.simulated_workload paces work on a simulated GPU, but {where} is "

@@ -23,7 +23,7 @@ import dataclasses
 import datetime
 import logging
 import secrets
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from perseus_ext.actuation.controller import FrequencyController
 from perseus_ext.actuation.sequencer import ClockSequencer
@@ -57,6 +57,9 @@ from perseus_ext.runtime.summary import (
     log_summary,
 )
 from perseus_ext.measurement.gpu import GPU
+
+if TYPE_CHECKING:
+    from perseus_ext.measurement.gpu.zeusd import ZeusdReport
 
 logger = logging.getLogger(__name__)
 
@@ -593,7 +596,12 @@ class PerseusRuntime:
             controller_errors=self.controller.error_count,
             silent_hooks=SilenceReport(self.silence.bound_s, self.silence.expected_iteration_s,
                                        tuple(self.silence.episodes), self.captured_hooks),
-            frontier=deployment.frontier if deployment else None, policy=policy)
+            frontier=deployment.frontier if deployment else None, policy=policy, zeusd=self._zeusd_report())
+
+    def _zeusd_report(self) -> ZeusdReport | None:
+        from perseus_ext.measurement.gpu.zeusd import ZeusdGPU  # here: httpx only where zeusd is used
+
+        return self.gpu.report() if isinstance(self.gpu, ZeusdGPU) else None
 
     def on_close(self, hook: Callable[[], None]) -> None:
         """Run `hook` at close, after the last device records and the summary (metrics writers

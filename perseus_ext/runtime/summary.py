@@ -40,6 +40,7 @@ from perseus_ext.runtime.records import IterationRecord, PlanSwitch
 
 if TYPE_CHECKING:
     from perseus_ext.measurement.gpu.timeline import CoverageTally
+    from perseus_ext.measurement.gpu.zeusd import ZeusdReport
     from perseus_ext.planning.frontier import Frontier
     from perseus_ext.policies.chase import CarbonReport
     from perseus_ext.runtime.comm import ControlPlane
@@ -119,6 +120,7 @@ class RunSnapshot:
     silent_hooks: SilenceReport
     frontier: Frontier | None  # the deployed one (the leader's whole frontier, a rank's own share)
     policy: PolicySnapshot
+    zeusd: ZeusdReport | None = None  # clock changes went through zeusd (measurement/gpu/zeusd.py)
 
 
 def _silence_summary(report: SilenceReport) -> dict[str, Any]:
@@ -175,6 +177,7 @@ def build_summary(run: RunSnapshot) -> dict[str, Any]:
         "clock_coverage": _coverage(run, deployed),
         "plan_switches": [dataclasses.asdict(s) for s in run.plan_switches],
         "controller_errors": run.controller_errors,
+        "zeusd": dataclasses.asdict(run.zeusd) if run.zeusd is not None else None,
         "silent_hooks": _silence_summary(run.silent_hooks),
         "policy": _policy_summary(run.policy),
     }
@@ -325,6 +328,8 @@ def log_summary(summary: dict[str, Any], summary_path: str | None, job_error: st
     rank_zero = summary["rank"] == 0
     job = summary.get("job")
     logger.log(logging.INFO if rank_zero and job is None else logging.DEBUG, "%s", summary_line(summary))
+    if (line := zeusd_line(summary)) is not None:  # every rank: whose GPU was affected matters
+        logger.warning("%s", line)
     if not rank_zero:
         return
     if job is not None:
@@ -332,6 +337,21 @@ def log_summary(summary: dict[str, Any], summary_path: str | None, job_error: st
     elif job_error is not None:
         logger.warning("perseus-ext: no job summary (%s); per-rank figures are in the summaries, or "
                        "run perseus-ext report on every rank's log", job_error)
+
+
+def zeusd_line(summary: dict[str, Any]) -> str | None:
+    """A warning line when zeusd could not be used or clock changes through it failed on this
+    rank, None otherwise."""
+    zeusd = summary.get("zeusd")
+    if not zeusd or not (zeusd["failures"] or zeusd["control_fault"]):
+        return None
+    if zeusd["control_fault"]:
+        return (f"perseus-ext: rank {summary['rank']}: zeusd could not be used, clocks stayed at default: "
+                f"{zeusd['control_fault']}")
+    return (f"perseus-ext: rank {summary['rank']}: {zeusd['failures']} clock change(s) through {zeusd['endpoint']} "
+            f"failed ({zeusd['writes']} succeeded); after the first failure perseus-ext stopped changing this GPU's "
+            f"clocks and restored its defaults (or, if that failed too, handed the restore to its watchdog). "
+            f"Last error: {zeusd['last_error']}")
 
 
 def summary_line(summary: dict[str, Any]) -> str:

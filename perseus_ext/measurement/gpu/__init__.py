@@ -1,11 +1,13 @@
-"""Device layer: one `GPU` API, a real NVML backend and a simulated backend.
+"""Device layer: one `GPU` API, a real NVML backend, a simulated backend and zeusd writes.
 
 `open_gpu()` picks the backend from a spec string so that the same training script runs on a real
-GPU (``nvml``) or on a CPU-only machine (``sim:<preset>``), per rank.
+GPU (``nvml``), through the zeusd daemon when the job is not root (``zeusd``), or on a CPU-only
+machine (``sim:<preset>``), per rank.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 from urllib.parse import parse_qsl
@@ -31,6 +33,8 @@ from perseus_ext.measurement.gpu.timeline import (
     SwitchLatency,
 )
 from perseus_ext.measurement.gpu.timeline_factory import gpu_switch_latency, open_timeline
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CoverageTally",
@@ -85,7 +89,10 @@ def open_gpu(
 
     spec: ``"nvml"`` or ``"sim:<preset>[?slowdown=1.2&seed=3&pace=0&period=0.1&noise=0.02&
     state_file=/tmp/gpu{rank}.json&privileged=0&switch_ms=20&transition_ms=10&queue_depth=2&
-    transfer_ms=0.1]"``; None reads env ``PERSEUS_GPU`` (default nvml).
+    transfer_ms=0.1]"``, or ``"zeusd[:<reading spec>]"`` (writes through zeusd, reads from the
+    reading backend, default nvml); None reads env ``PERSEUS_GPU`` (default nvml). When
+    ZEUSD_SOCK_PATH or ZEUSD_HOST_PORT is set and the opened GPU may not set clocks itself, its
+    writes go through zeusd (one INFO line says so).
     local_rank: the CUDA device ordinal this process uses (mapped to NVML through
     CUDA_VISIBLE_DEVICES and UUIDs, never assumed equal to the NVML index).
     rank: global rank for per-rank simulator settings (default env RANK, else local_rank).
@@ -99,6 +106,21 @@ def open_gpu(
     if rank is None:
         rank = _env_int("RANK", local_rank)
     backend, _, rest = spec.partition(":")
+    if backend == "zeusd":
+        from perseus_ext.measurement.gpu.zeusd import ZeusdGPU
+        from perseus_ext.measurement.gpu.zeusd_client import ENV_HOST_PORT, ENV_SOCK_PATH, ZeusdEndpoint
+
+        endpoint = ZeusdEndpoint.from_env()
+        if endpoint is None:
+            raise ConfigError(f"GPU spec {spec!r} sends clock changes to zeusd, but neither {ENV_SOCK_PATH} "
+                              f"nor {ENV_HOST_PORT} is set; export the daemon's socket path "
+                              f"({ENV_SOCK_PATH}=/run/zeusd/zeusd.sock) or host:port")
+        return ZeusdGPU(_open_reader(rest or "nvml", local_rank=local_rank, rank=rank, seed=seed), endpoint)
+    return _through_zeusd_if_needed(_open_reader(spec, local_rank=local_rank, rank=rank, seed=seed))
+
+
+def _open_reader(spec: str, *, local_rank: int, rank: int, seed: int) -> GPU:
+    backend, _, rest = spec.partition(":")
     if backend == "nvml" and not rest:
         from perseus_ext.measurement.gpu.nvml import NVMLGPU
 
@@ -106,20 +128,45 @@ def open_gpu(
     if backend == "sim":
         return _open_simulated(spec, rest, rank=rank, seed=seed)
     raise ConfigError(
-        f"GPU spec {spec!r} is not understood; use 'nvml' or 'sim:<preset>' with preset one of "
+        f"GPU spec {spec!r} is not understood; use 'nvml', 'zeusd' or 'sim:<preset>' with preset one of "
         f"{', '.join(sorted(PRESETS))} (set it with {ENV_SPEC})"
     )
 
 
+def _through_zeusd_if_needed(gpu: GPU) -> GPU:
+    """`gpu`, or `gpu` with its writes sent to zeusd when ZEUSD_SOCK_PATH / ZEUSD_HOST_PORT is set
+    and this process may not set clocks itself (what Zeus's own clients do)."""
+    from perseus_ext.measurement.gpu.zeusd_client import ZeusdEndpoint
+
+    endpoint = ZeusdEndpoint.from_env()
+    if endpoint is None:
+        return gpu
+    try:
+        if gpu.can_set_clocks():
+            return gpu
+    except GPUError as err:
+        logger.debug("probing %s's clock permission failed: %s", gpu.name, err)
+    from perseus_ext.measurement.gpu.zeusd import ZeusdGPU
+
+    logger.info("perseus-ext: %s: this process may not set clocks itself and %s is set: clock and "
+                "power-limit changes go through %s", gpu.name, endpoint.variable, endpoint.describe())
+    return ZeusdGPU(gpu, endpoint)
+
+
 def check_gpu_spec(spec: str) -> None:
-    """A ConfigError unless `spec` is "nvml" or a simulated spec with a known preset and valid
-    options (the config door calls it, so a typo fails before the framework builds anything)."""
-    backend, _, rest = spec.strip().partition(":")
+    """A ConfigError unless `spec` is "nvml", "zeusd", "zeusd:<reading spec>" or a simulated spec
+    with a known preset and valid options (the config door calls it, so a typo fails before the
+    framework builds anything)."""
+    spec = spec.strip()
+    backend, _, rest = spec.partition(":")
+    if backend == "zeusd":  # "zeusd:sim:..." routes a simulated GPU's writes through zeusd (tests)
+        spec = rest or "nvml"
+        backend, _, rest = spec.partition(":")
     if backend == "sim":
-        _parse_simulated(spec.strip(), rest)
+        _parse_simulated(spec, rest)
     elif not (backend == "nvml" and not rest):
-        raise ConfigError(f"GPU spec {spec!r} is not understood; use 'nvml' or 'sim:<preset>' with preset one "
-                          f"of {', '.join(sorted(PRESETS))}")
+        raise ConfigError(f"GPU spec {spec!r} is not understood; use 'nvml', 'zeusd' or 'sim:<preset>' with "
+                          f"preset one of {', '.join(sorted(PRESETS))}")
 
 
 def _parse_simulated(spec: str, rest: str) -> tuple[str, dict[str, Any]]:
@@ -212,7 +259,13 @@ def open_restore_target(restore_spec: dict[str, Any]) -> GPU:
         from perseus_ext.measurement.gpu.nvml import NVMLGPU
 
         return NVMLGPU.from_uuid(restore_spec["uuid"])
-    raise GPUError(f"restore spec {restore_spec!r} names no known backend ('sim' or 'nvml')")
+    if backend == "zeusd":
+        from perseus_ext.measurement.gpu.zeusd import ZeusdGPU
+        from perseus_ext.measurement.gpu.zeusd_client import ZeusdEndpoint
+
+        endpoint = ZeusdEndpoint(restore_spec.get("socket_path"), restore_spec.get("host_port"))
+        return ZeusdGPU(open_restore_target(restore_spec["reader"]), endpoint, gpu_id=int(restore_spec["gpu_id"]))
+    raise GPUError(f"restore spec {restore_spec!r} names no known backend ('sim', 'nvml' or 'zeusd')")
 
 
 def _parse_option(spec: str, key: str, raw: str, kind: type) -> Any:

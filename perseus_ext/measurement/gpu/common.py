@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import abc
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from perseus_ext.errors import PerseusError
+from perseus_ext.errors import ConfigError, PerseusError
 
 SIMULATED_HINT = (
     "to run without a GPU use the simulated backend, e.g. PERSEUS_GPU=sim:a100_sxm "
@@ -32,6 +33,31 @@ class GPUPermissionError(GPUError):
 
 class GPUNotSupportedError(GPUError):
     """The device cannot do what was asked (a MIG slice, or no locked-clock support)."""
+
+
+class StrictControlError(ConfigError, GPUPermissionError):
+    """`"strict": true` and this process cannot set clocks: the job stops at start-up instead of
+    running in dry-run. A ConfigError (the job's configuration asks for what this node cannot
+    give) and a GPUPermissionError (what is missing is the right to change clocks)."""
+
+
+@dataclass(frozen=True)
+class DeviceAddress:
+    """Where a GPU sits, for a process that numbers GPUs its own way (zeusd) to find it.
+
+    pci_bus_id is normalised to lspci -D's form, `dddd:bb:dd.f` (lowercase hex); nvml_index is
+    the device's NVML index, which CUDA_VISIBLE_DEVICES does not renumber."""
+
+    pci_bus_id: str | None
+    nvml_index: int | None
+
+
+def normalise_pci_bus_id(text: str) -> str:
+    """`00000000:01:00.0` (NVML) or `0000:01:00.0` (lspci -D, zeusd) as `0000:01:00.0`; raises
+    ValueError on anything else."""
+    domain, bus, rest = text.strip().split(":")
+    device, function = rest.split(".")
+    return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(device, 16):02x}.{int(function, 16):x}"
 
 
 PERMISSION_HELP = (
@@ -105,6 +131,19 @@ class GPU(abc.ABC):
     @abc.abstractmethod
     def can_set_clocks(self) -> bool:
         """Whether this process may change clocks/power limit; probes without touching them."""
+
+    def control_help(self) -> str:
+        """Why this process may not set clocks and how to fix it, for when can_set_clocks() is
+        False (a daemon-backed GPU names the daemon's fault instead of the missing privilege)."""
+        return PERMISSION_HELP
+
+    def address(self) -> DeviceAddress:
+        """PCI bus id and NVML index of this GPU (None where the backend has none)."""
+        return DeviceAddress(None, None)
+
+    def follow_external_change(self) -> None:
+        """Another process (zeusd, on this process's behalf) has just changed this GPU's clock or
+        power limit. Hardware needs nothing; a simulated GPU re-reads its persisted state."""
 
     def restore_spec(self) -> dict[str, Any] | None:
         """How another process can re-open this GPU to restore its clocks (the SIGKILL watchdog).

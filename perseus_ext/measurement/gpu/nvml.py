@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from perseus_ext.measurement.gpu.common import (
     GPU,
+    DeviceAddress,
     GPUError,
     GPUNotSupportedError,
     GPUPermissionError,
@@ -21,6 +22,7 @@ from perseus_ext.measurement.gpu.common import (
     PERMISSION_HELP,
     SIMULATED_HINT,
     check_clock,
+    normalise_pci_bus_id,
 )
 
 logger = logging.getLogger(__name__)
@@ -183,6 +185,12 @@ class NVMLGPU(GPU):
 
     def can_set_clocks(self) -> bool:
         return has_clock_privilege()
+
+    def address(self) -> DeviceAddress:
+        nvml = self._nvml
+        bus_id = _text(self._call("read the PCI bus id", nvml.nvmlDeviceGetPciInfo, self._handle).busId)
+        index = int(self._call("read the NVML index", nvml.nvmlDeviceGetIndex, self._handle))
+        return DeviceAddress(normalise_pci_bus_id(bus_id), index)
 
     def restore_spec(self) -> dict[str, Any] | None:
         return {"backend": "nvml", "uuid": self.uuid}

@@ -32,6 +32,7 @@ from typing import Any
 
 from perseus_ext.measurement.gpu.common import (
     GPU,
+    DeviceAddress,
     GPUError,
     GPUPermissionError,
     PERMISSION_HELP,
@@ -266,6 +267,29 @@ class SimulatedGPU(GPU):
     def can_set_clocks(self) -> bool:
         self._maybe_fail("can_set_clocks")
         return self.privileged
+
+    def address(self) -> DeviceAddress:
+        """A simulated node numbers its GPUs by rank: NVML index = rank, bus = rank + 1."""
+        bus = self.rank + 1
+        return DeviceAddress(f"{bus >> 8:04x}:{bus & 0xFF:02x}:00.0", self.rank)
+
+    def follow_external_change(self) -> None:
+        """Put in force what another process (a daemon setting clocks for this one) wrote to the
+        persisted state, as hardware would: a changed lock is requested on the device now and
+        lands after the switching latency; a changed power limit caps at once."""
+        if self.state_file is None or not self.state_file.exists():
+            return
+        state = read_state_file(self.state_file)
+        with self.device.cond:
+            locked = state.get("locked_sm_clock")
+            if locked != self._locked_clock:
+                self._locked_clock = locked
+                self.device.request_clock(self.preset.max_clock_mhz if locked is None else locked)
+                self.clock_history.append(locked)
+            power_limit_w = float(state.get("power_limit_w", self.preset.default_power_limit_w))
+            if power_limit_w != self._power_limit_w:
+                self._power_limit_w = power_limit_w
+                self.device.set_power_cap(self._power_cap_mhz())
 
     def restore_spec(self) -> dict[str, Any] | None:
         if self.state_file is None:

@@ -24,6 +24,10 @@ def open_timeline(gpu: GPU | None, *, job_id: str, rank: int) -> DeviceTimeline:
     ranks of one job must pass the same job_id, and a job_id must not be reused by a concurrent
     job); an NVML GPU gets `CudaTimeline` when torch has CUDA, else `HostOnlyTimeline`.
     """
+    from perseus_ext.measurement.gpu.zeusd import ZeusdGPU  # here: httpx only where a runtime starts
+
+    if isinstance(gpu, ZeusdGPU):  # the work runs on the GPU it reads from
+        return open_timeline(gpu.reader, job_id=job_id, rank=rank)
     if isinstance(gpu, SimulatedGPU):
         return gpu.open_timeline(job_id=job_id, rank=rank)
     if gpu is not None and _cuda_available():
@@ -33,9 +37,16 @@ def open_timeline(gpu: GPU | None, *, job_id: str, rank: int) -> DeviceTimeline:
 
 def gpu_switch_latency(gpu: GPU | None) -> SwitchLatency:
     """How long a clock change takes on `gpu`: the simulator's configured latency, else the
-    default for the model (matched by NVML name), else a conservative default."""
+    default for the model (matched by NVML name), else a conservative default. Through zeusd,
+    the daemon's measured round trip comes on top: the change leaves the worker that much
+    earlier than it reaches the driver."""
+    from perseus_ext.measurement.gpu.zeusd import ZeusdGPU
+
     if gpu is None:
         return NO_LATENCY
+    if isinstance(gpu, ZeusdGPU):
+        direct = gpu_switch_latency(gpu.reader)
+        return SwitchLatency(direct.switch_s + gpu.round_trip_s, direct.transition_s)
     if isinstance(gpu, SimulatedGPU):
         return gpu.switch_latency
     name = gpu.name.upper()
