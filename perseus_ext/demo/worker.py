@@ -41,7 +41,7 @@ class _VariantRun:
         }
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         self.runtime = getattr(self.engine, "perseus", None)
-        self.gpu = self.runtime.gpu if self.runtime is not None else None
+        self.gpu = _simulated(self.runtime.gpu) if self.runtime is not None else None
         if variant == "t-star":  # before deployment, which takes the runtime's policy
             from perseus_ext.policies.base import StragglerPolicy
 
@@ -87,6 +87,14 @@ class _VariantRun:
             "power_limit_w": self.gpu.power_limit_w() if self.gpu is not None else None,
             "controller_errors": runtime.controller.error_count if runtime is not None else 0,
         }
+
+
+def _simulated(gpu: Any) -> Any:
+    """The simulated GPU the worker slows down and reads exact energy from: behind zeusd (a job
+    that may not set clocks itself), the one the daemon's writes reach."""
+    from perseus_ext.measurement.gpu.zeusd import ZeusdGPU
+
+    return gpu.reader if isinstance(gpu, ZeusdGPU) else gpu
 
 
 def worker_main(scenario_path: str) -> None:

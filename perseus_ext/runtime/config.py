@@ -298,8 +298,8 @@ class PerseusConfig(Section):
         description="`true`: never change clocks, only record them. `null`: dry-run automatically when this "
                     "process lacks permission to set clocks.")] = None
     strict: Annotated[flag(example=True), Field(
-        description="Fail at start-up (GPUPermissionError naming the missing privilege) instead of falling back "
-                    "to dry-run when this process may not set GPU clocks.")] = False
+        description="Fail at start-up (a ConfigError naming the missing privilege, or why zeusd cannot set "
+                    "clocks) instead of falling back to dry-run when this process may not set GPU clocks.")] = False
     warmup_iterations: Annotated[Iterations, Field(
         description="Iterations at default clocks before profiling.")] = 2
     profiling_iterations_per_clock: Annotated[AtLeastOne, Field(
