@@ -294,3 +294,54 @@ def test_sigkilled_trainer_is_restored_by_its_watchdog_through_zeusd(zeusd, tmp_
         if trainer.poll() is None:
             trainer.kill()
         trainer.communicate()
+
+
+# --------------------------------------------------------------------------- a real GPU's reader, doctor, flags
+def test_nvml_gpu_is_found_among_zeusds_gpus_by_pci_bus_id(zeusd, monkeypatch):
+    """The NVML backend resolves the CUDA device (here by UUID) and zeusd's GPU is the one at its PCI
+    bus id: zeusd index 1, although the device is NVML index 0 (what zeusd <= 0.5 would use)."""
+    from test_cli_doctor import FakeNVMLWithDriver
+    from test_gpu_nvml import FakeDevice
+
+    devices = [FakeDevice("GPU-bbbb", "00000000:01:00.0"), FakeDevice("GPU-aaaa", "00000000:81:00.0")]
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVMLWithDriver(devices))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb")
+    monkeypatch.setattr("perseus_ext.measurement.gpu.nvml.has_clock_privilege", lambda: False)
+    gpu = open_gpu("nvml")
+    assert isinstance(gpu, ZeusdGPU) and gpu.gpu_id == 1 and gpu.uuid == "GPU-bbbb"
+    gpu.set_locked_sm_clocks(1200)
+    gpu.reset_locked_sm_clocks()
+    assert [w.query["gpu_ids"] for w in zeusd.writes()] == ["1", "1"]
+    assert devices[0].calls == []  # NVML itself was never asked to change anything
+    assert gpu.energy_mj() > 0  # reads stay on NVML
+    assert gpu.restore_spec()["reader"] == {"backend": "nvml", "uuid": "GPU-bbbb"}
+
+
+def test_doctor_says_which_path_can_set_clocks_and_why(zeusd, tmp_path, monkeypatch, capsys):
+    from perseus_ext.cli import main
+    from test_cli_doctor import FakeNVMLWithDriver
+    from test_gpu_nvml import FakeDevice
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVMLWithDriver([FakeDevice("GPU-bbbb", "00000000:01:00.0")]))
+    privileged = {"value": False}
+    monkeypatch.setattr("perseus_ext.measurement.gpu.nvml.has_clock_privilege", lambda: privileged["value"])
+    doctor = ["doctor", "--gpu", "sim:a100_sxm?pace=0&period=0.02", "--updates", "2"]
+    assert main(doctor) == 0
+    assert "clock control path: zeusd: zeusd at" in capsys.readouterr().out
+    monkeypatch.setenv("ZEUSD_SOCK_PATH", str(tmp_path / "missing.sock"))
+    monkeypatch.delenv("ZEUSD_HOST_PORT", raising=False)
+    main(doctor)
+    printed = capsys.readouterr().out
+    assert "clock control path: none: zeusd at" in printed and "no socket at" in printed and "dry-run" in printed
+    privileged["value"] = True
+    main(doctor)
+    assert "clock control path: root: this process holds CAP_SYS_ADMIN" in capsys.readouterr().out
+
+
+def test_megatron_flag_takes_zeusd():
+    import argparse
+
+    from perseus_ext.adapters.megatron_args import add_perseus_args, config_from_args
+
+    args = add_perseus_args(argparse.ArgumentParser()).parse_args(["--perseus", "--perseus-gpu", "zeusd"])
+    assert config_from_args(args).gpu == "zeusd"

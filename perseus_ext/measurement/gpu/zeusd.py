@@ -73,7 +73,7 @@ class ZeusdGPU(GPU):
             try:
                 self.gpu_id = self._connect()
                 self.round_trip_s = self.client.round_trip_s()
-            except ZeusdError as err:
+            except GPUError as err:  # zeusd's fault, or the reader could not say where its GPU sits
                 self.gpu_id = None
                 self.control_fault = str(err)
 
