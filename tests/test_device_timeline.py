@@ -208,6 +208,28 @@ def test_an_engine_failure_reaches_the_waiting_host_instead_of_a_hang():
         timeline.synchronize()
 
 
+def test_a_wait_for_a_dead_rank_is_bounded_by_the_peer_timeout():
+    """A key no rank publishes (its publisher died): every host wait on the device used to
+    block for ever; past `peer_timeout_s` the device fails, its markers resolve and every
+    later launch and wait raises at once."""
+    gpu = SimulatedGPU("a100_sxm")
+    timeline = open_timeline(gpu, job_id=f"test-dead-peer-{time.time_ns()}", rank=0, peer_timeout_s=0.3)
+    try:
+        timeline.launch("forward", 0.01)
+        timeline.launch("recv", 0.0, after=["never"])
+        marker = timeline.record_marker()
+        began = time.perf_counter()
+        with pytest.raises(GPUError, match="waited 0.[3-9] s for never from another rank, more than "
+                                           "perseus.control_timeout_s 0.3 s"):
+            timeline.synchronize()
+        assert time.perf_counter() - began < 1.5
+        assert marker.wait(timeout_s=0.0)
+        with pytest.raises(GPUError, match="control_timeout_s"):
+            timeline.launch("forward", 0.01)
+    finally:
+        timeline.close()
+
+
 # ----------------------------------------------------------------------------- the board
 def _board_rank(rank: int, job_id: str, start, done, results) -> None:
     gpu = SimulatedGPU("a100_sxm", rank=rank, switch_s=0, transition_s=0, transfer_s=0.001)

@@ -60,8 +60,8 @@ class RankSetup:
         latency = gpu_switch_latency(gpu) if gpu is not None else NO_LATENCY
         return cls(gpu, candidates, communication, policy_config, policy, latency)
 
-    def timeline(self, job_id: str, rank: int) -> DeviceTimeline:
-        return open_timeline(self.gpu, job_id=job_id, rank=rank)
+    def timeline(self, job_id: str, rank: int, peer_timeout_s: float | None = None) -> DeviceTimeline:
+        return open_timeline(self.gpu, job_id=job_id, rank=rank, peer_timeout_s=peer_timeout_s)
 
     def pacer(self, config: PerseusConfig, timeline: DeviceTimeline, schedule: PipelineSchedule, *,
               stage: int, pipeline: int, num_pipelines: int) -> ComputationPacer:

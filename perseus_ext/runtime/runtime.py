@@ -107,7 +107,8 @@ class PerseusRuntime:
                            "recorded, not applied", stage, why)
         self.comm = ControlPlane(stage=stage, dp_group=dp_group, timeout_s=config.control_timeout_s)
         self.job_id = self.comm.broadcast_job(secrets.token_hex(8))  # the same on every rank
-        self.timeline = self.setup.timeline(self.job_id, self.comm.rank)
+        # a simulated device's wait for another rank is bounded like every collective
+        self.timeline = self.setup.timeline(self.job_id, self.comm.rank, peer_timeout_s=config.control_timeout_s)
         self.pacer = self.setup.pacer(config, self.timeline, schedule, stage=stage,
                                       pipeline=self.comm.pipeline, num_pipelines=self.comm.num_pipelines)
         self.sequencer = ClockSequencer(self.controller, self.timeline,

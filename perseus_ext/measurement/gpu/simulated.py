@@ -148,10 +148,11 @@ class SimulatedGPU(GPU):
 
     # ----------------------------------------------------------------- work and energy
     def open_timeline(
-        self, *, job_id: str | None = None, rank: int | None = None
+        self, *, job_id: str | None = None, rank: int | None = None, peer_timeout_s: float | None = None
     ) -> SimulatedTimeline:
         """This GPU's compute stream; with a job_id (paced GPUs), joined to that job's
-        cross-rank board so launches can wait for and publish keys of other ranks."""
+        cross-rank board so launches can wait for and publish keys of other ranks, each wait
+        bounded by `peer_timeout_s` (the job's control_timeout_s; None: unbounded)."""
         if job_id is None or not self.pace:
             return self._stream
         if self.device.board is not None:
@@ -161,7 +162,7 @@ class SimulatedGPU(GPU):
             )
         board = Board(job_id, self.rank if rank is None else rank, transfer_s=self.transfer_s)
         return SimulatedTimeline(self.device, kind_counts=self.run_counts,
-                                 slowdown=lambda: self._slowdown, board=board)
+                                 slowdown=lambda: self._slowdown, board=board, peer_timeout_s=peer_timeout_s)
 
     def run(self, seconds_at_max_clock: float, kind: str = "forward") -> float:
         """Launch a computation that takes `seconds_at_max_clock` at the max clock and wait for

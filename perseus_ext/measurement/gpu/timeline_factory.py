@@ -17,7 +17,7 @@ from perseus_ext.measurement.gpu.timeline import (
 )
 
 
-def open_timeline(gpu: GPU | None, *, job_id: str, rank: int) -> DeviceTimeline:
+def open_timeline(gpu: GPU | None, *, job_id: str, rank: int, peer_timeout_s: float | None = None) -> DeviceTimeline:
     """The compute stream of this process's GPU.
 
     A `SimulatedGPU` gets its simulated device, joined to the cross-rank board of `job_id` (all
@@ -29,7 +29,7 @@ def open_timeline(gpu: GPU | None, *, job_id: str, rank: int) -> DeviceTimeline:
     if isinstance(gpu, ZeusdGPU):  # the work runs on the GPU it reads from
         return open_timeline(gpu.reader, job_id=job_id, rank=rank)
     if isinstance(gpu, SimulatedGPU):
-        return gpu.open_timeline(job_id=job_id, rank=rank)
+        return gpu.open_timeline(job_id=job_id, rank=rank, peer_timeout_s=peer_timeout_s)
     if gpu is not None and _cuda_available():
         return CudaTimeline()
     return HostOnlyTimeline()
