@@ -349,12 +349,15 @@ def test_switch_latency_per_gpu():
     assert gpu_switch_latency(None) == NO_LATENCY
     assert gpu_switch_latency(_virtual(switch_s=0.003)) == SwitchLatency(0.003, 0.010)
     named = types.SimpleNamespace(name="NVIDIA GH200 480GB")
-    assert gpu_switch_latency(named) == SwitchLatency(0.020, 0.010)
+    assert gpu_switch_latency(named) == SwitchLatency(0.020, 0.010, call_s=0.015)
+    assert gpu_switch_latency(types.SimpleNamespace(name="NVIDIA H200")).issue_to_change_s == pytest.approx(0.035)
     assert gpu_switch_latency(types.SimpleNamespace(name="Tesla V100")) == \
         CONSERVATIVE_SWITCH_LATENCY
     assert SwitchLatency(0.02, 0.01).effective_s == pytest.approx(0.025)
     with pytest.raises(ValueError, match="switch_s"):
         SwitchLatency(-0.1, 0.0)
+    with pytest.raises(ValueError, match="call_s"):
+        SwitchLatency(0.0, 0.0, call_s=float("nan"))
 
 
 def test_clock_trajectory_supersedes_an_unfinished_ramp():
