@@ -110,6 +110,7 @@ def attach(engine: Any, config: Any = None) -> Any:
         config = PerseusConfig.from_dict(config if config is not None else perseus_section(engine))
     if getattr(engine, "perseus", None) is not None:
         return engine.perseus
+    _ensure_log_output()  # before the runtime: its first lines ("ready", the endpoint) must show
     if isinstance(engine, PipelineEngine):
         runtime = _attach_pipeline(engine, config)
     else:
@@ -122,7 +123,6 @@ def attach(engine: Any, config: Any = None) -> Any:
                 f"{CONFIG_KEY}.policy {{\"type\": \"zeus\", \"mode\": \"power_limit\"}}")
         runtime = _attach_engine(engine, config)
     engine.perseus = runtime
-    _ensure_log_output()
     original_destroy = getattr(engine, "destroy", None)
     if original_destroy is not None:
         @functools.wraps(original_destroy)

@@ -150,9 +150,12 @@ class PerseusRuntime:
         self._closed = False
         self._summary: dict[str, Any] | None = None
         self._close_hooks: list[Callable[[], None]] = []
-        logger.info("perseus-ext: stage %d/%d pipeline %d ready on %s (%s); %d candidate clocks",
-                    stage, schedule.num_stages, self.comm.pipeline, describe_gpu(self.gpu),
-                    "dry-run" if self.controller.dry_run else "live", len(self.setup.candidate_clocks))
+        # Lines every rank would repeat: rank 0's at INFO, the others' at DEBUG.
+        logger.log(logging.INFO if self.comm.rank == 0 else logging.DEBUG,
+                   "perseus-ext: stage %d/%d pipeline %d ready on %s (%s); %d candidate clocks; %d ranks",
+                   stage, schedule.num_stages, self.comm.pipeline, describe_gpu(self.gpu),
+                   "dry-run" if self.controller.dry_run else "live", len(self.setup.candidate_clocks),
+                   self.comm.num_pipelines * schedule.num_stages)
 
     # ------------------------------------------------------------------ hooks
     def iteration_start(self) -> None:
@@ -439,9 +442,11 @@ class PerseusRuntime:
             return
         measurements = run.measurements(self.fallback_reason is not None)
         (iterations,) = self.comm.all_max([run.iterations])
-        logger.info("perseus-ext: profiling finished after %d iteration(s) (stage %d: %s; framework "
-                    "overhead %.2f ms per computation)", int(iterations), self.stage,
-                    run.profiler.stop_reason, 1000 * run.overhead_s)
+        # One line per stage (pipeline 0's ranks); the other pipelines' at DEBUG.
+        logger.log(logging.INFO if self.comm.pipeline == 0 else logging.DEBUG,
+                   "perseus-ext: profiling finished after %d iteration(s) (stage %d: %s; framework "
+                   "overhead %.2f ms per computation)", int(iterations), self.stage,
+                   run.profiler.stop_reason, 1000 * run.overhead_s)
         gathered = self.comm.gather_pipeline(measurements)
         measured = None
         if self.comm.is_pipeline_leader:
