@@ -1,7 +1,7 @@
 """Clock changes through zeusd, against a stand-in that follows zeusd's documented API on a real
 Unix socket and on a loopback TCP port (`zeusd_standin.py`): the GPU mapping, the writes, the
 token scopes, `block=false`, the daemon's error responses, every fault, strict mode, the runtime
-when the daemon hangs or dies mid-run, and the SIGKILL watchdog restoring through the daemon."""
+when the daemon hangs or dies mid-run, and a SIGTERMed or SIGKILLed trainer restored through the daemon."""
 
 from __future__ import annotations
 
@@ -262,7 +262,7 @@ def test_daemon_failing_mid_run_never_stops_training(fault, tmp_path, monkeypatc
     daemon.stop()
 
 
-# --------------------------------------------------------------------------- SIGKILL
+# --------------------------------------------------------------------------- SIGTERM, SIGKILL
 TRAINER = textwrap.dedent("""
     import sys, time
     from perseus_ext.actuation.controller import FrequencyController
@@ -276,7 +276,9 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def test_sigkilled_trainer_is_restored_by_its_watchdog_through_zeusd(zeusd, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killed_trainer_is_restored_through_zeusd(signum, zeusd, tmp_path):
+    """SIGTERM: the trainer's own handler restores; SIGKILL: its watchdog does; both through zeusd."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
                                                                      os.environ.get("PYTHONPATH")])))
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, reader_spec(tmp_path, pace="0")], env=env,
@@ -284,7 +286,7 @@ def test_sigkilled_trainer_is_restored_by_its_watchdog_through_zeusd(zeusd, tmp_
     try:
         assert trainer.stdout.readline().split() == ["locked", "1"], trainer.stderr.read() if trainer.poll() else ""
         assert zeusd.locked_clock(1) == 1200
-        trainer.send_signal(signal.SIGKILL)
+        trainer.send_signal(signum)
         trainer.wait(10)
         deadline = time.monotonic() + 20
         while zeusd.locked_clock(1) is not None and time.monotonic() < deadline:

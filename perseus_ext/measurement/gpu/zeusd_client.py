@@ -222,6 +222,11 @@ class ZeusdClient:
             self.stats.round_trips_s.append(trip)
         return trip
 
+    def stats_summary(self) -> dict[str, Any]:
+        """`stats.summary()` while no write updates them (the worker may still be writing)."""
+        with self._lock:
+            return self.stats.summary()
+
     def close(self) -> None:
         self._http.close()
 
