@@ -26,6 +26,7 @@ import secrets
 from typing import TYPE_CHECKING, Any, Callable
 
 from perseus_ext.actuation.controller import FrequencyController
+from perseus_ext.actuation.exit_guard import forget_interrupt, on_interrupt
 from perseus_ext.actuation.sequencer import ClockSequencer
 from perseus_ext.actuation.silence import SilenceGuard, SilentEpisode
 from perseus_ext.errors import PerseusError
@@ -55,6 +56,7 @@ from perseus_ext.runtime.summary import (
     build_summary,
     gather_job_summary,
     log_summary,
+    write_interrupted_summary,
 )
 from perseus_ext.measurement.gpu import GPU
 
@@ -150,6 +152,8 @@ class PerseusRuntime:
         self._closed = False
         self._summary: dict[str, Any] | None = None
         self._close_hooks: list[Callable[[], None]] = []
+        self._interrupted: dict[str, Any] | None = None  # the signal that interrupted the run
+        on_interrupt(self)  # SIGINT/SIGTERM: the summary is written after the clocks are restored
         # Lines every rank would repeat: rank 0's at INFO, the others' at DEBUG.
         logger.log(logging.INFO if self.comm.rank == 0 else logging.DEBUG,
                    "perseus-ext: stage %d/%d pipeline %d ready on %s (%s); %d candidate clocks; %d ranks",
@@ -567,6 +571,16 @@ class PerseusRuntime:
         except Exception:  # the controller never raises, but a fallback must not either
             logger.debug("perseus-ext: releasing clocks during fallback failed", exc_info=True)
 
+    def interrupted(self, signal_name: str, clocks_restored: bool) -> None:
+        """SIGINT/SIGTERM (the exit guard restored the clocks first): write this rank's summary
+        now and say that the run was interrupted and whether the clocks were restored. No
+        collective: the other ranks are being stopped too. Never raises."""
+        if self._closed or self._interrupted is not None:
+            return
+        self._interrupted = {"signal": signal_name, "at_iteration": self.iteration, "phase": self.phase.value,
+                             "clocks_restored": clocks_restored}
+        self._summary = write_interrupted_summary(self.snapshot, self._interrupted, self.config.summary_path)
+
     def summary(self) -> dict[str, Any]:
         """Per-rank results: measured default-clock vs deployed iterations, the frontier's model
         figures, profiling cost, clock coverage and plan switches."""
@@ -619,6 +633,7 @@ class PerseusRuntime:
         if self._closed:
             return
         self._closed = True
+        forget_interrupt(self)
         if self._solver is not None:
             self._solver.cancel()
         self.silence.close()
@@ -644,6 +659,8 @@ class PerseusRuntime:
         try:
             run = self.snapshot()
             self._summary = build_summary(run)
+            if self._interrupted is not None:  # closed by the application after the signal
+                self._summary["interrupted"] = self._interrupted
             # Every rank: the job's figures (bounded wait for the others), logged by rank 0. A
             # rank whose control plane failed earlier skips the reductions.
             if self.control_plane_failed:

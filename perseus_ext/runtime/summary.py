@@ -24,7 +24,7 @@ import statistics
 import time
 from pathlib import Path
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from perseus_ext.actuation.silence import SilentEpisode
 from perseus_ext.runtime.baseline import (
@@ -312,6 +312,28 @@ def gather_job_summary(comm: "ControlPlane", run: RunSnapshot, summary: dict[str
         model_intrinsic_saving=summary["model"]["intrinsic_saving"] if "model" in summary else None,
     )
     return job, None
+
+
+def write_interrupted_summary(snapshot: Callable[[], RunSnapshot], interrupted: dict[str, Any],
+                              summary_path: str | None) -> dict[str, Any] | None:
+    """After SIGINT/SIGTERM: this rank's summary with `interrupted` (signal, iteration, phase,
+    whether the clocks were restored), written without any collective, and one warning line
+    saying so. Never raises (the process is ending)."""
+    summary, rank = None, "?"
+    try:
+        run = snapshot()
+        rank = run.rank
+        summary = build_summary(run)
+        summary["interrupted"] = interrupted
+        log_summary(summary, summary_path, f"interrupted by {interrupted['signal']}")
+    except Exception:
+        logger.exception("perseus-ext: writing the summary of the interrupted run failed")
+    restored = ("GPU clocks restored to the default" if interrupted["clocks_restored"]
+                else "restoring the GPU clocks FAILED (the watchdog retries; see the error above)")
+    where = f"; summary in {summary_path.format(rank=rank)}" if summary_path and summary is not None else ""
+    logger.warning("perseus-ext: rank %s interrupted by %s at iteration %d (%s); %s%s", rank, interrupted["signal"],
+                   interrupted["at_iteration"], interrupted["phase"], restored, where)
+    return summary
 
 
 def log_summary(summary: dict[str, Any], summary_path: str | None, job_error: str | None = None) -> None:
