@@ -87,13 +87,20 @@ class PerseusRuntime:
         gpu: GPU | None = None,
         policy: OperatingPointPolicy | None = None,
         local_rank: int = 0,
+        whole_iterations: bool = False,
     ) -> None:
+        """whole_iterations: the adapter reports iterations only, each run as one unit the hooks
+        cannot look into (a full-iteration CUDA graph replay): every iteration is one span on the
+        device at one clock per stage, set before it and released after it, so plans are
+        stage-constant (`planning/stage_constant.py`) and solved from a saved profile
+        (`profile_path`), since computations cannot be profiled one by one."""
         if not 0 <= stage < schedule.num_stages:
             raise PerseusError(f"stage {stage} is outside the schedule's 0..{schedule.num_stages - 1}")
         check_pipeline_rank(pp_group, stage)
         if config.simulated_workload is not None:
             config.simulated_workload.check_stages(schedule.num_stages)
         self.config = config
+        self.whole_iterations = whole_iterations
         self.local_rank = local_rank
         self.schedule = schedule
         self.stage = stage
@@ -174,9 +181,12 @@ class PerseusRuntime:
             self._setting = self._current_setting()
             if self._profiling_now:
                 self.profiling.start_iteration()
-            durations = self.deployment.stage_durations(self.stage) if self._setting.plan is not None else None
+            planned = self._setting.plan is not None and not self.whole_iterations
+            durations = self.deployment.stage_durations(self.stage) if planned else None
             start = self.sequencer.start_iteration(self.iteration, self._iteration_clocks(), durations)
             self.recorder.begin(self._setting, start)
+            if self.whole_iterations:  # the whole iteration is the one span the stage's clock covers
+                self.sequencer.computation_started()
         except Exception as err:  # never break the training step
             self.fall_back("iteration_start failed", err)
 
@@ -384,7 +394,13 @@ class PerseusRuntime:
     def _iteration_clocks(self) -> tuple[int, ...] | None:
         setting = self._setting
         if setting.plan is not None:
-            return self.deployment.stage_clocks(self.stage)
+            clocks = self.deployment.stage_clocks(self.stage)
+            if self.whole_iterations:  # a stage-constant plan: its one clock for the whole iteration
+                if len(set(clocks)) != 1:
+                    raise PerseusError(f"whole-iteration mode deploys stage-constant plans; stage "
+                                       f"{self.stage} was given {sorted(set(clocks))} MHz")
+                return tuple(clocks[:1])
+            return clocks
         if setting.profiled_clock_mhz is not None:
             return (setting.profiled_clock_mhz,) * len(self.order)
         return None
@@ -427,6 +443,13 @@ class PerseusRuntime:
         if have_profile:
             logger.info("perseus-ext: using saved profile %s; skipping profiling", self.config.profile_path)
             self._start_solve(self.saved_profile if self.comm.is_pipeline_leader else None)
+        elif self.whole_iterations:
+            logger.warning("perseus-ext: each iteration runs as one full-iteration CUDA graph replay, whose "
+                           "computations cannot be profiled one by one, and there is no saved profile "
+                           "(perseus.profile_path): staying at default clocks. Run the job once without the "
+                           "full-iteration graph with profile_path set (it saves the profile there), then "
+                           "again with it")
+            self._set_phase(Phase.OBSERVING)
         elif can_set_clocks and none_fell_back:
             self.profiling = ProfilingRun.create(self.config, self.stage, self.setup, self.controller,
                                                  self.timeline, self.schedule)
@@ -479,7 +502,8 @@ class PerseusRuntime:
             # ramp. A change must also save more than the stage draws idle during one ramp.
             ramp_s = self.setup.latency.transition_s
             problem = SolveProblem(self.schedule, measured, self.config.solver, ramp_s / 2,
-                                   switch_cost_j=ramp_s * measured.blocking_power_per_stage_w)
+                                   switch_cost_j=ramp_s * measured.blocking_power_per_stage_w,
+                                   stage_constant=self.whole_iterations)
             if self.config.solve_in_background:
                 self._solver = BackgroundSolve(problem)
             else:
@@ -530,14 +554,27 @@ class PerseusRuntime:
 
     def _record_end(self) -> None:
         """The iteration's end marker and the checks that it ran as planned."""
+        if self.whole_iterations:
+            self._whole_iteration_ran()
         self.mark_compute_end()
         self.recorder.end(self.iteration, self.timeline.record_marker(), self.sequencer.trace)
         disabled = self.controller.disabled_reason
         if self.fallback_reason is None and disabled is not None:
             self.fall_back(f"GPU clock control failed ({disabled})")
-        if self.fallback_reason is None and self.sequencer.position != len(self.order):
+        spans = 1 if self.whole_iterations else len(self.order)
+        if self.fallback_reason is None and self.sequencer.position != spans:
             self.fall_back(f"the iteration ran {self.sequencer.position} computations on stage "
-                           f"{self.stage}, the schedule has {len(self.order)}")
+                           f"{self.stage}, the schedule has {spans}")
+
+    def _whole_iteration_ran(self) -> None:
+        """The iteration (a graph replay) has been launched: its work is on the device (a
+        simulated device gets it from the pacer now, computation by computation, with its
+        pipeline dependencies); the stage's clock is released after it."""
+        planned = self.sequencer.planned_clock()
+        for computation in self.order:
+            self.pacer.receive(self.iteration, computation)
+            self.pacer.compute(self.iteration, computation, planned)
+        self.sequencer.computation_finished()
 
     # ------------------------------------------------------------------ hooks that cannot steer
     def _capture_noticed(self) -> bool:
