@@ -263,3 +263,32 @@ def test_a_schedule_bound_before_install_is_an_error_not_a_silent_no_op(monkeypa
             run_megatron_schedule(1, 2)
     finally:
         perseus.close()
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b'{"perseus": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001, "nests deeper than 16 levels"),  # was RecursionError
+    (b'{"warmup_iterations": 1, "warmup_iterations": 2}', "key 'warmup_iterations' is given twice"),
+    (b"\xff\xfe{}", "is not UTF-8 text"),
+    (b'{"warmup_iterations": NaN}', "is not valid JSON"),
+    (b" " * (1 << 20) + b"{}", "more than the 1.0 MB perseus-ext reads"),  # was read whole (50 MB: 704 MB)
+])
+def test_a_bad_config_file_is_one_error_naming_the_flag_and_the_file(tmp_path, content, expected):
+    path = tmp_path / "perseus.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as caught:
+        config_from_args(parse("--perseus", "--perseus-config", str(path)))
+    message = str(caught.value)
+    assert message.startswith(f"--perseus-config {path}") and expected in message and "\n" not in message
+    with pytest.raises(ConfigError, match="is a directory"):
+        config_from_args(parse("--perseus", "--perseus-config", str(tmp_path)))
+
+
+def test_an_unknown_simulated_preset_in_the_environment_fails_at_the_door(monkeypatch):
+    """perseus.gpu null reads env PERSEUS_GPU: a preset that does not exist was accepted and
+    failed only when a rank opened its GPU."""
+    monkeypatch.setenv("PERSEUS_GPU", "sim:bogus")
+    with pytest.raises(ConfigError, match="perseus.gpu is null, so env PERSEUS_GPU names the GPU: .*unknown simulated "
+                                          "preset 'bogus'.*--perseus-gpu"):
+        config_from_args(parse("--perseus"))
+    monkeypatch.setenv("PERSEUS_GPU", "sim:a40")
+    assert config_from_args(parse("--perseus")).gpu is None

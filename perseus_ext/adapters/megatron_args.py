@@ -17,10 +17,9 @@ import re
 import types
 import typing
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from perseus_ext.errors import ConfigError
+from perseus_ext.errors import ConfigError, PerseusError
 
 ENABLE_FLAG = "--perseus"
 CONFIG_FLAG = "--perseus-config"
@@ -143,12 +142,18 @@ def chain_extra_args(
 
 
 def _read_config_file(path: str) -> dict:
+    """The `--perseus-config` file: at most 1 MB of UTF-8 JSON, nested at most 16 deep, no key
+    twice (perseus_ext.inputs), holding a `perseus` section or a whole DeepSpeed config."""
+    from perseus_ext.inputs import CONFIG_DEPTH, CONFIG_LIMIT_BYTES, parse_json, read_text
+
+    what, fix = "perseus config file", f"give {CONFIG_FLAG} the JSON of a \"perseus\" section (or a DeepSpeed config)"
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{CONFIG_FLAG}: cannot read {path!r}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{CONFIG_FLAG}: {path!r} is not valid JSON: {exc}") from None
+        data = parse_json(read_text(path, what=what, limit_bytes=CONFIG_LIMIT_BYTES, fix=fix), path=path, what=what,
+                          fix=fix, max_depth=CONFIG_DEPTH)
+    except ConfigError:
+        raise
+    except PerseusError as err:
+        raise ConfigError(f"{CONFIG_FLAG} {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{CONFIG_FLAG}: {path!r} must hold a JSON object")
     if isinstance(data.get("perseus"), dict):

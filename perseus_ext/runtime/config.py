@@ -421,6 +421,12 @@ class PerseusConfig(Section):
                 f"{PREFIX}.straggler_threshold ({self.straggler_threshold:g}), or plans would never return "
                 f"after a straggler recovers; e.g. 0.02 and 0.05"
             )
+        if self.gpu is None and os.environ.get(GPU_ENV, "").strip():  # the key's fallback is checked as the key
+            try:
+                check_gpu_spec(resolved_gpu_spec(None))
+            except ConfigError as err:
+                raise statement_error(f"{PREFIX}.gpu is null, so env {GPU_ENV} names the GPU: {err}; fix {GPU_ENV} "
+                                      f"or set {PREFIX}.gpu") from None
         if self.simulated_workload is not None and not resolved_gpu_spec(self.gpu).removeprefix("zeusd:").startswith("sim:"):
             where = f"{PREFIX}.gpu" if self.gpu is not None else f"{PREFIX}.gpu (null: env {GPU_ENV}, default nvml)"
             raise statement_error(
