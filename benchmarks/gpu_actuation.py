@@ -1,21 +1,24 @@
 """Device-ordered actuation on a real GPU, in dry-run: what only hardware can show.
 
-Never changes the GPU's clocks or power limit: the controller runs in dry-run and records the
-clock changes it would make, timestamped in device order. A few torch transformer blocks run
-forward and backward in a loop (one "computation" per block pass) with the hooks attached the
-way the runtime attaches them, and the script reports:
+    python benchmarks/gpu_actuation.py --layers 4 --hidden 4096 --iterations 40 --json gpu-actuation.json
 
-* hook cost on the training thread per computation (marker + queued request), median/p99 µs;
-* how far the host leads the device (host launch time vs the CUDA event at the computation's
-  start, on the same clock), median/max ms;
-* how late the controller's worker notices the device reaching a boundary, median/p99 ms;
-* NVML energy-counter read latency, median/p99 µs;
-* the clock coverage estimated from CUDA-event timestamps, the worker's issue times and the
-  published switching latency (docs/device.md), for a plan alternating two clocks.
+Read-only, like `gpu_check.py` (which runs this as its `actuation` section): every pynvml write is
+blocked before anything runs, and the controller runs in dry-run. A few transformer blocks run
+forward and a real backward (input AND weight gradients, as training computes them), one
+computation per block, with the runtime's sequencer and a dry-run controller attached the way the
+runtime attaches them. It reports:
 
-Run on a GPU machine (needs torch with CUDA and nvidia-ml-py):
-
-    python benchmarks/gpu_actuation.py --layers 4 --hidden 4096 --iterations 20 --json gpu.json
+* the hook alone on the training thread per computation: the sequencer's two calls around it
+  (CUDA event records + the queued clock request), NOT the block's kernel launches or autograd;
+  split into the event records and the rest (the request); median, p99;
+* the same with the host in step with the device (synchronised at each iteration's end, so
+  CUDA's launch queue never fills): with the host far ahead, any launch -- an event record too --
+  waits for room in the queue, which is backpressure the next kernel launch would pay anyway;
+* how far the host leads the device (launch of a computation -> the device starting it);
+* how late the controller's observer notices the device reaching an iteration start;
+* the clock coverage estimated from the event timestamps and the dry-run's change times, for a
+  plan alternating two clocks every two computations, with this GPU's switching latency (the
+  set call's own duration included, `SwitchLatency.call_s`).
 """
 
 from __future__ import annotations
@@ -23,110 +26,172 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
+from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))
+
+from gpu_check_support import GuardError, Machine, backward_through, build_blocks, install_nvml_guard, stats  # noqa: E402
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+class TimedTimeline:
+    """A timeline whose `record_marker` (the CUDA event record) is timed: the hook's share that
+    is the event, apart from the sequencer's logic and the queued request."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.record_ns = 0
+
+    def record_marker(self) -> Any:
+        began = time.perf_counter_ns()
+        marker = self.inner.record_marker()
+        self.record_ns += time.perf_counter_ns() - began
+        return marker
+
+    def __getattr__(self, name: str) -> Any:  # anchor_at, synchronize, ...
+        return getattr(self.inner, name)
+
+
+def measure_actuation(machine: Machine, gpu: Any, *, layers: int, hidden: int, sequence: int, batch: int,
+                      iterations: int, in_step_iterations: int, deadline: float) -> dict[str, Any]:
+    """Run `iterations` with the host ahead, then `in_step_iterations` synchronised at their end."""
+    torch = machine.torch
+    from perseus_ext.actuation.controller import FrequencyController
+    from perseus_ext.actuation.sequencer import ClockSequencer
+    from perseus_ext.measurement.coverage import estimate_coverage
+    from perseus_ext.measurement.gpu import gpu_switch_latency
+
+    latency = gpu_switch_latency(gpu)
+    clocks = gpu.supported_sm_clocks()
+    plan_clocks = (clocks[0], clocks[len(clocks) // 3])
+    blocks = build_blocks(machine, layers, hidden)
+    data = torch.randn(batch, sequence, hidden, device=machine.device, dtype=machine.dtype)
+    controller = FrequencyController(gpu, dry_run=True, watchdog=False, handle_signals=False)
+    timeline = TimedTimeline(machine.timeline())
+    sequencer = ClockSequencer(controller, timeline, latency=latency)
+    computations = 2 * layers
+    plan = tuple(plan_clocks[(k // 2) % 2] for k in range(computations))
+    phases = {"ahead": {"hook": [], "record": [], "traces": []}, "in_step": {"hook": [], "record": [], "traces": []}}
+    start_hook_us: list[float] = []
+
+    def hooked(phase: dict[str, list], launches: list[float], launch: Any) -> Any:
+        """One computation between the sequencer's two hooks; the hooks alone are timed (and,
+        within them, the event records: the block's launches record none)."""
+        timeline.record_ns = 0
+        t0 = time.perf_counter_ns()
+        sequencer.computation_started()
+        t1 = time.perf_counter_ns()
+        launches.append(t1 / 1e9)
+        result = launch()
+        t2 = time.perf_counter_ns()
+        sequencer.computation_finished()
+        t3 = time.perf_counter_ns()
+        phase["hook"].append((t1 - t0 + t3 - t2) / 1000.0)
+        phase["record"].append(timeline.record_ns / 1000.0)
+        return result
+
+    durations = None
+    iteration = 0
+    try:
+        while iteration < iterations + in_step_iterations and time.perf_counter() < deadline:
+            phase = phases["ahead" if iteration < iterations else "in_step"]
+            began = time.perf_counter_ns()
+            start = sequencer.start_iteration(iteration, plan, durations)
+            start_hook_us.append((time.perf_counter_ns() - began) / 1000.0)
+            controller.observe(start, iteration)
+            launches: list[float] = []
+            inputs, outputs = [], []
+            current = data
+            for block in blocks:  # forward: one computation per block
+                current = current.detach().requires_grad_(True)
+                out = hooked(phase, launches, lambda: block(current))
+                inputs.append(current)
+                outputs.append(out)
+                current = out
+            grad = torch.ones_like(outputs[-1])
+            for index in reversed(range(len(outputs))):  # backward: one computation per block
+                grad = hooked(phase, launches, lambda: backward_through(
+                    machine, blocks[index], outputs[index], inputs[index], grad))
+            for block in blocks:
+                block.zero_grad(set_to_none=True)
+            phase["traces"].append((sequencer.trace, launches))
+            if iteration == 1:  # planned durations from a timed iteration, to issue changes ahead
+                machine.synchronize()
+                durations = tuple(end - begin for begin, end, _ in sequencer.trace.device_spans())
+            if iteration >= iterations:
+                machine.synchronize()  # in step: the launch queue is empty when the next one starts
+            iteration += 1
+        machine.synchronize()
+        controller.flush(10)
+        notices_ms = [1000.0 * (o.noticed_s - o.device_time_s) for o in controller.observations()]
+        changes = [(c.issued_s, c.mhz) for c in controller.drain_changes()]
+    finally:
+        controller.close()
+    figures: dict[str, Any] = {
+        "iterations": iteration, "computations_per_iteration": computations,
+        "model": f"{layers} TransformerEncoderLayer(hidden {hidden}, ffn {4 * hidden}), batch {batch} x sequence "
+                 f"{sequence}, {str(machine.dtype).replace('torch.', '')}; backward with weight gradients",
+    }
+    all_spans = []
+    for name, phase in phases.items():
+        host_lead_ms, compute_ms = [], []
+        for trace, launches in phase["traces"][2 if name == "ahead" else 0:]:
+            spans = trace.device_spans() or []
+            if name == "ahead":
+                all_spans.extend(spans)
+            compute_ms.extend(1000.0 * (end - begin) for begin, end, _ in spans)
+            host_lead_ms.extend(1000.0 * (begin - launched) for (begin, _, _), launched in zip(spans, launches))
+        suffix = "" if name == "ahead" else "_in_step"
+        request_us = [hook - record for hook, record in zip(phase["hook"], phase["record"])]
+        figures.update({f"hook_us{suffix}": stats(phase["hook"]), f"hook_event_records_us{suffix}": stats(phase["record"]),
+                        f"hook_request_us{suffix}": stats(request_us), f"host_lead_ms{suffix}": stats(host_lead_ms),
+                        f"computation_ms{suffix}": stats(compute_ms)})
+    tally = estimate_coverage(all_spans, changes, latency, None, default_clock_mhz=clocks[0])
+    figures.update({
+        "iteration_start_hook_us": stats(start_hook_us), "notice_delay_ms": stats(notices_ms),
+        "call_latency_ms": 1000.0 * latency.call_s, "switch_latency_ms": 1000.0 * latency.switch_s,
+        "transition_ms": 1000.0 * latency.transition_s, "clock_changes": len(changes),
+        "estimated_coverage": tally.coverage,
+    })
+    return figures
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4, help="transformer blocks (one computation each)")
     parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--sequence", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--sequence", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--iterations", type=int, default=40, help="iterations with the host ahead")
+    parser.add_argument("--in-step-iterations", type=int, default=10, help="iterations synchronised at their end")
+    parser.add_argument("--output", "--json", dest="json", help="also write the figures to this file")
     args = parser.parse_args()
 
-    import torch
+    import pynvml
 
-    from perseus_ext.actuation.controller import FrequencyController
-    from perseus_ext.actuation.sequencer import ClockSequencer
-    from perseus_ext.measurement.coverage import estimate_coverage
-    from perseus_ext.measurement.gpu import open_gpu
-    from perseus_ext.measurement.gpu.cuda_timeline import CudaTimeline
-    from perseus_ext.measurement.gpu.timeline_factory import gpu_switch_latency
+    install_nvml_guard(pynvml, [])  # read-only: before perseus-ext can touch NVML
+    try:
+        pynvml.nvmlDeviceSetGpuLockedClocks(None, 1, 1)
+        print("the NVML write guard does not hold; refusing to run", file=sys.stderr)
+        return 2
+    except GuardError:
+        pass
+    import torch
 
     if not torch.cuda.is_available():
         print("no CUDA device: this benchmark needs a GPU", file=sys.stderr)
         return 2
-    gpu = open_gpu("nvml")
-    latency = gpu_switch_latency(gpu)
-    clocks = gpu.supported_sm_clocks()
-    plan_clocks = (clocks[0], clocks[len(clocks) // 3])
-    blocks = torch.nn.ModuleList(
-        torch.nn.TransformerEncoderLayer(args.hidden, nhead=max(1, args.hidden // 128), batch_first=True)
-        for _ in range(args.layers)).cuda().to(torch.bfloat16)
-    data = torch.randn(args.batch, args.sequence, args.hidden, device="cuda", dtype=torch.bfloat16)
-    controller = FrequencyController(gpu, dry_run=True, watchdog=False)  # never touches the GPU
-    timeline = CudaTimeline()
-    sequencer = ClockSequencer(controller, timeline, latency=latency)
-    computations = 2 * args.layers
-    plan = tuple(plan_clocks[(k // 2) % 2] for k in range(computations))
-    hook_us: list[float] = []
-    host_lead_ms: list[float] = []
-    reads_us: list[float] = []
-    traces = []
-    durations = None
-    for iteration in range(args.iterations):
-        start = sequencer.start_iteration(iteration, plan, durations)
-        controller.observe(start, iteration)
-        launches = []
-        activations = [data.requires_grad_(True)]
-        outputs = []
-        for block in blocks:  # forward: one computation per block
-            began = time.perf_counter_ns()
-            sequencer.computation_started()
-            launches.append(time.perf_counter())
-            out = block(activations[-1])
-            sequencer.computation_finished()
-            hook_us.append((time.perf_counter_ns() - began) / 1000.0)
-            outputs.append(out)
-            activations.append(out)
-        grad = torch.ones_like(outputs[-1])
-        for index in reversed(range(len(outputs))):  # backward: one computation per block
-            began = time.perf_counter_ns()
-            sequencer.computation_started()
-            launches.append(time.perf_counter())
-            (grad,) = torch.autograd.grad(outputs[index], [activations[index]], grad, retain_graph=True)
-            sequencer.computation_finished()
-            hook_us.append((time.perf_counter_ns() - began) / 1000.0)
-        traces.append((sequencer.trace, launches))
-        if iteration == 1:  # planned durations from the first timed iteration, for issuing ahead
-            torch.cuda.synchronize()
-            spans = sequencer.trace.device_spans()
-            durations = tuple(end - begin for begin, end, _ in spans)
-        began = time.perf_counter_ns()
-        gpu.energy_mj()
-        reads_us.append((time.perf_counter_ns() - began) / 1000.0)
-    torch.cuda.synchronize()
-    controller.flush(30)
-    notices = [1000.0 * (o.noticed_s - o.device_time_s) for o in controller.observations()]
-    changes = [(c.issued_s, c.mhz) for c in controller.drain_changes()]
-    all_spans = []
-    for trace, launches in traces[2:]:
-        spans = trace.device_spans()
-        all_spans.extend(spans)
-        host_lead_ms.extend(1000.0 * (begin - launched) for (begin, _, _), launched in zip(spans, launches))
-    tally = estimate_coverage(all_spans, changes, latency, None, default_clock_mhz=clocks[0])
-    controller.close()
-    figures = {
-        "gpu": gpu.name, "switch_latency_s": latency.switch_s, "transition_s": latency.transition_s,
-        "hook_us_median": statistics.median(hook_us), "hook_us_p99": _percentile(hook_us, 0.99),
-        "host_lead_ms_median": statistics.median(host_lead_ms), "host_lead_ms_max": max(host_lead_ms),
-        "notice_delay_ms_median": statistics.median(notices), "notice_delay_ms_p99": _percentile(notices, 0.99),
-        "nvml_energy_read_us_median": statistics.median(reads_us), "nvml_energy_read_us_p99": _percentile(reads_us, 0.99),
-        "estimated_coverage": tally.coverage,
-    }
+    torch.cuda.init()
+    from perseus_ext.measurement.gpu import open_gpu
+
+    figures = measure_actuation(Machine(cpu=False), open_gpu("nvml"), layers=args.layers, hidden=args.hidden,
+                                sequence=args.sequence, batch=args.batch, iterations=args.iterations,
+                                in_step_iterations=args.in_step_iterations, deadline=time.perf_counter() + 600)
     for key, value in figures.items():
-        print(f"{key:<30} {value:.3f}" if isinstance(value, float) else f"{key:<30} {value}")
+        print(f"{key:<30} {value}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(figures, handle, indent=2)

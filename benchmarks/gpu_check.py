@@ -44,38 +44,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
+from gpu_actuation import measure_actuation  # noqa: E402
 from gpu_check_support import (  # noqa: E402
     Budget,
-    FakeCuda,
     GuardError,
+    Machine,
     Report,
+    build_blocks,
     install_fake_nvml,
     install_nvml_guard,
     stats,
 )
 
 logger = logging.getLogger("gpu_check")
-
-
-class Machine:
-    """The device under test: torch's CUDA, or (--cpu) torch on the CPU with fake events."""
-
-    def __init__(self, cpu: bool) -> None:
-        import torch
-
-        self.torch = torch
-        self.cpu = cpu
-        self.cuda = FakeCuda() if cpu else torch.cuda
-        self.device = "cpu" if cpu else "cuda"
-        self.dtype = torch.float32 if cpu else torch.bfloat16
-
-    def synchronize(self) -> None:
-        self.cuda.synchronize()
-
-    def timeline(self) -> Any:
-        from perseus_ext.measurement.gpu.cuda_timeline import CudaTimeline
-
-        return CudaTimeline(self.cuda)
 
 
 # ----------------------------------------------------------------------------- sections
@@ -171,114 +152,6 @@ def section_event_timing(machine: Machine, deadline: float) -> dict[str, Any]:
                        device_minus_host_ppm=round(1e6 * (device_s - host_s) / host_s, 1),
                        note_rate="includes the two synchronisations' jitter (~10 us each: ~15 ppm at 1.5 s)")
     return figures
-
-
-def build_blocks(machine: Machine, layers: int, hidden: int) -> Any:
-    torch = machine.torch
-    heads = max(1, hidden // 128)
-    return torch.nn.ModuleList(
-        torch.nn.TransformerEncoderLayer(hidden, nhead=heads, dim_feedforward=4 * hidden, batch_first=True,
-                                         dropout=0.0)
-        for _ in range(layers)).to(device=machine.device, dtype=machine.dtype)
-
-
-def backward_through(machine: Machine, block: Any, output: Any, inputs: Any, grad: Any) -> Any:
-    """A real backward of one block: input AND weight gradients; returns the input gradient."""
-    params = [p for p in block.parameters() if p.requires_grad]
-    machine.torch.autograd.backward(output, grad, inputs=[inputs, *params])
-    return inputs.grad
-
-
-def section_actuation(machine: Machine, gpu: Any, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
-    torch = machine.torch
-    from perseus_ext.actuation.controller import FrequencyController
-    from perseus_ext.actuation.sequencer import ClockSequencer
-    from perseus_ext.measurement.coverage import estimate_coverage
-    from perseus_ext.measurement.gpu import gpu_switch_latency
-
-    latency = gpu_switch_latency(gpu)
-    clocks = gpu.supported_sm_clocks()
-    plan_clocks = (clocks[0], clocks[len(clocks) // 3])
-    blocks = build_blocks(machine, args.layers, args.hidden)
-    data = torch.randn(args.batch, args.sequence, args.hidden, device=machine.device, dtype=machine.dtype)
-    controller = FrequencyController(gpu, dry_run=True, watchdog=False, handle_signals=False)
-    timeline = machine.timeline()
-    sequencer = ClockSequencer(controller, timeline, latency=latency)
-    computations = 2 * args.layers
-    plan = tuple(plan_clocks[(k // 2) % 2] for k in range(computations))
-    hook_us: list[float] = []
-    start_hook_us: list[float] = []
-    traces = []
-    durations = None
-    iteration = 0
-    try:
-        while iteration < args.iterations and time.perf_counter() < deadline:
-            began = time.perf_counter_ns()
-            start = sequencer.start_iteration(iteration, plan, durations)
-            start_hook_us.append((time.perf_counter_ns() - began) / 1000.0)
-            controller.observe(start, iteration)
-            launches: list[float] = []
-            inputs, outputs = [], []
-            current = data
-            for block in blocks:  # forward: one computation per block
-                current = current.detach().requires_grad_(True)
-                t0 = time.perf_counter_ns()
-                sequencer.computation_started()
-                t1 = time.perf_counter_ns()
-                launches.append(t1 / 1e9)
-                out = block(current)
-                t2 = time.perf_counter_ns()
-                sequencer.computation_finished()
-                t3 = time.perf_counter_ns()
-                hook_us.append((t1 - t0 + t3 - t2) / 1000.0)
-                inputs.append(current)
-                outputs.append(out)
-                current = out
-            grad = torch.ones_like(outputs[-1])
-            for index in reversed(range(len(outputs))):  # backward: one computation per block
-                t0 = time.perf_counter_ns()
-                sequencer.computation_started()
-                t1 = time.perf_counter_ns()
-                launches.append(t1 / 1e9)
-                grad = backward_through(machine, blocks[index], outputs[index], inputs[index], grad)
-                t2 = time.perf_counter_ns()
-                sequencer.computation_finished()
-                t3 = time.perf_counter_ns()
-                hook_us.append((t1 - t0 + t3 - t2) / 1000.0)
-            for block in blocks:
-                block.zero_grad(set_to_none=True)
-            traces.append((sequencer.trace, launches))
-            if iteration == 1:  # planned durations from a timed iteration, to issue changes ahead
-                machine.synchronize()
-                spans = sequencer.trace.device_spans()
-                durations = tuple(end - begin for begin, end, _ in spans)
-            iteration += 1
-        machine.synchronize()
-        controller.flush(10)
-        notices_ms = [1000.0 * (o.noticed_s - o.device_time_s) for o in controller.observations()]
-        changes = [(c.issued_s, c.mhz) for c in controller.drain_changes()]
-    finally:
-        controller.close()
-    host_lead_ms, all_spans, compute_ms = [], [], []
-    for trace, launches in traces[2:]:
-        spans = trace.device_spans() or []
-        all_spans.extend(spans)
-        compute_ms.extend(1000.0 * (end - begin) for begin, end, _ in spans)
-        host_lead_ms.extend(1000.0 * (begin - launched) for (begin, _, _), launched in zip(spans, launches))
-    tally = estimate_coverage(all_spans, changes, latency, None, default_clock_mhz=clocks[0])
-    return {
-        "iterations": iteration, "computations_per_iteration": computations,
-        "model": f"{args.layers} TransformerEncoderLayer(hidden {args.hidden}, ffn {4 * args.hidden}), "
-                 f"batch {args.batch} x sequence {args.sequence}, {str(machine.dtype).replace('torch.', '')}; "
-                 "backward with weight gradients",
-        "computation_ms": stats(compute_ms),
-        "hook_us": stats(hook_us), "iteration_start_hook_us": stats(start_hook_us),
-        "host_lead_ms": stats(host_lead_ms),
-        "notice_delay_ms": stats(notices_ms),
-        "switch_latency_ms": 1000.0 * latency.switch_s, "transition_ms": 1000.0 * latency.transition_s,
-        "clock_changes": len(changes),
-        "estimated_coverage": tally.coverage,
-    }
 
 
 def _modelled_profile(path: str, gpu: Any, stage_times: list[tuple[float, float]]) -> float:
@@ -507,14 +380,16 @@ def run_section(report: Report, name: str, budget: Budget, wanted_s: float, body
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write the figures here (rewritten after every section)")
+    parser.add_argument("--output", "--json", dest="json", help="write the figures here (rewritten after every section)")
     parser.add_argument("--cpu", action="store_true", help="fakes instead of a GPU (the test suite runs this)")
     parser.add_argument("--budget-s", type=float, default=210.0, help="the whole run's time budget")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--sequence", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--iterations", type=int, default=40, help="actuation: iterations with the host ahead")
+    parser.add_argument("--in-step-iterations", type=int, default=10,
+                        help="actuation: iterations synchronised at their end (the launch queue never fills)")
     parser.add_argument("--e2e-iterations", type=int, default=30)
     args = parser.parse_args(argv)
     defaults = dict(layers=4, hidden=64, sequence=16, batch=2) if args.cpu else \
@@ -569,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     run_section(report, "nvml_reads", budget, 10, lambda d: section_nvml_reads(gpu, d, 300))
     run_section(report, "energy_counter", budget, 8, lambda d: section_energy_counter(gpu, d, 30))
     run_section(report, "event_timing", budget, 8, lambda d: section_event_timing(machine, d))
-    run_section(report, "actuation", budget, 50, lambda d: section_actuation(machine, gpu, args, d))
+    run_section(report, "actuation", budget, 50, lambda d: measure_actuation(
+        machine, gpu, layers=args.layers, hidden=args.hidden, sequence=args.sequence, batch=args.batch,
+        iterations=args.iterations, in_step_iterations=args.in_step_iterations, deadline=d))
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as workdir:

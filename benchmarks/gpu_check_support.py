@@ -121,6 +121,45 @@ def stats(values: list[float], digits: int = 3) -> dict[str, Any]:
             "max": round(float(array.max()), digits), "n": int(array.size)}
 
 
+# ----------------------------------------------------------------------------- the device and its work
+class Machine:
+    """The device under test: torch's CUDA, or (--cpu) torch on the CPU with fake events."""
+
+    def __init__(self, cpu: bool) -> None:
+        import torch
+
+        self.torch = torch
+        self.cpu = cpu
+        self.cuda = FakeCuda() if cpu else torch.cuda
+        self.device = "cpu" if cpu else "cuda"
+        self.dtype = torch.float32 if cpu else torch.bfloat16
+
+    def synchronize(self) -> None:
+        self.cuda.synchronize()
+
+    def timeline(self) -> Any:
+        from perseus_ext.measurement.gpu.cuda_timeline import CudaTimeline
+
+        return CudaTimeline(self.cuda)
+
+
+def build_blocks(machine: Machine, layers: int, hidden: int) -> Any:
+    """`layers` transformer blocks (FFN 4 x hidden, 128-wide heads) on the device."""
+    torch = machine.torch
+    heads = max(1, hidden // 128)
+    return torch.nn.ModuleList(
+        torch.nn.TransformerEncoderLayer(hidden, nhead=heads, dim_feedforward=4 * hidden, batch_first=True,
+                                         dropout=0.0)
+        for _ in range(layers)).to(device=machine.device, dtype=machine.dtype)
+
+
+def backward_through(machine: Machine, block: Any, output: Any, inputs: Any, grad: Any) -> Any:
+    """A real backward of one block: input AND weight gradients; returns the input gradient."""
+    params = [p for p in block.parameters() if p.requires_grad]
+    machine.torch.autograd.backward(output, grad, inputs=[inputs, *params])
+    return inputs.grad
+
+
 # ----------------------------------------------------------------------------- --cpu fakes
 class FakeNVMLError(Exception):
     def __init__(self, value: int) -> None:

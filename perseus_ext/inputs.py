@@ -151,6 +151,8 @@ def parse_json(text: str | bytes, *, path: str | os.PathLike[str], what: str, fi
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError as err:
+        if "depth limit" in str(err):
+            raise InputError(path, f"the {what} nests deeper than {max_depth} levels", fix, line=line) from None
         raise InputError(path, f"the {what} is not valid JSON ({err})", fix, line=line) from None
     if _depth(value) > max_depth:
         raise InputError(path, f"the {what} nests deeper than {max_depth} levels", fix, line=line)

@@ -10,7 +10,7 @@ follows the path's suffix (.png, .svg, .pdf).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -285,9 +285,14 @@ def plot_run_timeline(
     """Per-iteration time and energy of one or more runs (`series[name] = {"time_s": [...],
     "energy_j": [...]}`), over bands showing the lifecycle phase of each iteration (`phases`:
     warm-up, profiling, solving, deployed, ...) and an optional straggler window, so the cost of
-    profiling and solving is visible and never mistaken for the saving."""
+    profiling and solving is visible and never mistaken for the saving.
+
+    The y axes are scaled to the iterations outside profiling (profiling at low clocks runs up
+    to several times slower and would squash the differences between runs that the plot is for);
+    a profiling peak off scale is written on the panel. The legend sits below the panels, where
+    it covers no data."""
     path = _check_path(path)
-    figure = _new_figure(9.0, 5.5)
+    figure = _new_figure(9.0, 6.2)
     top, bottom = figure.subplots(2, 1, sharex=True)
     for axis in (top, bottom):
         start = 0
@@ -306,9 +311,32 @@ def plot_run_timeline(
     top.set_ylabel("time / iteration (s)")
     bottom.set_ylabel("energy / iteration (J)")
     bottom.set_xlabel("iteration")
+    for axis, key, unit in ((top, "time_s", "s"), (bottom, "energy_j", "J")):
+        _scale_past_profiling(axis, [figures[key] for figures in series.values()], phases, unit)
     handles, labels = top.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
-    top.legend(unique.values(), unique.keys(), fontsize=7, ncol=4, loc="upper left")
+    figure.legend(unique.values(), unique.keys(), fontsize=7, ncol=5, loc="outside lower center", frameon=False)
     top.set_title(title, fontsize=10)
     _save(figure, path)
     return path
+
+
+def _scale_past_profiling(axis: Any, runs: Sequence[Sequence[float | None]], phases: Sequence[str], unit: str) -> None:
+    """Y limits from the iterations outside profiling; a note names the profiling peak above."""
+    kept, peak = [], None
+    for values in runs:
+        for index, value in enumerate(values):
+            if value is None or not np.isfinite(value):
+                continue
+            if index < len(phases) and phases[index] == "profiling":
+                peak = value if peak is None else max(peak, value)
+            else:
+                kept.append(value)
+    if not kept:
+        return
+    low, high = min(kept), max(kept)
+    margin = 0.08 * (high - low) or 0.05 * abs(high) or 1.0
+    axis.set_ylim(low - margin, high + margin)
+    if peak is not None and peak > high + margin:
+        axis.text(0.01, 0.97, f"profiling peaks at {peak:.3g} {unit} (off scale)", transform=axis.transAxes,
+                  fontsize=7, va="top", ha="left", color="#8a6d00")

@@ -7,7 +7,7 @@ same records, with `perseus_ext.runtime.summary.job_figures`). The command print
 saving against the baseline probes with its confidence interval (energy summed over the ranks,
 time of the slowest), split into the fastest-plan (intrinsic) and straggler (extrinsic) regimes,
 the probes' own cost, and what warm-up, profiling and solving cost on their own. With
-`--frontier` the profile-based estimate is printed beside it, labelled as a model. `--figure`
+`--frontier` the profile-based estimate is printed beside it, labelled as a model. `--plot`
 draws the timeline that the demo draws too.
 
 A log appended across restarts holds several runs; the job of the logs' latest runs is reported

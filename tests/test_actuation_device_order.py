@@ -69,7 +69,7 @@ def test_deployed_iterations_never_synchronise_the_training_thread(tmp_path, mon
     fake = FakeCuda()
     monkeypatch.setattr(torch.cuda, "synchronize", fake.synchronize)
     monkeypatch.setattr(torch.cuda, "Event", fake.Event)
-    monkeypatch.setattr(RankSetup, "timeline", lambda self, job_id, rank: CudaTimeline(fake))
+    monkeypatch.setattr(RankSetup, "timeline", lambda self, job_id, rank, **options: CudaTimeline(fake))
     gpu = sim_gpu()
     config = make_config(profile_path=model_profile(tmp_path / "profile.csv", gpu, FORWARD_S, BACKWARD_S),
                          blocking_power_w=83.64,

@@ -121,3 +121,52 @@ def test_estimator_never_counts_an_unknown_default_clock():
     assert known.covered_s == pytest.approx(0.16)
     with pytest.raises(ValueError, match="ends before it starts"):
         estimate_coverage([(1.0, 0.5, 1200)], [], latency, 1200)
+
+
+def _marker_tied_run(*, dry_run: bool, dry_run_call_s: float | None = None):
+    """Eight 80 ms computations alternating two clocks on a paced simulated A100 whose set call
+    blocks 15 ms (then 20 ms switch, 10 ms ramp), each change tied to the previous computation's
+    end, through the real controller: (estimated tally, exact tally, controller)."""
+    from perseus_ext.actuation.controller import FrequencyController
+
+    gpu = SimulatedGPU("a100_sxm", switch_s=0.02, transition_s=0.01, call_s=0.015, queue_depth=2)
+    timeline = gpu.open_timeline()
+    controller = FrequencyController(gpu, dry_run=dry_run, watchdog=False, handle_signals=False,
+                                     dry_run_call_s=dry_run_call_s)
+    try:
+        spans = []
+        end = timeline.record_marker()
+        for k in range(8):
+            clock = (1410, 1005)[k % 2]
+            controller.set_clock(clock, at=end)
+            start = timeline.record_marker()
+            timeline.launch("work", 0.08, planned_clock_mhz=clock)
+            end = timeline.record_marker()
+            spans.append((start, end, clock))
+        timeline.synchronize()
+        assert controller.flush(5)
+        changes = [(c.issued_s, c.mhz) for c in controller.drain_changes()]
+    finally:
+        controller.close()
+    computations = [(start.device_time_s(), end.device_time_s(), clock) for start, end, clock in spans]
+    estimate = estimate_coverage(computations, changes, gpu.switch_latency, None,
+                                 default_clock_mhz=A100.max_clock_mhz)
+    return estimate, timeline.exact_coverage(), controller
+
+
+def test_dry_run_coverage_counts_the_set_calls_own_latency():
+    """A dry-run change lands when the set call would have returned, and the worker is as busy as
+    a live one: the compute time a dry-run estimates off its planned clock is the live run's,
+    not less. (Dry-run computations run at the default clock, so they are shorter than the live
+    ones at 1005 MHz: compare the time off-plan, not the share.)"""
+    live_estimate, live_exact, live = _marker_tied_run(dry_run=False)
+    dry, _, dry_controller = _marker_tied_run(dry_run=True)  # call_s from the GPU's latency: 15 ms
+    instant, _, _ = _marker_tied_run(dry_run=True, dry_run_call_s=0.0)  # before: recorded at issue
+
+    def off_plan_s(tally: CoverageTally) -> float:
+        return tally.planned_s - tally.covered_s
+
+    assert dry_controller.dry_run_call_s == 0.015 and min(live.set_call_s) >= 0.015
+    assert live_estimate.coverage == pytest.approx(live_exact.coverage, abs=0.03)
+    assert off_plan_s(dry) == pytest.approx(off_plan_s(live_exact), abs=0.02)  # 4 changes x ~40 ms
+    assert off_plan_s(instant) < off_plan_s(live_exact) - 0.05  # the optimistic dry-run this replaces

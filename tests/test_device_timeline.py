@@ -208,6 +208,28 @@ def test_an_engine_failure_reaches_the_waiting_host_instead_of_a_hang():
         timeline.synchronize()
 
 
+def test_a_wait_for_a_dead_rank_is_bounded_by_the_peer_timeout():
+    """A key no rank publishes (its publisher died): every host wait on the device used to
+    block for ever; past `peer_timeout_s` the device fails, its markers resolve and every
+    later launch and wait raises at once."""
+    gpu = SimulatedGPU("a100_sxm")
+    timeline = open_timeline(gpu, job_id=f"test-dead-peer-{time.time_ns()}", rank=0, peer_timeout_s=0.3)
+    try:
+        timeline.launch("forward", 0.01)
+        timeline.launch("recv", 0.0, after=["never"])
+        marker = timeline.record_marker()
+        began = time.perf_counter()
+        with pytest.raises(GPUError, match="waited 0.[3-9] s for never from another rank, more than "
+                                           "perseus.control_timeout_s 0.3 s"):
+            timeline.synchronize()
+        assert time.perf_counter() - began < 1.5
+        assert marker.wait(timeout_s=0.0)
+        with pytest.raises(GPUError, match="control_timeout_s"):
+            timeline.launch("forward", 0.01)
+    finally:
+        timeline.close()
+
+
 # ----------------------------------------------------------------------------- the board
 def _board_rank(rank: int, job_id: str, start, done, results) -> None:
     gpu = SimulatedGPU("a100_sxm", rank=rank, switch_s=0, transition_s=0, transfer_s=0.001)
@@ -327,12 +349,15 @@ def test_switch_latency_per_gpu():
     assert gpu_switch_latency(None) == NO_LATENCY
     assert gpu_switch_latency(_virtual(switch_s=0.003)) == SwitchLatency(0.003, 0.010)
     named = types.SimpleNamespace(name="NVIDIA GH200 480GB")
-    assert gpu_switch_latency(named) == SwitchLatency(0.020, 0.010)
+    assert gpu_switch_latency(named) == SwitchLatency(0.020, 0.010, call_s=0.015)
+    assert gpu_switch_latency(types.SimpleNamespace(name="NVIDIA H200")).issue_to_change_s == pytest.approx(0.035)
     assert gpu_switch_latency(types.SimpleNamespace(name="Tesla V100")) == \
         CONSERVATIVE_SWITCH_LATENCY
     assert SwitchLatency(0.02, 0.01).effective_s == pytest.approx(0.025)
     with pytest.raises(ValueError, match="switch_s"):
         SwitchLatency(-0.1, 0.0)
+    with pytest.raises(ValueError, match="call_s"):
+        SwitchLatency(0.0, 0.0, call_s=float("nan"))
 
 
 def test_clock_trajectory_supersedes_an_unfinished_ramp():

@@ -24,7 +24,7 @@ LEADER_FAULT = textwrap.dedent(
     import torch.distributed as dist
     from perseus_ext.planning.schedule import build_schedule
     from perseus_ext.runtime import PerseusRuntime
-    import perseus_ext.runtime.pipeline_solve as solve_module
+    import perseus_ext.runtime.runtime as runtime_module
     from runtime_helpers import make_config, sim_gpu, train
 
     rank, port, timeout_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
@@ -32,7 +32,7 @@ LEADER_FAULT = textwrap.dedent(
     if rank == 0:  # the pipeline leader cannot start its solver (fork failed, out of memory...)
         def broken(problem):
             raise OSError("cannot fork the solver (injected)")
-        solve_module.BackgroundSolve = broken
+        runtime_module.BackgroundSolve = broken
     config = make_config(control_timeout_s=timeout_s, solve_in_background=True)
     runtime = PerseusRuntime(config, schedule=build_schedule("1f1b", 2, 4), stage=rank, gpu=sim_gpu(seed=rank))
     slowest = 0.0
@@ -125,3 +125,79 @@ def test_the_solver_child_dies_with_a_killed_leader_and_leaves_no_file(tmp_path)
             os.kill(child, signal.SIGKILL)
     assert not list(scratch.glob("perseus-frontier-*"))
     assert not list(Path("/tmp").glob(f"perseus-frontier-*{child}*"))
+
+
+PEER_KILLED = textwrap.dedent(
+    """
+    import json, sys, time
+    import torch.distributed as dist
+    from perseus_ext.planning.schedule import build_schedule
+    from perseus_ext.runtime import PerseusRuntime
+    from runtime_helpers import make_config, sim_gpu, train
+
+    rank, port, timeout_s, first_stage_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    config = make_config(control_timeout_s=timeout_s, solve_in_background=True, simulated_workload={
+        "forward_seconds": [first_stage_s, 0.004], "backward_seconds": [2 * first_stage_s, 0.008]})
+    runtime = PerseusRuntime(config, schedule=build_schedule("1f1b", 2, 4), stage=rank, gpu=sim_gpu(seed=rank))
+    slowest, after_failure = 0.0, 0
+    for _ in range(3000):  # until a few iterations past the failure: training goes on
+        if after_failure >= 3:
+            break
+        started = time.perf_counter()
+        train(runtime, 1)
+        slowest = max(slowest, time.perf_counter() - started)
+        if runtime.phase.value == "solving":
+            print("solving", flush=True)
+        after_failure += runtime.fallback_reason is not None or runtime.control_plane_failed
+    runtime.close()
+    print(json.dumps({"slowest_s": slowest, "fallback": runtime.fallback_reason}), flush=True)
+    """
+)
+
+
+def _kill_during_the_solve(tmp_path, trial: int, timeout_s: float, delay_s: float) -> tuple[dict, float, str]:
+    """One 2-rank job whose rank `trial % 2` is killed `delay_s` into the solve: the
+    survivor's result, how long it ran on after the kill, and its stderr."""
+    from runtime_helpers import free_port as _free_port
+
+    victim, first_stage_s = trial % 2, (0.004, 0.012)[trial // 2 % 2]
+    port = str(_free_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", PEER_KILLED, str(rank), port, str(timeout_s), str(first_stage_s)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, text=True, cwd=tmp_path)
+             for rank in (0, 1)]
+    try:
+        while "solving" not in ranks[victim].stdout.readline():
+            assert ranks[victim].poll() is None, ranks[victim].stderr.read()[-3000:]
+        time.sleep(delay_s)
+        ranks[victim].kill()
+        killed_at = time.monotonic()
+        out, err = ranks[1 - victim].communicate(timeout=6 * timeout_s + 30)
+        took_s = time.monotonic() - killed_at
+    finally:
+        for process in ranks:
+            process.kill()
+            process.communicate()
+    assert ranks[1 - victim].returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1]), took_s, err
+
+
+def test_a_rank_killed_during_the_solve_never_stalls_its_peer_past_the_control_timeout(tmp_path):
+    """A 2-rank job started without torchrun (nobody signals the survivor): one rank is killed
+    at a random moment of the background solve, alternately the leader and the other stage,
+    with balanced stages and with a slow first stage (six jobs, two at a time). The survivor's
+    simulated device waited for the dead rank's output for ever (1 in 10 tries balanced, 4 in
+    5 with a slow first stage); now no iteration of the survivor takes past control_timeout_s
+    (plus scheduling slack), it falls back and finishes."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    timeout_s, rng = 3.0, random.Random(31)
+    delays = [rng.uniform(0.0, 0.2) for _ in range(6)]
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(lambda trial: _kill_during_the_solve(tmp_path, trial, timeout_s, delays[trial]),
+                                 range(6)))
+    for trial, (result, took_s, err) in enumerate(outcomes):
+        assert result["fallback"] is not None, (trial, err[-2000:])
+        assert result["slowest_s"] < timeout_s + 2.0, (trial, result, err[-2000:])
+        assert took_s < 4 * timeout_s + 15, (trial, took_s)

@@ -77,8 +77,10 @@ def test_cpu_mode_runs_every_section_and_the_guard_stops_a_live_controller(tmp_p
     assert sections["energy_counter"]["update_period_ms"]["median"] == pytest.approx(20, abs=5)
     assert sections["event_timing"]["float32_quantum_ms_after_7_days"] == 64.0
     actuation = sections["actuation"]
-    assert actuation["iterations"] == 12 and actuation["hook_us"]["n"] == 12 * 8
-    assert actuation["notice_delay_ms"]["n"] == 12 and actuation["estimated_coverage"] is not None
+    assert actuation["iterations"] == 12 + 10 and actuation["hook_us"]["n"] == 12 * 8
+    assert actuation["hook_us_in_step"]["n"] == 10 * 8 and actuation["hook_event_records_us"]["n"] == 12 * 8
+    assert actuation["hook_event_records_us"]["median"] < actuation["hook_us"]["median"]
+    assert actuation["notice_delay_ms"]["n"] == 22 and actuation["estimated_coverage"] is not None
     (stage,) = sections["end_to_end"]["stages"]
     assert stage["dry_run"] and stage["final_phase"] == "deployed" and stage["deployed_iterations"] >= 8
     assert stage["dry_run_changes"] > 0 and stage["estimated_coverage"] is not None

@@ -1,7 +1,7 @@
 """Clock changes through zeusd, against a stand-in that follows zeusd's documented API on a real
 Unix socket and on a loopback TCP port (`zeusd_standin.py`): the GPU mapping, the writes, the
 token scopes, `block=false`, the daemon's error responses, every fault, strict mode, the runtime
-when the daemon hangs or dies mid-run, and the SIGKILL watchdog restoring through the daemon."""
+when the daemon hangs or dies mid-run, and a SIGTERMed or SIGKILLed trainer restored through the daemon."""
 
 from __future__ import annotations
 
@@ -78,7 +78,9 @@ def test_non_root_rank_writes_its_own_gpu_through_zeusd(zeusd, tmp_path, caplog)
     assert report.writes == 3 and report.failures == 0 and report.round_trip_ms_median > 0
     # Planned switching latency = the GPU's own + the daemon's measured round trip.
     latency = gpu_switch_latency(gpu)
-    assert latency.switch_s == pytest.approx(gpu_switch_latency(gpu.reader).switch_s + gpu.round_trip_s)
+    direct = gpu_switch_latency(gpu.reader)
+    assert latency.issue_to_change_s == pytest.approx(direct.issue_to_change_s + gpu.round_trip_s)
+    assert latency.switch_s == direct.switch_s  # from the call's return, as without zeusd
     assert 0 < gpu.round_trip_s < 0.5
     gpu.close()
 
@@ -228,6 +230,7 @@ def test_strict_runtime_stops_at_start_up_with_a_config_error(tmp_path, monkeypa
 # --------------------------------------------------------------------------- faults mid-run
 @pytest.mark.parametrize("fault", ["hangs", "dies"])
 def test_daemon_failing_mid_run_never_stops_training(fault, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr("perseus_ext.measurement.gpu.zeusd_client.READ_TIMEOUT_S", 0.5)  # a shorter hang
     daemon = _daemon(tmp_path)
     monkeypatch.setenv("ZEUSD_SOCK_PATH", str(daemon.socket_path))
     gpu = open_gpu(reader_spec(tmp_path, period="0.02"), rank=0)
@@ -249,7 +252,7 @@ def test_daemon_failing_mid_run_never_stops_training(fault, tmp_path, monkeypatc
     summary = runtime.summary()
     assert summary["iterations"] == 30
     assert summary["zeusd"]["failures"] >= 1 and summary["zeusd"]["writes"] >= 1
-    words = "did not answer within 2 s" if fault == "hangs" else "connection refused"
+    words = "did not answer within 0.5 s" if fault == "hangs" else "connection refused"
     assert words in summary["zeusd"]["last_error"]
     assert "clock change(s) through zeusd" in caplog.text and words in caplog.text
     if fault == "hangs":  # the daemon answers again: the watchdog finishes the restore through it
@@ -260,7 +263,7 @@ def test_daemon_failing_mid_run_never_stops_training(fault, tmp_path, monkeypatc
     daemon.stop()
 
 
-# --------------------------------------------------------------------------- SIGKILL
+# --------------------------------------------------------------------------- SIGTERM, SIGKILL
 TRAINER = textwrap.dedent("""
     import sys, time
     from perseus_ext.actuation.controller import FrequencyController
@@ -274,7 +277,9 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def test_sigkilled_trainer_is_restored_by_its_watchdog_through_zeusd(zeusd, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_killed_trainer_is_restored_through_zeusd(signum, zeusd, tmp_path):
+    """SIGTERM: the trainer's own handler restores; SIGKILL: its watchdog does; both through zeusd."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
                                                                      os.environ.get("PYTHONPATH")])))
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, reader_spec(tmp_path, pace="0")], env=env,
@@ -282,7 +287,7 @@ def test_sigkilled_trainer_is_restored_by_its_watchdog_through_zeusd(zeusd, tmp_
     try:
         assert trainer.stdout.readline().split() == ["locked", "1"], trainer.stderr.read() if trainer.poll() else ""
         assert zeusd.locked_clock(1) == 1200
-        trainer.send_signal(signal.SIGKILL)
+        trainer.send_signal(signum)
         trainer.wait(10)
         deadline = time.monotonic() + 20
         while zeusd.locked_clock(1) is not None and time.monotonic() < deadline:
@@ -294,3 +299,54 @@ def test_sigkilled_trainer_is_restored_by_its_watchdog_through_zeusd(zeusd, tmp_
         if trainer.poll() is None:
             trainer.kill()
         trainer.communicate()
+
+
+# --------------------------------------------------------------------------- a real GPU's reader, doctor, flags
+def test_nvml_gpu_is_found_among_zeusds_gpus_by_pci_bus_id(zeusd, monkeypatch):
+    """The NVML backend resolves the CUDA device (here by UUID) and zeusd's GPU is the one at its PCI
+    bus id: zeusd index 1, although the device is NVML index 0 (what zeusd <= 0.5 would use)."""
+    from test_cli_doctor import FakeNVMLWithDriver
+    from test_gpu_nvml import FakeDevice
+
+    devices = [FakeDevice("GPU-bbbb", "00000000:01:00.0"), FakeDevice("GPU-aaaa", "00000000:81:00.0")]
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVMLWithDriver(devices))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb")
+    monkeypatch.setattr("perseus_ext.measurement.gpu.nvml.has_clock_privilege", lambda: False)
+    gpu = open_gpu("nvml")
+    assert isinstance(gpu, ZeusdGPU) and gpu.gpu_id == 1 and gpu.uuid == "GPU-bbbb"
+    gpu.set_locked_sm_clocks(1200)
+    gpu.reset_locked_sm_clocks()
+    assert [w.query["gpu_ids"] for w in zeusd.writes()] == ["1", "1"]
+    assert devices[0].calls == []  # NVML itself was never asked to change anything
+    assert gpu.energy_mj() > 0  # reads stay on NVML
+    assert gpu.restore_spec()["reader"] == {"backend": "nvml", "uuid": "GPU-bbbb"}
+
+
+def test_doctor_says_which_path_can_set_clocks_and_why(zeusd, tmp_path, monkeypatch, capsys):
+    from perseus_ext.cli import main
+    from test_cli_doctor import FakeNVMLWithDriver
+    from test_gpu_nvml import FakeDevice
+
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVMLWithDriver([FakeDevice("GPU-bbbb", "00000000:01:00.0")]))
+    privileged = {"value": False}
+    monkeypatch.setattr("perseus_ext.measurement.gpu.nvml.has_clock_privilege", lambda: privileged["value"])
+    doctor = ["doctor", "--gpu", "sim:a100_sxm?pace=0&period=0.02", "--updates", "2"]
+    assert main(doctor) == 0
+    assert "clock control path: zeusd: zeusd at" in capsys.readouterr().out
+    monkeypatch.setenv("ZEUSD_SOCK_PATH", str(tmp_path / "missing.sock"))
+    monkeypatch.delenv("ZEUSD_HOST_PORT", raising=False)
+    main(doctor)
+    printed = capsys.readouterr().out
+    assert "clock control path: none: zeusd at" in printed and "no socket at" in printed and "dry-run" in printed
+    privileged["value"] = True
+    main(doctor)
+    assert "clock control path: root: this process holds CAP_SYS_ADMIN" in capsys.readouterr().out
+
+
+def test_megatron_flag_takes_zeusd():
+    import argparse
+
+    from perseus_ext.adapters.megatron_args import add_perseus_args, config_from_args
+
+    args = add_perseus_args(argparse.ArgumentParser()).parse_args(["--perseus", "--perseus-gpu", "zeusd"])
+    assert config_from_args(args).gpu == "zeusd"

@@ -142,22 +142,13 @@ def test_any_flag_values_give_a_config_or_one_config_error(pairs):
     for flag, values in pairs:
         action = parser._option_string_actions[flag]
         argv += [flag, *(values if action.nargs == "+" else values[:1])]
-    try:  # the section is validated as the arguments are parsed
-        config = config_from_args(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
     except ConfigError as err:
         assert "Input should" not in str(err)
     else:
         assert config.enabled is True
-
-
-def test_the_section_is_validated_as_the_arguments_are_parsed_and_parsed_once():
-    parser = add_perseus_args(argparse.ArgumentParser())
-    with pytest.raises(ConfigError, match="perseus.straggler_threshold"):
-        parser.parse_args(["--perseus", "--perseus-straggler-threshold", "2"])  # before Megatron builds anything
-    args = parser.parse_args(["--perseus", "--perseus-mode", "observe"])
-    config = config_from_args(args)
-    assert config.mode == "observe" and config_from_args(args) is config  # the door's object, handed on
-    assert config_from_args(parser.parse_args([])) is None
 
 
 def test_chain_extra_args_runs_every_provider_and_skips_none():
@@ -272,3 +263,32 @@ def test_a_schedule_bound_before_install_is_an_error_not_a_silent_no_op(monkeypa
             run_megatron_schedule(1, 2)
     finally:
         perseus.close()
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b'{"perseus": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001, "nests deeper than 16 levels"),  # was RecursionError
+    (b'{"warmup_iterations": 1, "warmup_iterations": 2}', "key 'warmup_iterations' is given twice"),
+    (b"\xff\xfe{}", "is not UTF-8 text"),
+    (b'{"warmup_iterations": NaN}', "is not valid JSON"),
+    (b" " * (1 << 20) + b"{}", "more than the 1.0 MB perseus-ext reads"),  # was read whole (50 MB: 704 MB)
+])
+def test_a_bad_config_file_is_one_error_naming_the_flag_and_the_file(tmp_path, content, expected):
+    path = tmp_path / "perseus.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as caught:
+        config_from_args(parse("--perseus", "--perseus-config", str(path)))
+    message = str(caught.value)
+    assert message.startswith(f"--perseus-config {path}") and expected in message and "\n" not in message
+    with pytest.raises(ConfigError, match="is a directory"):
+        config_from_args(parse("--perseus", "--perseus-config", str(tmp_path)))
+
+
+def test_an_unknown_simulated_preset_in_the_environment_fails_at_the_door(monkeypatch):
+    """perseus.gpu null reads env PERSEUS_GPU: a preset that does not exist was accepted and
+    failed only when a rank opened its GPU."""
+    monkeypatch.setenv("PERSEUS_GPU", "sim:bogus")
+    with pytest.raises(ConfigError, match="perseus.gpu is null, so env PERSEUS_GPU names the GPU: .*unknown simulated "
+                                          "preset 'bogus'.*--perseus-gpu"):
+        config_from_args(parse("--perseus"))
+    monkeypatch.setenv("PERSEUS_GPU", "sim:a40")
+    assert config_from_args(parse("--perseus")).gpu is None

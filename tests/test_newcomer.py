@@ -181,3 +181,30 @@ def test_a_job_of_50_deployed_iterations_measures_its_saving_by_default(caplog):
     assert len(told) == 1, told  # once
     assert "vs default clocks" in told[0] and ("repays it after" in told[0] or "nothing to repay" in told[0]
                                                 or "not repaid" in told[0])
+
+
+# --------------------------------------------------------------------------- one output flag
+@pytest.mark.parametrize("command", ["frontier", "emulate", "demo", "report", "doctor"])
+def test_every_command_writes_its_output_with_one_flag(command, capsys):
+    """`frontier --out` was a file, `demo --out` a folder, `emulate --output` a file, `report` and
+    `doctor` took `--json PATH`: now `--output` everywhere (and `--plot` for a figure)."""
+    from perseus_ext.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "--output" in capsys.readouterr().out
+
+
+def test_old_output_spellings_still_work_with_a_deprecation_line(tmp_path, capsys):
+    from perseus_ext.cli import main
+
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    base = ["frontier", "--profile", "gpt3-175b-a100_sxm", "--microbatches", "2", "-q"]
+    assert main([*base, "--output", str(new)]) == 0
+    assert "deprecated" not in capsys.readouterr().err and new.is_file()
+    assert main([*base, "--out", str(old)]) == 0
+    assert "perseus-ext: --out is deprecated; use --output" in capsys.readouterr().err and old.is_file()
+    assert main(["doctor", "--gpu", "sim:a40?pace=0&period=0.02", "--updates", "2", "--json",
+                 str(tmp_path / "doctor.json")]) == 0
+    assert "perseus-ext: --json is deprecated; use --output" in capsys.readouterr().err
+    assert (tmp_path / "doctor.json").is_file()

@@ -108,3 +108,28 @@ def test_energy_units():
     assert plotting._energy_unit(5e5) == ("kJ", 1e3)
     assert plotting._energy_unit(7.2e7) == ("MJ", 1e6)
     assert plotting._energy_unit(12.0) == ("J", 1.0)
+
+
+def test_run_timeline_legend_covers_no_data_and_profiling_does_not_squash_the_rest(tmp_path, monkeypatch):
+    """The legend sat over the profiling spike, and the spike (6x slower iterations) set the
+    scale, so the deployed runs' differences were a flat line."""
+    drawn = {}
+    monkeypatch.setattr(plotting, "_save", lambda figure, path: drawn.update(figure=figure))
+    phases = ["warmup"] * 2 + ["profiling"] * 6 + ["solving"] * 2 + ["deployed"] * 30
+    perseus_time = [0.5] * 2 + [0.5, 0.8, 1.4, 2.1, 2.9, 3.1] + [0.5] * 2 + [0.51] * 30
+    baseline_time = [0.5] * 40
+    perseus_energy = [700.0] * 2 + [650, 640, 800, 1100, 1500, 1700] + [700] * 2 + [600.0] * 30
+    series = {"default clocks": {"time_s": baseline_time, "energy_j": [720.0] * 40},
+              "perseus-ext": {"time_s": perseus_time, "energy_j": perseus_energy}}
+    plotting.plot_run_timeline(series, phases, tmp_path / "run.png", straggler=(20, 30))
+    figure = drawn["figure"]
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    legend = figure.legends[0].get_window_extent(renderer)
+    top, bottom = figure.axes
+    for axis in (top, bottom):
+        assert not legend.overlaps(axis.get_window_extent(renderer))
+    assert top.get_ylim()[1] < 1.0 and bottom.get_ylim()[1] < 1000  # scaled to the non-profiling iterations
+    assert top.get_ylim()[0] < 0.5 and bottom.get_ylim()[0] < 600
+    notes = [text.get_text() for axis in (top, bottom) for text in axis.texts]
+    assert "profiling peaks at 3.1 s (off scale)" in notes and "profiling peaks at 1.7e+03 J (off scale)" in notes

@@ -197,3 +197,19 @@ def test_a_stage_left_without_a_profile_is_told_which_keys_fix_it(caplog):
     with caplog.at_level("ERROR", logger="perseus_ext"):
         assert run.measurements(fell_back=False) is None
     assert "perseus.profiling_iterations_per_clock" in caplog.text and "perseus.blocking_power_w" in caplog.text
+
+
+def test_a_stop_at_the_last_search_clock_is_not_called_early(monkeypatch):
+    """The search confidently stopped at its last clock: nothing was skipped, yet the log said
+    "early stop at 360 MHz" (240 MHz on the full A100 range)."""
+    clocks = [1410, 1200, 990, 780, 570, 360]
+    original = StageProfiler.__init__
+    monkeypatch.setattr(StageProfiler, "__init__", lambda self, stage, _, **keys: original(self, stage, clocks, **keys))
+    profiler, _ = profile_stage(0, 2)
+    assert profiler.iterations == len(profiler.search_clocks) == 6
+    assert "confidently cost more energy" in profiler.stop_reason  # stopped by the rule, at the last clock
+    assert profiler.stop_reason.startswith("all 6 search clocks profiled") and "early stop" not in profiler.stop_reason
+    for stage, seed in ((0, 0), (1, 3)):  # a real early stop says how many clocks it skipped
+        early, _ = profile_stage(stage, seed)
+        if "early stop" in early.stop_reason:
+            assert early.iterations < len(early.search_clocks) and "lower search clock(s) skipped" in early.stop_reason

@@ -62,6 +62,10 @@ def test_a_real_prometheus_scrapes_a_deepspeed_job_and_a_pushgateway_keeps_its_e
         )
         demo.launch(scenario, timeout_s=480)
         logs = _logs(job_dir)
+        output = (job_dir / "torchrun.log").read_text()
+        # Lines every rank used to repeat come once (rank 0), per-stage ones once per stage.
+        assert output.count(" ready on ") == 1 and output.count("profiling finished after") == 2, output[-3000:]
+        assert "profiling done after" not in output and "serves Prometheus metrics" in output
 
         # --- scraped from the ranks' endpoints while the job ran
         up = server.query(f'up{{instance=~"127.0.0.1:({base_port}|{base_port + 1})"}}[10m]')

@@ -57,3 +57,6 @@ def test_non_root_deepspeed_job_sets_clocks_through_zeusd_and_saves_energy(tmp_p
     assert window["iterations"][1] - window["iterations"][0] >= 8
     assert window["energy_saving"] > 0.03  # the simulated GPUs' exact energy
     assert window["measured_energy_saving"] > 0.03  # and as measured with the coarse counter
+    # The planned time equals all-max-clock; the measured one only absorbs a crowded 2-core machine's noise
+    # (tests/test_deepspeed.py's CROWDED_TIME_TOLERANCE; one standalone run here measured +6.7 %).
+    assert window["time_change"] <= 0.15, window

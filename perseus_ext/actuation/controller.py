@@ -54,6 +54,7 @@ from perseus_ext.measurement.gpu import (
     SIMULATED_HINT,
     GPUError,
     GPUUnavailableError,
+    gpu_switch_latency,
     open_gpu,
 )
 from perseus_ext.measurement.gpu.common import StrictControlError
@@ -73,6 +74,7 @@ WATCHDOG_RETRY_FOR_S = 300.0  # how long the watchdog retries a restore handed o
 WATCHDOG_RETRY_INTERVAL_S = 2.0
 OVERTAKE_POLL_S = 0.01  # while a change is held back: how often later ones are checked for being due (a
 # new request wakes the worker at once; each wake takes the GIL from the training thread briefly)
+CALL_TIMES_KEPT = 1000  # durations of the latest set calls kept (live runs)
 POWER_MATCH_W = 0.5  # a power limit read back within this of one this job set is still ours
 
 
@@ -129,12 +131,18 @@ class FrequencyController:
         dry_run: bool | None = None,
         watchdog: bool = True,
         handle_signals: bool = True,
+        dry_run_call_s: float | None = None,
     ) -> None:
         """gpu None means no usable device: everything is recorded, nothing is applied.
 
         dry_run None = decide from `gpu.can_set_clocks()`: without the privilege, warn once and
         record clocks instead of setting them; with `strict=True`, raise StrictControlError (a
         ConfigError and a GPUPermissionError) naming what is missing.
+
+        dry_run_call_s: how long a set call would keep the worker busy (None: the GPU's
+        `gpu_switch_latency(gpu).call_s`). A dry-run change is recorded that long after it is
+        issued, and the worker is held as long, so coverage estimated from a dry-run, and the
+        issue delay it learns, are what a live run would get.
         """
         self.gpu = gpu
         self.strict = strict
@@ -147,6 +155,11 @@ class FrequencyController:
         self.dry_run_count = 0
         self.dry_run_power_limits: list[float] = []
         self.changes: collections.deque[ClockChange] = collections.deque(maxlen=CHANGE_LOG_LIMIT)
+        # live runs: how long each clock set/reset call took (the dry-run default's ground truth)
+        self.set_call_s: collections.deque[float] = collections.deque(maxlen=CALL_TIMES_KEPT)
+        if dry_run_call_s is None:
+            dry_run_call_s = gpu_switch_latency(gpu).call_s if gpu is not None else 0.0
+        self.dry_run_call_s = float(dry_run_call_s)
         self.last_error: BaseException | None = None
         self.disabled_reason: str | None = None
         self._logged: set[str] = set()
@@ -413,14 +426,18 @@ class FrequencyController:
         if mhz == self._applied_clock:
             return False
         if self.dry_run:  # recorded with its device-ordered time, for coverage estimates
+            if self.dry_run_call_s > 0:
+                time.sleep(self.dry_run_call_s)  # busy as long as the set call would keep it
             self._applied_clock = mhz
             self.changes.append(ClockChange(time.perf_counter(), mhz))
             return True
+        began = time.perf_counter()
         try:
             self._unlock() if mhz is None else self._lock(mhz)
         except Exception as err:  # any device failure must stay out of the training step
             self._fail("set", err, f"could not {'reset' if mhz is None else f'set {mhz} MHz'}")
             return False
+        self.set_call_s.append(time.perf_counter() - began)
         self.applied_count += 1
         self.changes.append(ClockChange(time.perf_counter(), mhz))
         return True

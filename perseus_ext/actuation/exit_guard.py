@@ -47,6 +47,33 @@ _received: dict[int, int] = {}  # signal -> deliveries the watcher has seen
 _handled: dict[int, int] = {}  # signal -> times the main-thread handler ran
 _echoes: dict[int, int] = {}  # signal -> re-deliveries to the main thread the watcher will read back
 _watcher: threading.Thread | None = None
+_interrupt_hooks: "weakref.WeakSet[Any]" = weakref.WeakSet()  # told after an interrupt restored the clocks
+
+
+class InterruptHook(Protocol):
+    def interrupted(self, signal_name: str, clocks_restored: bool) -> None: ...
+
+
+def on_interrupt(target: InterruptHook) -> None:
+    """Call `target.interrupted(...)` when SIGINT/SIGTERM arrives, after every controller has
+    restored its clocks (the runtime writes its summary and says so); held weakly."""
+    _interrupt_hooks.add(target)
+
+
+def forget_interrupt(target: InterruptHook) -> None:
+    _interrupt_hooks.discard(target)
+
+
+def _restore_and_report(signum: int) -> None:
+    """Restore every controller, then tell the interrupt hooks whether all of them did."""
+    controllers = list(_live)
+    close_all()
+    restored = all(getattr(controller, "restore_error", None) is None for controller in controllers)
+    for target in list(_interrupt_hooks):
+        try:
+            target.interrupted(signal.Signals(signum).name, restored)
+        except Exception:  # the process is ending: what failed is logged, the signal goes on
+            logger.exception("perseus-ext: reporting the interruption failed")
 
 
 def close_all() -> None:
@@ -92,7 +119,7 @@ def _on_signal(signum: int, frame: Any) -> None:
     """Restore clocks first, then let the signal do what it did before (usually: end us)."""
     _handled[signum] = _handled.get(signum, 0) + 1
     previous = _previous_handlers.get(signum, signal.SIG_DFL)
-    close_all()
+    _restore_and_report(signum)
     if callable(previous):
         previous(signum, frame)
     else:  # SIG_DFL: re-deliver with the default action
@@ -152,7 +179,7 @@ def _act_if_main_thread_is_stuck(signum: int, delivery: int) -> None:
     previous = _previous_handlers.get(signum, signal.SIG_DFL)
     logger.warning("perseus-ext: %s arrived while the main thread is blocked; restoring GPU clocks "
                    "from the signal watcher", signal.Signals(signum).name)
-    close_all()
+    _restore_and_report(signum)
     if previous is signal.SIG_DFL:
         _die_by(signum)
     else:

@@ -140,7 +140,7 @@ class ClockSequencer:
     @property
     def _ahead_s(self) -> float:
         """Switch latency plus ramp: how long before a clock is fully in force it is issued."""
-        return 0.0 if self.latency is None else self.latency.switch_s + self.latency.transition_s
+        return 0.0 if self.latency is None else self.latency.issue_to_change_s + self.latency.transition_s
 
     def _plan_timeline(self, durations_s: tuple[float, ...]) -> None:
         """Planned start and end of each computation from the iteration start: the device's own
@@ -232,8 +232,9 @@ class ClockSequencer:
         ends = self._planned_ends_s  # ends[j + 1]: planned end of computation j (ends[0] = 0)
         previous_end = ends[self._position]
         wait = self._planned_starts_s[self._position] - previous_end
-        ramp_start = previous_end + max(0.0, min(wait - latency.transition_s, latency.switch_s))
-        issue = ramp_start - latency.switch_s - self.controller.issue_delay.typical_s
+        lag_s = latency.issue_to_change_s  # the set call's own duration, then the switch
+        ramp_start = previous_end + max(0.0, min(wait - latency.transition_s, lag_s))
+        issue = ramp_start - lag_s - self.controller.issue_delay.typical_s
         if issue <= 0.0:
             return self._ends[0], 0.0  # not enough planned work before it: as early as possible
         j = bisect.bisect_right(ends, issue, 0, self._position + 1) - 1  # latest end at or before it

@@ -54,7 +54,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from perseus_ext.adapters.common import check_mode, start_runtime
 from perseus_ext.adapters.megatron_args import (
     add_perseus_args,
     apply_run_batch_size,
@@ -177,16 +176,16 @@ def _pipeline_size(args: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
-NO_PIPELINE_FIX = ("use --perseus-mode observe, a power-limit policy "
-                   "(--perseus-policy '{\"type\": \"zeus\", \"mode\": \"power_limit\"}') or "
-                   "--pipeline-model-parallel-size > 1")
-
-
 def _check_mode(config: Any, num_stages: int, where: str) -> None:
     """`optimize` plans per-computation clocks across pipeline stages; without a pipeline only
     observe and power-limit modes apply (both need nothing but iteration boundaries)."""
-    check_mode(config, has_pipeline=num_stages > 1, without_pipeline=f"{where} runs without pipeline parallelism",
-               fix=NO_PIPELINE_FIX)
+    power_limit = config.policy is not None and config.policy.mode == "power_limit"
+    if num_stages == 1 and config.mode == "optimize" and not power_limit:
+        raise ConfigError(
+            f"perseus.mode 'optimize' plans GPU clocks across pipeline stages, but {where} runs "
+            f"without pipeline parallelism; use --perseus-mode observe, a power-limit policy "
+            f"(--perseus-policy '{{\"type\": \"zeus\", \"mode\": \"power_limit\"}}') or "
+            f"--pipeline-model-parallel-size > 1")
 
 
 def _first_tensor(value: Any) -> Any:
@@ -257,7 +256,6 @@ class MegatronPerseus:
         self._writers = (tensorboard_writer, wandb_writer)
         self.metrics: Any = None
         self._config: Any = None
-        self._prepared_run: Any = None  # this run's batch size from the store (install(args))
         self.runtime: Any = None
         self.schedule: PipelineSchedule | None = None
         self.stage: int | None = None
@@ -513,20 +511,21 @@ class MegatronPerseus:
         _check_mode(config, self.schedule.num_stages, f"this job (megatron-core's {original.__name__})")
         pp_group = self._pp_group(bound) if self.schedule.num_stages > 1 else None
         self.stage = pp_group.rank() if pp_group is not None else 0
-        from perseus_ext.monitoring import megatron_sinks
+        from perseus_ext.runtime import PerseusRuntime
 
-        self.runtime, self.metrics = start_runtime(
+        self.runtime = PerseusRuntime(
             config,
             schedule=self.schedule,
             stage=self.stage,
-            sinks=megatron_sinks(*self._writers),
             dp_group=self._dp_group(),
             pp_group=pp_group,
             gpu=self._gpu,
             policy=self._policy,
             local_rank=self._local_device(),
-            prepared_run=self._prepared_run,
         )
+        from perseus_ext.monitoring import IterationMetrics, megatron_sinks
+
+        self.metrics = IterationMetrics(self.runtime, megatron_sinks(*self._writers))
         log.info("perseus: stage %d of %s", self.stage, self.schedule.describe())
         return True
 
@@ -588,19 +587,18 @@ def install(
     if _INSTALLED is not None and not _INSTALLED._closed:
         raise ConfigError("perseus is already installed on megatron-core in this process; "
                           "close() the previous install first")
-    config = prepared_run = None
+    config = None
     if args is not None:
-        config = config_from_args(args)  # parsed with the arguments (add_perseus_args), else here
+        config = config_from_args(args)  # bad flags fail before training starts
         if config is None:
             return None
         stages = _pipeline_size(args)
         if stages is not None:
             _check_mode(config, stages, "this job (--pipeline-model-parallel-size 1)")
-        prepared_run = apply_run_batch_size(args, config)  # the store's --global-batch-size, if asked for
+        apply_run_batch_size(args, config)  # the store's --global-batch-size, if asked for
     perseus = MegatronPerseus(args, gpu=gpu, policy=policy, tensorboard_writer=tensorboard_writer,
                               wandb_writer=wandb_writer)
     perseus._config = config
-    perseus._prepared_run = prepared_run
     perseus._patch()
     if args is not None:
         perseus.adopt_execution(args)

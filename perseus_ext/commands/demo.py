@@ -22,13 +22,16 @@ import json
 import time
 from pathlib import Path
 
+from perseus_ext.commands.options import add_output_argument
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo", help="run the Perseus loop inside DeepSpeed on CPU with simulated GPUs",
         description=__doc__.split("\n\n")[0],
     )
-    parser.add_argument("--out", default="perseus-demo", help="output folder (default: %(default)s)")
+    add_output_argument(parser, help="output folder (default: %(default)s)", old=("--out",), metavar="DIR",
+                        default=Path("perseus-demo"))
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default: %(default)s)")
     parser.add_argument("--pipelines", type=int, default=2,
                         help="data-parallel pipelines; pipeline 1 straggles midway (default: %(default)s)")
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     # (25 ms to land) are short against a computation, as on real large-model stages.
     forward = [0.025 + 0.010 * s / (args.stages - 1) for s in range(args.stages)]
     scenario = Scenario(
-        out_dir=args.out, stages=args.stages, pipelines=args.pipelines,
+        out_dir=str(args.output), stages=args.stages, pipelines=args.pipelines,
         microbatches=args.microbatches, iterations=args.iterations,
         forward_seconds=forward, backward_seconds=[2 * f for f in forward],
         straggler_pipeline=1 if args.pipelines > 1 else None,
@@ -59,11 +62,11 @@ def run(args: argparse.Namespace) -> int:
         slowdown=args.slowdown,
     )
     started = time.perf_counter()
-    print(f"launching {scenario.world_size} DeepSpeed ranks (torchrun, gloo); log: {Path(args.out) / 'torchrun.log'}")
+    print(f"launching {scenario.world_size} DeepSpeed ranks (torchrun, gloo); log: {Path(args.output) / 'torchrun.log'}")
     results = launch(scenario, timeout_s=args.timeout)
     comparison = compare(scenario, results)
     print_report(scenario, comparison, results)
     paths = plot(scenario, comparison, results)
-    (Path(args.out) / "comparison.json").write_text(json.dumps(comparison["windows"], indent=2))
+    (Path(args.output) / "comparison.json").write_text(json.dumps(comparison["windows"], indent=2))
     print(f"\nplots: {', '.join(str(p) for p in paths)}; finished in {time.perf_counter() - started:.0f} s")
     return 0

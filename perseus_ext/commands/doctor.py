@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from perseus_ext.commands.options import bounded_int, check_writable_file
+from perseus_ext.commands.options import add_output_argument, bounded_int, check_writable_file
 
 PACKAGES = ("torch", "deepspeed", "megatron-core", "nvidia-ml-py", "matplotlib", "lowtime")
 AUTOLOAD_PTH = "perseus_ext_autoload.pth"
@@ -40,8 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="CUDA device of this process to measure (default: %(default)s)")
     parser.add_argument("--updates", type=bounded_int(2, 1000), default=10,
                         help="energy counter changes to watch for its update period (default: %(default)s)")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
-                        help="also write the report as JSON to PATH")
+    add_output_argument(parser, help="also write the report as JSON to PATH", old=("--json",))
     parser.set_defaults(func=run)
 
 
@@ -231,8 +230,8 @@ def _print_report(report: dict[str, Any]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.json:
-        check_writable_file(args.json, "--json")
+    if args.output:
+        check_writable_file(args.output, "--output")
     nvml = nvml_devices()
     report = {
         "installation": installation(),
@@ -241,9 +240,9 @@ def run(args: argparse.Namespace) -> int:
         "gpu": measure_gpu(args.gpu, args.local_rank, args.updates),
     }
     problems = _print_report(report)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        print(f"wrote {args.json}")
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.output}")
     for problem in problems:
         print(f"problem: {problem}", file=sys.stderr)
     return 1 if problems else 0

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from perseus_ext.commands.options import (
     add_blocking_power_argument,
+    add_output_argument,
     add_profile_argument,
     blocking_power_w,
     bounded_float,
@@ -51,15 +52,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--wait-aware", action="store_true",
                         help="also the plans for an iteration held to a longer time anyway (a straggler): "
                              "cheapest in energy - blocking power x stages x time, up to the all-slowest plan")
-    parser.add_argument("--out", type=Path, help="write the frontier JSON here")
+    add_output_argument(parser, help="write the frontier JSON here", old=("--out",))
     parser.add_argument("--plot", type=Path, help="write a frontier plot here (.png, .svg or .pdf)")
     parser.set_defaults(func=run, exit_at_once=True)
 
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Fail before the solve if an output cannot be written."""
-    if args.out:
-        check_writable_file(args.out, "--out")
+    if args.output:
+        check_writable_file(args.output, "--output")
     if args.plot:
         check_plotting(args.plot, "--plot")
         check_writable_file(args.plot, "--plot")
@@ -87,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
         switch_latency_s=args.switch_latency, wait_aware=args.wait_aware,
     )
     elapsed = time.perf_counter() - started
-    if args.out:
-        frontier.save(args.out)
+    if args.output:
+        frontier.save(args.output)
     if args.plot:
         from perseus_ext.plotting import plot_frontier
 
@@ -110,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
           f"(intrinsic saving {frontier.intrinsic_saving():.2%} at no slowdown)")
     print(f"T* (min energy) T = {cheapest.time:.4f} s, energy {cheapest.energy:,.1f} J "
           f"({1 - cheapest.energy / base.energy:.2%} less, {cheapest.time / base.time - 1:+.2%} time)")
-    if args.out:
-        print(f"wrote          {args.out}")
+    if args.output:
+        print(f"wrote          {args.output}")
     if args.plot:
         print(f"plotted        {args.plot}")
     sys.stdout.flush()

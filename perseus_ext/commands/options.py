@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -163,3 +164,29 @@ def check_plotting(path: Path | None, option: str) -> None:
         raise ConfigError(f"{option} {path}: use a file name ending in {', '.join(SUPPORTED_SUFFIXES)}")
     if importlib.util.find_spec("matplotlib") is None:
         raise ConfigError(f"{option} needs matplotlib: pip install 'perseus-ext[plot]'")
+
+
+class DeprecatedSpelling(argparse.Action):
+    """An old spelling of an option: its value goes where the new spelling's goes, and one line
+    on stderr names the new spelling (so scripts keep working while they are updated)."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, new: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"perseus-ext: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_output_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, help: str,
+                        old: tuple[str, ...] = (), metavar: str = "PATH", default: Path | None = None,
+                        name: str = "--output") -> None:
+    """The one spelling of a command's output path, `--output` (its figure: `--plot`), across
+    commands; `old` spellings still work, with a deprecation line."""
+    dest = name.lstrip("-").replace("-", "_")
+    parser.add_argument(name, type=Path, default=default, metavar=metavar, help=help, dest=dest)
+    for spelling in old:
+        parser.add_argument(spelling, type=Path, dest=dest, metavar=metavar, action=DeprecatedSpelling,
+                            new=name, help=argparse.SUPPRESS)

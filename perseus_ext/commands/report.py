@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+from perseus_ext.commands.options import add_output_argument
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -18,8 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "model's saving beside the measured one")
     parser.add_argument("--job", metavar="ID", help="report this job (the logs' 'job' field) when the logs hold "
                         "several; default: the job of the logs' latest runs")
-    parser.add_argument("--figure", metavar="PNG", help="write the timeline figure here")
-    parser.add_argument("--json", metavar="PATH", help="write the analysis as JSON here")
+    add_output_argument(parser, help="write the timeline figure here", old=("--figure",), metavar="PNG",
+                        name="--plot")
+    add_output_argument(parser, help="write the analysis as JSON here", old=("--json",))
     parser.set_defaults(func=run)
 
 
@@ -31,10 +34,10 @@ def run(args: argparse.Namespace) -> int:
         from perseus_ext.planning.frontier import Frontier
 
         model = Frontier.load(args.frontier).intrinsic_saving()
-    analysis = analyse(read_logs(args.logs, args.job), model, timeline=bool(args.json or args.figure))
+    analysis = analyse(read_logs(args.logs, args.job), model, timeline=bool(args.output or args.plot))
     print(format_report(analysis))
-    if args.json:
-        Path(args.json).write_text(json.dumps(analysis, indent=2))
-    if args.figure:
-        print(f"timeline: {plot(analysis, args.figure, title='perseus-ext run: job time and energy per iteration')}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(analysis, indent=2))
+    if args.plot:
+        print(f"timeline: {plot(analysis, args.plot, title='perseus-ext run: job time and energy per iteration')}")
     return 0

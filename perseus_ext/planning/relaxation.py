@@ -210,19 +210,33 @@ class AnchorWalk:
     def __init__(
         self, model: CostModel, count: int, t_min: float, t_slowest: float,
         grid_step: Callable[[float], float], progress: bool = False, to_slowest: bool = False,
+        t_least_energy: float | None = None,
     ):
-        """`to_slowest`: after the ordinary anchors (up to two past T*), also every other one
-        up to the all-slowest plan, on the same grid (the wait-aware extension's deadlines)."""
+        """`count` anchors span T_min to `t_least_energy` (every computation at its clock of least
+        energy; default `t_slowest`), which bounds where the frontier's energy stops falling much
+        better than the all-slowest plan does once clocks useful only with slack are planned
+        with; positions continue at that spacing to `t_slowest`. `to_slowest`: after the
+        ordinary anchors (up to two past T*), also anchors up to the all-slowest plan, on the
+        same grid (the wait-aware extension's deadlines), spaced as `count` anchors would be
+        over the whole range, every other one."""
+        t_slowest = max(t_slowest, t_min)
+        span_end = t_slowest if t_least_energy is None else min(max(t_least_energy, t_min), t_slowest)
+        if span_end - t_min < _EPS:
+            span_end = t_slowest
         if t_slowest - t_min < _EPS:  # slower clocks save no time: a single deadline
             count = 1
-        self._spacing = (t_slowest - t_min) / max(count - 1, 1)
-        self._t_min, self._t_slowest, self._count = t_min, max(t_slowest, t_min), count
+        self._spacing = (span_end - t_min) / max(count - 1, 1)
+        # Anchor positions from T_min (0) to the all-slowest plan (the last).
+        positions = count if count == 1 else int(np.ceil((t_slowest - t_min) / self._spacing - _EPS)) + 1
+        self._t_min, self._t_slowest, self._count = t_min, t_slowest, positions
+        wide = (t_slowest - t_min) / max(count - 1, 1)
+        self._extension_stride = 2 * max(1, int(round(wide / self._spacing))) if count > 1 else 2
         self._grid_step = grid_step
         self._to_slowest = to_slowest
         self.ordinary_end = t_min  # the last ordinary anchor, once the high end knows T*
         # The kept anchors by position (only T_min until the high end knows T*).
         self._deadlines = np.array([t_min])
-        self._durations = np.empty((model.num_nodes, count))
+        self._columns: dict[int, np.ndarray] = {}  # relaxed durations by kept anchor
         self._split = 1  # the first anchor the high end solves
         # Set once the kept anchors and the split are known (or the walk is cancelled).
         self._anchors_known = threading.Event()
@@ -260,7 +274,8 @@ class AnchorWalk:
         step = self._grid_step(float(deadlines[-1]))
         self.ordinary_end = float(deadlines[-1])
         if self._to_slowest and last < self._count - 1:
-            beyond = np.r_[np.arange(last + 2, self._count - 1, 2), self._count - 1]
+            beyond = np.r_[np.arange(last + self._extension_stride, self._count - 1, self._extension_stride),
+                           self._count - 1]
             deadlines = np.r_[deadlines, self._t_min + self._spacing * beyond]
             deadlines[-1] = self._t_slowest
         inner = deadlines[:-1]
@@ -307,7 +322,7 @@ class AnchorWalk:
         if self._cancelled:
             return False
         durations = relaxation.durations(float(self._deadlines[k]))
-        self._durations[:, k] = durations  # each end writes its own columns
+        self._columns[k] = durations  # each end writes its own anchors
         if self._bar is not None:
             self._bar.update()
         return True
@@ -318,7 +333,7 @@ class AnchorWalk:
             thread.join()
         if self._error is not None:
             raise self._error
-        return self._deadlines, self._durations[:, : len(self._deadlines)]
+        return self._deadlines, np.stack([self._columns[k] for k in range(len(self._deadlines))], axis=1)
 
     def close(self) -> None:
         """Stop the walk after the anchors in progress and wait for its threads (the solve

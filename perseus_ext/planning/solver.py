@@ -143,6 +143,7 @@ class FrontierSolver:
         walk = AnchorWalk(
             model, anchor_count, t_min, t_slowest, lambda t_max: self._grid_step(t_min, t_max),
             self.options.progress, to_slowest=self.wait_aware,
+            t_least_energy=float(model.dag.makespan(model.times[np.arange(model.num_nodes), model.min_energy_choice()])),
         )
         try:
             anchors, grid = self._first_pass(walk, pool, block, t_min)

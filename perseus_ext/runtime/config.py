@@ -21,7 +21,6 @@ import enum
 import json
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
@@ -137,6 +136,12 @@ class SimulatedWorkload(Section):
                     f"pipeline has {num_stages} stages; give one number or one per stage"
                 )
 
+    @property
+    def saved_blocking_power_w(self) -> float | None:
+        """The blocking power saved next to an existing `profile_path` (read at the door), for
+        when `blocking_power_w` is null."""
+        return self._saved_blocking_power_w
+
     def to_dict(self) -> dict[str, Any]:
         return {"forward_seconds": list(self.forward_seconds), "backward_seconds": list(self.backward_seconds)}
 
@@ -200,52 +205,28 @@ def profile_sidecar(path: str | Path) -> Path:
     return Path(f"{path}.json")
 
 
-@dataclass(frozen=True)
-class ProfileSidecar:
-    """What `<profile_path>.json` says about a saved profile, read once at the door: the
-    blocking power per GPU, the GPUs per stage and the GPU model it was measured with (each None
-    where the file does not say; the runtime's profile store checks them against this job)."""
-
-    blocking_power_w: Any
-    gpus_per_stage: Any
-    gpu: Any
-
-
-def read_profile_sidecar(profile_path: str, *, need_blocking_power: bool) -> ProfileSidecar | None:
-    """The sidecar beside an existing profile (None when there is none and the blocking power
-    is given), or a ConfigError saying how to fix it. `need_blocking_power`: the section sets no
-    `blocking_power_w`, so the sidecar must hold a positive one."""
+def _saved_blocking_power_w(profile_path: str) -> float:
+    """The blocking power saved next to an existing profile, or a ConfigError saying how to fix."""
     sidecar = profile_sidecar(profile_path)
-    fix = (f"set {PREFIX}.blocking_power_w, or delete {profile_path} so the job profiles again" if need_blocking_power
-           else f"delete {profile_path} and {sidecar} so the job profiles again")
+    fix = f"set {PREFIX}.blocking_power_w, or delete {profile_path} so the job profiles again"
     try:
         if sidecar.stat().st_size > SIDECAR_LIMIT_BYTES:
             raise ValueError(f"larger than {SIDECAR_LIMIT_BYTES} bytes")
-        data = json.loads(sidecar.read_text(encoding="utf-8"))
+        value = json.loads(sidecar.read_text(encoding="utf-8"))["blocking_power_w"]
     except FileNotFoundError:
-        if not need_blocking_power:
-            return None
         raise ConfigError(
             f"{PREFIX}.profile_path {profile_path} has no blocking power ({sidecar} is missing); {fix}"
         ) from None
-    except (OSError, ValueError) as err:  # UnicodeDecodeError is a ValueError
+    except (OSError, ValueError, KeyError, TypeError) as err:  # UnicodeDecodeError is a ValueError
         raise ConfigError(
             f"{PREFIX}.profile_path: cannot read the blocking power from {sidecar} ({err!r}); {fix}"
         ) from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{PREFIX}.profile_path: {sidecar} must hold a JSON object; {fix}")
-    notes = ProfileSidecar(data.get("blocking_power_w"), data.get("gpus_per_stage"), data.get("gpu"))
-    if need_blocking_power:
-        value = notes.blocking_power_w
-        if "blocking_power_w" not in data:
-            raise ConfigError(
-                f"{PREFIX}.profile_path: cannot read the blocking power from {sidecar} (no blocking_power_w); {fix}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ConfigError(
-                f"{PREFIX}.profile_path: {sidecar} holds blocking_power_w {show(value)}, not a positive number "
-                f"of watts; {fix}"
-            )
-    return notes
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(
+            f"{PREFIX}.profile_path: {sidecar} holds blocking_power_w {show(value)}, not a positive number "
+            f"of watts; {fix}"
+        )
+    return float(value)
 
 
 def _profile_path(path: str) -> str:
@@ -430,7 +411,7 @@ class PerseusConfig(Section):
                           "the end; also `address`, `job`. `null`: env `PERSEUS_PROMETHEUS_PORT` / "
                           "`PERSEUS_PUSHGATEWAY`, else off. docs/monitoring.md.")] = None
 
-    _profile_sidecar: ProfileSidecar | None = PrivateAttr(default=None)
+    _saved_blocking_power_w: float | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _keys_agree(self) -> PerseusConfig:
@@ -440,6 +421,12 @@ class PerseusConfig(Section):
                 f"{PREFIX}.straggler_threshold ({self.straggler_threshold:g}), or plans would never return "
                 f"after a straggler recovers; e.g. 0.02 and 0.05"
             )
+        if self.gpu is None and os.environ.get(GPU_ENV, "").strip():  # the key's fallback is checked as the key
+            try:
+                check_gpu_spec(resolved_gpu_spec(None))
+            except ConfigError as err:
+                raise statement_error(f"{PREFIX}.gpu is null, so env {GPU_ENV} names the GPU: {err}; fix {GPU_ENV} "
+                                      f"or set {PREFIX}.gpu") from None
         if self.simulated_workload is not None and not resolved_gpu_spec(self.gpu).removeprefix("zeusd:").startswith("sim:"):
             where = f"{PREFIX}.gpu" if self.gpu is not None else f"{PREFIX}.gpu (null: env {GPU_ENV}, default nvml)"
             raise statement_error(
@@ -447,10 +434,9 @@ class PerseusConfig(Section):
                 f"{show(resolved_gpu_spec(self.gpu))}: set {PREFIX}.gpu to \"sim:a100_sxm\" (a CPU machine, "
                 f"or a test of the loop) or drop {PREFIX}.simulated_workload (a real GPU)"
             )
-        if self.profile_path is not None and Path(self.profile_path).is_file():
+        if self.profile_path is not None and self.blocking_power_w is None and Path(self.profile_path).is_file():
             try:
-                self._profile_sidecar = read_profile_sidecar(self.profile_path,
-                                                             need_blocking_power=self.blocking_power_w is None)
+                self._saved_blocking_power_w = _saved_blocking_power_w(self.profile_path)
             except ConfigError as err:
                 raise statement_error(str(err)) from None
         return self
@@ -462,18 +448,10 @@ class PerseusConfig(Section):
         return parse(cls, {} if data is None else data, root=PREFIX)
 
     @property
-    def saved_profile_sidecar(self) -> ProfileSidecar | None:
-        """What `<profile_path>.json` says about an existing profile (read once, at the door)."""
-        return self._profile_sidecar
-
-    @property
     def saved_blocking_power_w(self) -> float | None:
         """The blocking power saved next to an existing `profile_path` (read at the door), used
         when `blocking_power_w` is null."""
-        notes = self._profile_sidecar
-        if self.blocking_power_w is not None or notes is None:
-            return None
-        return float(notes.blocking_power_w)
+        return self._saved_blocking_power_w
 
     def to_dict(self) -> dict[str, Any]:
         """The section as plain values; `from_dict(config.to_dict()) == config`."""

@@ -1,7 +1,7 @@
 """A measured profile saved beside the job (`perseus.profile_path`), so a restarted job skips
 profiling: the CSV (`stage,instruction,frequency,time,energy`) plus `<path>.json` with what the
-CSV cannot hold -- the blocking power per GPU, the GPUs per stage and the GPU model (read once,
-at the door, by `PerseusConfig`: `saved_profile_sidecar`).
+CSV cannot hold -- the blocking power per GPU (read and checked at the door by `PerseusConfig`),
+the GPUs per stage and the GPU model.
 
 Everything wrong with a saved profile is a ConfigError naming `perseus.profile_path` and the
 fix, found when the runtime is built (the GPU model needs the GPU) rather than at deployment.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from perseus_ext.errors import ConfigError, PerseusError
 from perseus_ext.planning.profile import load_profile
@@ -20,33 +19,21 @@ from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.runtime.config import PREFIX, profile_sidecar as sidecar_path
 from perseus_ext.runtime.records import MeasuredProfile
 
-if TYPE_CHECKING:
-    from perseus_ext.measurement.gpu import GPU
-    from perseus_ext.runtime.config import PerseusConfig, ProfileSidecar
-
 logger = logging.getLogger(__name__)
 
 KEY = f"{PREFIX}.profile_path"
+SIDECAR_LIMIT_BYTES = 1 << 20
 
 
 class ProfileStore:
     """Loads and saves one job's measured profile."""
 
     def __init__(self, path: str | None, *, gpus_per_stage: int, gpu_name: str | None,
-                 blocking_power_per_gpu_w: float | None, sidecar: ProfileSidecar | None = None) -> None:
-        """`sidecar`: what the config read beside `path` at the door (None: no sidecar)."""
+                 blocking_power_per_gpu_w: float | None) -> None:
         self.path = Path(path) if path is not None else None
-        self.sidecar = sidecar
         self.gpus_per_stage = gpus_per_stage
         self.gpu_name = gpu_name
         self.blocking_override_w = blocking_power_per_gpu_w
-
-    @classmethod
-    def for_job(cls, config: PerseusConfig, gpus_per_stage: int, gpu: GPU | None) -> "ProfileStore":
-        """The store of `config.profile_path`, with what the config read beside it at the door."""
-        return cls(config.profile_path, gpus_per_stage=gpus_per_stage, gpu_name=gpu.name if gpu is not None else None,
-                   blocking_power_per_gpu_w=config.blocking_power_w or config.saved_blocking_power_w,
-                   sidecar=config.saved_profile_sidecar)
 
     def load(self, schedule: PipelineSchedule) -> MeasuredProfile | None:
         """The saved profile, None when there is none yet; ConfigError when it is unusable."""
@@ -60,21 +47,34 @@ class ProfileStore:
         if profile.num_stages != schedule.num_stages:
             raise ConfigError(f"{KEY} {self.path} profiles {profile.num_stages} stages, this pipeline "
                               f"has {schedule.num_stages}; {fix}")
-        sidecar = self.sidecar
-        saved_gpu = sidecar.gpu if sidecar is not None else None
+        sidecar = self._read_sidecar(fix)
+        saved_gpu = sidecar.get("gpu")
         if saved_gpu is not None and self.gpu_name is not None and saved_gpu != self.gpu_name:
             raise ConfigError(f"{KEY} {self.path} was measured on {saved_gpu}, this job runs on "
                               f"{self.gpu_name}; {fix}")
         per_gpu = self.blocking_override_w
         if per_gpu is None:  # PerseusConfig checked it at the door
             raise ConfigError(f"{KEY} {self.path} has no blocking power; set {PREFIX}.blocking_power_w or {fix}")
-        saved_tp = sidecar.gpus_per_stage if sidecar is not None and sidecar.gpus_per_stage is not None \
-            else self.gpus_per_stage
+        saved_tp = sidecar.get("gpus_per_stage", self.gpus_per_stage)
         if saved_tp != self.gpus_per_stage:
             raise ConfigError(f"{KEY} {self.path} was measured with {saved_tp} GPU(s) per stage, this "
                               f"job has {self.gpus_per_stage}; {fix}")
         return MeasuredProfile(profile, float(per_gpu) * self.gpus_per_stage, self.gpus_per_stage,
                                saved_gpu if saved_gpu is not None else self.gpu_name)
+
+    def _read_sidecar(self, fix: str) -> dict:
+        path = sidecar_path(self.path)
+        if not path.is_file():
+            return {}
+        try:
+            if path.stat().st_size > SIDECAR_LIMIT_BYTES:
+                raise ValueError(f"larger than {SIDECAR_LIMIT_BYTES} bytes")
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:  # UnicodeDecodeError is a ValueError
+            raise ConfigError(f"{path} (beside {KEY}) is unreadable ({err}); {fix}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} (beside {KEY}) must hold a JSON object; {fix}")
+        return data
 
     def save(self, measured: MeasuredProfile, schedule: PipelineSchedule) -> None:
         """Write the CSV and its sidecar; a failure is logged (the job goes on without it)."""

@@ -247,8 +247,13 @@ class StageProfiler:
         if self.keep_wait_useful and not all(
                 confidently_above(e.wait_cost_j, anchor.wait_cost_j, e.energy_stderr_j) for e in tail):
             return
-        self._finish(f"early stop at {clock} MHz: the {self.patience} clock(s) below {anchor.clock} MHz "
-                     f"confidently cost more energy" + (", also once a wait is paid" if self.keep_wait_useful else ""))
+        why = (f"the {self.patience} clock(s) below {anchor.clock} MHz confidently cost more energy"
+               + (", also once a wait is paid" if self.keep_wait_useful else ""))
+        if clock == self.search_clocks[-1]:  # nothing was left to skip: not an early stop
+            self._finish(f"all {len(self.search_clocks)} search clocks profiled ({self.search_clocks[0]}-{clock} MHz); {why}")
+        else:
+            self._finish(f"early stop at {clock} MHz, {len(self.search_clocks) - 1 - self.search_clocks.index(clock)} "
+                         f"lower search clock(s) skipped: {why}")
 
     def _finish(self, reason: str) -> None:
         self.done = True
@@ -257,8 +262,9 @@ class StageProfiler:
             reason += (f" ({self.iterations - self.energy_stop_iterations} iteration(s) kept clocks useful once a "
                        f"wait is paid)")
         self.stop_reason = reason
-        logger.info("perseus-ext: stage %d profiling done after %d iteration(s): %s",
-                    self.stage, self.iterations, reason)
+        # DEBUG: the runtime says it once per stage when every stage is done ("profiling finished")
+        logger.debug("perseus-ext: stage %d profiling done after %d iteration(s): %s",
+                     self.stage, self.iterations, reason)
 
     def stop(self, reason: str) -> None:
         """End profiling from outside (e.g. the job-wide profiling budget ran out)."""

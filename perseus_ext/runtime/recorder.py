@@ -59,14 +59,35 @@ class RunRecorder:
         self._clock_before: int | None = None  # the clock in force before self._changes[0]
         self._on_record = on_record
         self._saving = saving
+        self.log_failure: str | None = None  # why the log stopped (clocks are planned on regardless)
+        self._log_path: Path | None = None
+        self._log_file = None
         self._log_file = self._open_log(log_path)
 
     def _open_log(self, template: str | None):
         if template is None:
             return None
-        path = Path(template.format(rank=self.rank))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "a", encoding="utf-8")
+        self._log_path = Path(template.format(rank=self.rank))
+        try:
+            self._log_path.parent.mkdir(parents=True, exist_ok=True)
+            return open(self._log_path, "a", encoding="utf-8")
+        except OSError as err:
+            self._log_failed("cannot open", err)
+            return None
+
+    def _log_failed(self, what: str, err: OSError) -> None:
+        """The log's failure is the log's alone: said once, naming the key and the file; the
+        log stops, the optimisation and the in-memory records go on."""
+        self.log_failure = (f"{what} perseus.log_path {self._log_path}: {err.strerror or err}; the log stops here, "
+                            "clocks are still planned and the summary keeps its figures (free space or point "
+                            "perseus.log_path elsewhere)")
+        logger.error("perseus-ext: rank %d: %s", self.rank, self.log_failure)
+        if self._log_file is not None:
+            try:
+                self._log_file.close()
+            except OSError:
+                pass  # the buffered line that could not be written fails again: nothing more to say
+            self._log_file = None
 
     # ------------------------------------------------------------------ training thread
     def begin(self, setting: IterationSetting, start: DeviceMarker) -> None:
@@ -162,8 +183,11 @@ class RunRecorder:
                 "time_s": record.time_s,
                 "compute_s": record.compute_s, "energy_j": record.energy_j, "coverage": record.coverage,
             }
-            self._log_file.write(json.dumps(row) + "\n")
-            self._log_file.flush()
+            try:
+                self._log_file.write(json.dumps(row) + "\n")
+                self._log_file.flush()
+            except OSError as err:
+                self._log_failed("cannot write to", err)
         if self.log_interval and record.iteration % self.log_interval == 0:
             logger.log(logging.INFO if self.rank == 0 else logging.DEBUG, "%s", self.log_line(record))
 
@@ -189,5 +213,8 @@ class RunRecorder:
         self.controller.flush(timeout_s)
         self.collect()
         if self._log_file is not None:
-            self._log_file.close()
+            try:
+                self._log_file.close()
+            except OSError as err:
+                self._log_failed("cannot write to", err)
             self._log_file = None

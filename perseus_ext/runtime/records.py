@@ -53,6 +53,7 @@ class SolveProblem:
     options: object | None  # perseus_ext.planning.solver.SolverOptions, or None for its defaults
     switch_latency_s: float
     switch_cost_j: float = 0.0  # what a clock change must save to be kept (planning/switching.py)
+    stage_constant: bool = False  # one clock per stage (full-iteration CUDA graphs: planning/stage_constant.py)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,12 @@ def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveOutcome
 
         measured = problem.measured
         profile = measured.for_schedule(problem.schedule)  # one entry per virtual stage
+        if problem.stage_constant:  # no clock changes inside an iteration: nothing to thin
+            from perseus_ext.planning.stage_constant import solve_stage_constant
+
+            frontier = solve_stage_constant(problem.schedule, profile, measured.blocking_power_per_stage_w,
+                                            problem.switch_latency_s, wait_aware=True)
+            return SolveOutcome(frontier, None, time.perf_counter() - started, in_background, measured)
         frontier = solve_frontier(
             problem.schedule, profile, measured.blocking_power_per_stage_w,
             problem.options, switch_latency_s=problem.switch_latency_s, wait_aware=True,

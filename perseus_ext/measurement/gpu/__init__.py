@@ -77,6 +77,7 @@ _SIM_OPTIONS: dict[str, type] = {
     "privileged": bool,
     "switch_ms": float,
     "transition_ms": float,
+    "call_ms": float,
     "queue_depth": int,
     "transfer_ms": float,
 }
@@ -88,7 +89,7 @@ def open_gpu(
     """Open this process's GPU.
 
     spec: ``"nvml"`` or ``"sim:<preset>[?slowdown=1.2&seed=3&pace=0&period=0.1&noise=0.02&
-    state_file=/tmp/gpu{rank}.json&privileged=0&switch_ms=20&transition_ms=10&queue_depth=2&
+    state_file=/tmp/gpu{rank}.json&privileged=0&switch_ms=20&transition_ms=10&call_ms=0&queue_depth=2&
     transfer_ms=0.1]"``, or ``"zeusd[:<reading spec>]"`` (writes through zeusd, reads from the
     reading backend, default nvml); None reads env ``PERSEUS_GPU`` (default nvml). When
     ZEUSD_SOCK_PATH or ZEUSD_HOST_PORT is set and the opened GPU may not set clocks itself, its
@@ -218,6 +219,7 @@ def _open_simulated(spec: str, rest: str, *, rank: int, seed: int) -> SimulatedG
         rank=rank,
         switch_s=_milliseconds(options.pop("switch_ms", None)),
         transition_s=_milliseconds(options.pop("transition_ms", None)),
+        call_s=_milliseconds(options.pop("call_ms", None)),
         queue_depth=options.pop("queue_depth", 2),
         transfer_s=_milliseconds(options.pop("transfer_ms", DEFAULT_TRANSFER_S * 1000.0)),
     )

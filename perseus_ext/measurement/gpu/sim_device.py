@@ -96,6 +96,12 @@ class SimDevice:
         self._tally = CoverageTally()
         self._engine: threading.Thread | None = None
         self._engine_failure: BaseException | None = None
+        # How long the head may wait for another rank's key (the job's control_timeout_s, set
+        # by SimulatedTimeline): past it the peer is taken for dead and the device fails, as a
+        # communicator aborts on a dead peer, so no host wait on it lasts longer (None: no bound).
+        self.peer_timeout_s: float | None = None
+        self._blocked_since: float | None = None  # when the head started waiting for a key
+        self._peer_failure: GPUError | None = None
         # Energy: exact integral, and an NVML-like counter updated at ticks tick0 + k * period.
         self._true_j = 0.0
         self._tick0 = now - rng.random() * energy_update_period_s
@@ -137,6 +143,7 @@ class SimDevice:
         with self.cond:
             self._sync()
             self._wait_until(lambda: len(self._queue) < self.queue_depth, None)  # CUDA's queue
+            self._raise_peer_failure()
             self._launched += 1
             work = _Work(self._launched, float(seconds_at_max_clock), slowdown, planned_clock_mhz,
                          tuple(after), publish, self.now())
@@ -156,10 +163,17 @@ class SimDevice:
     def synchronize(self) -> None:
         with self.cond:
             self._wait_until(lambda: not self._queue, None)
+            self._raise_peer_failure()
 
     def wait_for(self, work: _Work) -> None:
         with self.cond:
             self._wait_until(lambda: work.end is not None, None)
+            self._raise_peer_failure()
+
+    def _raise_peer_failure(self) -> None:
+        """Work waited on was dropped, not done: the host learns why (markers just resolve)."""
+        if self._peer_failure is not None:
+            raise self._peer_failure
 
     def idle(self, seconds: float) -> None:
         """Let `seconds` pass on the device's clock (the host does nothing for it)."""
@@ -309,7 +323,9 @@ class SimDevice:
                 start = self._start_time(head)
                 if start is None:  # waiting for a key: hold the recent past open (see above)
                     self._idle_until(t - DEPENDENCY_HOLD_S)
+                    self._check_peer(head, t)
                     break
+                self._blocked_since = None
                 if start > t:
                     self._idle_until(t)
                     break
@@ -323,6 +339,28 @@ class SimDevice:
             self._complete(head, end)
         self._locked.prune(self._pos)
         self._cap.prune(self._pos)
+
+    def _check_peer(self, head: _Work, t: float) -> None:
+        """Fail the device when the head has waited for another rank's key past
+        `peer_timeout_s`: its work and every later one are dropped unpublished (the peers
+        learn nothing false), markers resolve now, and every host wait or launch raises."""
+        if self._blocked_since is None:
+            self._blocked_since = max(self._pos, head.launched_at, t - DEPENDENCY_HOLD_S)
+        if self.peer_timeout_s is None or t - self._blocked_since <= self.peer_timeout_s:
+            return
+        missing = [key for key in head.after if self.board is None or self.board.lookup(key) is None]
+        self._peer_failure = GPUError(
+            f"simulated device: waited {t - self._blocked_since:.1f} s for {', '.join(missing)} from another rank, "
+            f"more than perseus.control_timeout_s {self.peer_timeout_s:g} s; that rank is gone (its device "
+            "work never arrives), so this device's work is dropped")
+        for work in self._queue:
+            work.end = t
+        self._queue.clear()
+        self._completed, self._last_end = self._launched, t
+        while self._markers:
+            marker = self._markers.popleft()
+            marker.resolve(max(marker.recorded_at, t))
+        self.cond.notify_all()
 
     def _segments(self, start: float, end: float) -> Iterator[tuple[float, float, float, float]]:
         """(from, to, locked clock, power cap) pieces of [start, end)."""
@@ -426,7 +464,8 @@ class SimulatedTimeline(DeviceTimeline):
     """A simulated GPU's compute stream, joined to its job's cross-rank board."""
 
     def __init__(self, device: SimDevice, *, kind_counts: dict[str, int],
-                 slowdown: Callable[[], float], board: Board | None = None) -> None:
+                 slowdown: Callable[[], float], board: Board | None = None,
+                 peer_timeout_s: float | None = None) -> None:
         self.device = device
         self.board = board
         self._kind_counts = kind_counts
@@ -434,6 +473,7 @@ class SimulatedTimeline(DeviceTimeline):
         if board is not None:
             with device.cond:
                 device.board = board
+                device.peer_timeout_s = peer_timeout_s
 
     def record_marker(self) -> DeviceMarker:
         return self.device.record_marker()

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import random
+import time
 import uuid as uuid_lib
 from pathlib import Path
 from typing import Any
@@ -63,10 +64,13 @@ class SimulatedGPU(GPU):
         rank: int = 0,
         switch_s: float | None = None,
         transition_s: float | None = None,
+        call_s: float | None = None,
         queue_depth: int = 2,
         transfer_s: float = DEFAULT_TRANSFER_S,
     ) -> None:
         """switch_s / transition_s: clock-change latency (None: the preset's; 0: instant);
+        call_s: how long a clock set/reset call blocks its caller, as NVML's does (paced GPUs;
+        None: the preset's, 0);
         queue_depth: unfinished computations the host may launch before a launch blocks;
         transfer_s: hand-over latency added to every cross-rank dependency."""
         self.preset = find_preset(preset)
@@ -83,6 +87,7 @@ class SimulatedGPU(GPU):
             self.switch_latency = SwitchLatency(
                 default.switch_s if switch_s is None else switch_s,
                 default.transition_s if transition_s is None else transition_s,
+                default.call_s if call_s is None else call_s,
             )
         except ValueError as exc:
             raise GPUError(f"simulated GPU clock-change latency: {exc}") from None
@@ -148,10 +153,11 @@ class SimulatedGPU(GPU):
 
     # ----------------------------------------------------------------- work and energy
     def open_timeline(
-        self, *, job_id: str | None = None, rank: int | None = None
+        self, *, job_id: str | None = None, rank: int | None = None, peer_timeout_s: float | None = None
     ) -> SimulatedTimeline:
         """This GPU's compute stream; with a job_id (paced GPUs), joined to that job's
-        cross-rank board so launches can wait for and publish keys of other ranks."""
+        cross-rank board so launches can wait for and publish keys of other ranks, each wait
+        bounded by `peer_timeout_s` (the job's control_timeout_s; None: unbounded)."""
         if job_id is None or not self.pace:
             return self._stream
         if self.device.board is not None:
@@ -161,7 +167,7 @@ class SimulatedGPU(GPU):
             )
         board = Board(job_id, self.rank if rank is None else rank, transfer_s=self.transfer_s)
         return SimulatedTimeline(self.device, kind_counts=self.run_counts,
-                                 slowdown=lambda: self._slowdown, board=board)
+                                 slowdown=lambda: self._slowdown, board=board, peer_timeout_s=peer_timeout_s)
 
     def run(self, seconds_at_max_clock: float, kind: str = "forward") -> float:
         """Launch a computation that takes `seconds_at_max_clock` at the max clock and wait for
@@ -196,6 +202,7 @@ class SimulatedGPU(GPU):
 
     def set_locked_sm_clocks(self, mhz: int) -> None:
         """Lock the clock; it lands on the device after the switching latency and ramp."""
+        self._call()
         with self.device.cond:
             self._maybe_fail("set_locked_sm_clocks")
             self._check_privilege("lock SM clocks")
@@ -205,6 +212,7 @@ class SimulatedGPU(GPU):
             self._save_state()
 
     def reset_locked_sm_clocks(self) -> None:
+        self._call()
         with self.device.cond:
             self._maybe_fail("reset_locked_sm_clocks")
             self._check_privilege("reset locked SM clocks")
@@ -212,6 +220,11 @@ class SimulatedGPU(GPU):
             self.device.request_clock(self.preset.max_clock_mhz)
             self.clock_history.append(None)
             self._save_state()
+
+    def _call(self) -> None:
+        """A clock call blocks its caller for `call_s` before it takes effect (paced GPUs)."""
+        if self.pace and self.switch_latency.call_s > 0:
+            time.sleep(self.switch_latency.call_s)
 
     @property
     def locked_clock(self) -> int | None:

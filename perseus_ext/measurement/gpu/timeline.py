@@ -34,12 +34,18 @@ class SwitchLatency:
 
     switch_s: float  # set call returns -> the clock starts to change
     transition_s: float  # duration of the ramp from the old to the new clock
+    call_s: float = 0.0  # how long the set call itself blocks its caller before it returns
 
     def __post_init__(self) -> None:
-        for name in ("switch_s", "transition_s"):
+        for name in ("switch_s", "transition_s", "call_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0 and value < float("inf")):
                 raise ValueError(f"SwitchLatency.{name}={value!r}; it must be a finite number >= 0")
+
+    @property
+    def issue_to_change_s(self) -> float:
+        """call_s + switch_s: from issuing the set call until the clock starts to change."""
+        return self.call_s + self.switch_s
 
     @property
     def effective_s(self) -> float:
@@ -50,13 +56,15 @@ class SwitchLatency:
 NO_LATENCY = SwitchLatency(0.0, 0.0)
 
 # Published or conservative defaults for real GPUs, matched in order against the NVML name
-# (see docs/device.md, "Clock-change latency", for where each number comes from).
+# (see docs/device.md, "Clock-change latency", for where each number comes from). call_s: the
+# NVML set call's own duration, ~10-20 ms (not yet measured here: no GPU could be written to).
 NVML_SWITCH_LATENCIES: tuple[tuple[str, SwitchLatency], ...] = (
-    ("GH200", SwitchLatency(0.020, 0.010)),
-    ("H100", SwitchLatency(0.020, 0.010)),
-    ("A100", SwitchLatency(0.020, 0.010)),
+    ("GH200", SwitchLatency(0.020, 0.010, call_s=0.015)),
+    ("H100", SwitchLatency(0.020, 0.010, call_s=0.015)),
+    ("H200", SwitchLatency(0.020, 0.010, call_s=0.015)),  # the H100's GH100 chip, more memory
+    ("A100", SwitchLatency(0.020, 0.010, call_s=0.015)),
 )
-CONSERVATIVE_SWITCH_LATENCY = SwitchLatency(0.050, 0.020)
+CONSERVATIVE_SWITCH_LATENCY = SwitchLatency(0.050, 0.020, call_s=0.020)
 
 
 @dataclass

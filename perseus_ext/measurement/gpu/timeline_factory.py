@@ -17,7 +17,7 @@ from perseus_ext.measurement.gpu.timeline import (
 )
 
 
-def open_timeline(gpu: GPU | None, *, job_id: str, rank: int) -> DeviceTimeline:
+def open_timeline(gpu: GPU | None, *, job_id: str, rank: int, peer_timeout_s: float | None = None) -> DeviceTimeline:
     """The compute stream of this process's GPU.
 
     A `SimulatedGPU` gets its simulated device, joined to the cross-rank board of `job_id` (all
@@ -29,7 +29,7 @@ def open_timeline(gpu: GPU | None, *, job_id: str, rank: int) -> DeviceTimeline:
     if isinstance(gpu, ZeusdGPU):  # the work runs on the GPU it reads from
         return open_timeline(gpu.reader, job_id=job_id, rank=rank)
     if isinstance(gpu, SimulatedGPU):
-        return gpu.open_timeline(job_id=job_id, rank=rank)
+        return gpu.open_timeline(job_id=job_id, rank=rank, peer_timeout_s=peer_timeout_s)
     if gpu is not None and _cuda_available():
         return CudaTimeline()
     return HostOnlyTimeline()
@@ -38,15 +38,16 @@ def open_timeline(gpu: GPU | None, *, job_id: str, rank: int) -> DeviceTimeline:
 def gpu_switch_latency(gpu: GPU | None) -> SwitchLatency:
     """How long a clock change takes on `gpu`: the simulator's configured latency, else the
     default for the model (matched by NVML name), else a conservative default. Through zeusd,
-    the daemon's measured round trip comes on top: the change leaves the worker that much
-    earlier than it reaches the driver."""
+    the daemon's measured round trip comes on top of the set call's own duration (`call_s`):
+    the change leaves the worker that much earlier than it reaches the driver, and the clock
+    starts to change `switch_s` after the call returns, as without zeusd."""
     from perseus_ext.measurement.gpu.zeusd import ZeusdGPU
 
     if gpu is None:
         return NO_LATENCY
     if isinstance(gpu, ZeusdGPU):
         direct = gpu_switch_latency(gpu.reader)
-        return SwitchLatency(direct.switch_s + gpu.round_trip_s, direct.transition_s)
+        return SwitchLatency(direct.switch_s, direct.transition_s, call_s=direct.call_s + gpu.round_trip_s)
     if isinstance(gpu, SimulatedGPU):
         return gpu.switch_latency
     name = gpu.name.upper()

@@ -73,7 +73,7 @@ class ZeusdGPU(GPU):
             try:
                 self.gpu_id = self._connect()
                 self.round_trip_s = self.client.round_trip_s()
-            except ZeusdError as err:
+            except GPUError as err:  # zeusd's fault, or the reader could not say where its GPU sits
                 self.gpu_id = None
                 self.control_fault = str(err)
 
@@ -174,7 +174,7 @@ class ZeusdGPU(GPU):
     def report(self) -> ZeusdReport:
         """The zeusd path's figures for the run summary."""
         return ZeusdReport(endpoint=self.endpoint.describe(), gpu_id=self.gpu_id, control_fault=self.control_fault,
-                           start_round_trip_ms=1000 * self.round_trip_s, **self.client.stats.summary())
+                           start_round_trip_ms=1000 * self.round_trip_s, **self.client.stats_summary())
 
     def close(self) -> None:
         self.client.close()

@@ -159,9 +159,12 @@ class ZeusdClient:
     """The HTTP calls perseus-ext makes to zeusd, each bounded by the connect/read timeouts."""
 
     def __init__(self, endpoint: ZeusdEndpoint, token: str | None, *,
-                 connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = READ_TIMEOUT_S) -> None:
+                 connect_timeout_s: float | None = None, read_timeout_s: float | None = None) -> None:
+        """Timeouts default to CONNECT_TIMEOUT_S / READ_TIMEOUT_S (read when the client is made)."""
         self.endpoint = endpoint
         self.token = token or None
+        connect_timeout_s = CONNECT_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s
+        read_timeout_s = READ_TIMEOUT_S if read_timeout_s is None else read_timeout_s
         self.read_timeout_s = read_timeout_s
         self.stats = ZeusdCallStats()
         self._lock = threading.Lock()  # stats are written by the worker and the closing thread
@@ -221,6 +224,11 @@ class ZeusdClient:
             self.stats.writes += 1
             self.stats.round_trips_s.append(trip)
         return trip
+
+    def stats_summary(self) -> dict[str, Any]:
+        """`stats.summary()` while no write updates them (the worker may still be writing)."""
+        with self._lock:
+            return self.stats.summary()
 
     def close(self) -> None:
         self._http.close()
