@@ -145,3 +145,19 @@ def test_a_rank_whose_peer_never_closes_gives_up_after_the_bounded_wait(tmp_path
     assert CLOSE_WAIT_S - 0.2 < first["close_s"] < CLOSE_WAIT_S + 4.0, first["close_s"]
     assert "no job summary (gathering the ranks' figures failed: the pipeline group's ranks did not all join in time" in output
     assert "rank 0 summary" in output  # its own figures at INFO instead
+
+
+def test_the_summary_has_the_set_calls_measured_live_and_assumed_in_dry_run():
+    """A live run times its clock set calls (the figure that should replace a GPU's preset);
+    a dry-run says which duration it assumed for them."""
+    live = PerseusRuntime(make_config(), schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=sim_gpu(call_ms="5"))
+    train(live, 12)
+    live.close()
+    calls = live.summary()["clock_coverage"]["set_call_ms"]
+    assert calls["measured_calls"] > 0 and 5.0 <= calls["measured_median"] < 50.0 and calls["assumed"] == 5.0
+    dry = PerseusRuntime(make_config(dry_run=True), schedule=build_schedule("1f1b", 1, 4), stage=0,
+                         gpu=sim_gpu(call_ms="5"))
+    train(dry, 3)
+    dry.close()
+    calls = dry.summary()["clock_coverage"]["set_call_ms"]
+    assert calls["measured_calls"] == 0 and calls["measured_median"] is None and calls["assumed"] == 5.0

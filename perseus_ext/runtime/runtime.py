@@ -651,6 +651,7 @@ class PerseusRuntime:
             exact_coverage=self.timeline.exact_coverage(), switch_latency_s=self.setup.latency.effective_s,
             plan_switches=tuple(deployment.switches) if deployment else (),
             controller_errors=self.controller.error_count,
+            set_call_s=tuple(self.controller.set_call_s), assumed_call_s=self.controller.dry_run_call_s,
             silent_hooks=SilenceReport(self.silence.bound_s, self.silence.expected_iteration_s,
                                        tuple(self.silence.episodes), self.captured_hooks),
             frontier=deployment.frontier if deployment else None, policy=policy, zeusd=self._zeusd_report())

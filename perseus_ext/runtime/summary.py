@@ -121,6 +121,8 @@ class RunSnapshot:
     frontier: Frontier | None  # the deployed one (the leader's whole frontier, a rank's own share)
     policy: PolicySnapshot
     zeusd: ZeusdReport | None = None  # clock changes went through zeusd (measurement/gpu/zeusd.py)
+    set_call_s: tuple[float, ...] = ()  # durations of the live clock set calls (the latest 1000)
+    assumed_call_s: float = 0.0  # the set call's duration a dry-run assumes (the GPU's preset)
 
 
 def _silence_summary(report: SilenceReport) -> dict[str, Any]:
@@ -141,6 +143,14 @@ def _coverage(run: RunSnapshot, deployed: list[IterationRecord]) -> dict[str, An
         "estimated": statistics.fmean(estimated) if estimated else None,
         "exact": exact.coverage if exact is not None else None,
         "switch_latency_s": run.switch_latency_s,
+        # how long a clock set call blocks: measured in live runs (the figure that should replace
+        # the preset a dry-run assumes), assumed in dry-runs
+        "set_call_ms": {
+            "assumed": 1000.0 * run.assumed_call_s,
+            "measured_median": 1000.0 * statistics.median(run.set_call_s) if run.set_call_s else None,
+            "measured_max": 1000.0 * max(run.set_call_s) if run.set_call_s else None,
+            "measured_calls": len(run.set_call_s),
+        },
     }
 
 
