@@ -14,6 +14,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from perseus_ext.commands.options import bounded_float
+
 if TYPE_CHECKING:
     from perseus_ext.policies.batch_size import ArmState, JobState
 
@@ -32,6 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--migrate", action="store_true", help="upgrade a store written by an older perseus-ext"
     )
+    parser.add_argument("--timeout", type=bounded_float(0.1, 3600.0), default=5.0, metavar="SECONDS",
+                        help="a PostgreSQL store's connect timeout (default %(default)g s)")
     parser.set_defaults(func=run)
 
 
@@ -46,7 +50,8 @@ def _arm_status(arm: "ArmState", best: int | None) -> str:
 def run(args: argparse.Namespace) -> int:
     from perseus_ext.policies.batch_size import read_states
 
-    states = read_states(args.store, args.job, migrate=args.migrate)
+    states = read_states(args.store, args.job, migrate=args.migrate, network_timeout_s=args.timeout,
+                         timeout_key="--timeout")
     try:
         if args.json:
             print(json.dumps([_as_dict(s) for s in states], indent=2))

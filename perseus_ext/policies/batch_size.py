@@ -34,7 +34,14 @@ import numpy as np
 from sqlalchemy import Connection, or_, select
 
 from perseus_ext.errors import ConfigError
-from perseus_ext.policies.bso_store import Store, StoreError, jobs_table, runs_table
+from perseus_ext.policies.bso_store import (
+    DEFAULT_NETWORK_TIMEOUT_S,
+    TIMEOUT_KEY,
+    Store,
+    StoreError,
+    jobs_table,
+    runs_table,
+)
 from perseus_ext.policies.cost import ZeusCost, check_positive
 
 #: Relative cost noise assumed while no batch size has two observations to estimate it from.
@@ -196,6 +203,7 @@ class BatchSizeOptimizer:
         seed: int | None = None,
         lease_s: float = DEFAULT_LEASE_S,
         busy_timeout_s: float = 60.0,
+        network_timeout_s: float = DEFAULT_NETWORK_TIMEOUT_S,
         clock: Callable[[], float] = time.time,
     ):
         if not job_id or not isinstance(job_id, str):
@@ -218,7 +226,8 @@ class BatchSizeOptimizer:
         self.lease_s = _check_number(lease_s, "lease_s", 0.0, "seconds without a heartbeat")
         self.clock = clock
         self.store = (
-            store if isinstance(store, Store) else Store(store, busy_timeout_s=busy_timeout_s)
+            store if isinstance(store, Store)
+            else Store(store, busy_timeout_s=busy_timeout_s, network_timeout_s=network_timeout_s)
         )
         self._register()
 
@@ -459,11 +468,12 @@ def load_job(db: Connection, job_id: str, now: float | None = None) -> JobState:
 
 
 def read_states(
-    location: str | Path, job_id: str | None = None, *, migrate: bool = False
+    location: str | Path, job_id: str | None = None, *, migrate: bool = False,
+    network_timeout_s: float = DEFAULT_NETWORK_TIMEOUT_S, timeout_key: str = TIMEOUT_KEY,
 ) -> list[JobState]:
     """Every job's state in a store (or one job's). Read-only unless `migrate` (which first
     upgrades an older store's schema); safe while runs are writing."""
-    store = Store(location, read_only=not migrate)
+    store = Store(location, read_only=not migrate, network_timeout_s=network_timeout_s, timeout_key=timeout_key)
     try:
         with store.transaction() as db:
             ids = list(db.execute(select(jobs_table.c.job_id).order_by(jobs_table.c.job_id)).scalars())

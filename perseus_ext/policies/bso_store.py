@@ -17,6 +17,7 @@ foreign one is refused with a message that says what to do.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import time
@@ -55,6 +56,12 @@ if TYPE_CHECKING:
 #: (`heartbeat`, `lease_s`) that expires crashed runs, and this version table.
 SCHEMA_VERSION = 2
 STORE_KEY = "perseus.policy.batch_size.store"
+TIMEOUT_KEY = "perseus.policy.batch_size.timeout_s"
+# A PostgreSQL store's connect timeout (the whole start-up: a server that accepts and never
+# answers fails in this long, not in minutes) and how long sent data may stay unacknowledged
+# (a host gone mid-transaction). Not a statement timeout: writers wait for each other's row
+# locks, which takes as long as it takes.
+DEFAULT_NETWORK_TIMEOUT_S = 5.0
 #: Any constant: the PostgreSQL advisory lock that serialises schema creation and migration.
 _SCHEMA_LOCK_ID = 0x5045525345
 _SQLITE_LOCKED_RETRY_S = 0.01
@@ -145,11 +152,14 @@ def describe(url: str) -> str:
 class Store:
     """One process's handle on a batch-size store. Thread-safe; reopens itself after a fork."""
 
-    def __init__(self, location: str | Path, *, read_only: bool = False, busy_timeout_s: float = 60.0):
+    def __init__(self, location: str | Path, *, read_only: bool = False, busy_timeout_s: float = 60.0,
+                 network_timeout_s: float = DEFAULT_NETWORK_TIMEOUT_S, timeout_key: str = TIMEOUT_KEY):
         self.url = store_url(location)
         self.is_sqlite = make_url(self.url).get_backend_name() == "sqlite"
         self.read_only = read_only
-        self.busy_timeout_s = busy_timeout_s
+        self.busy_timeout_s = busy_timeout_s  # SQLite: how long a writer waits for the file's lock
+        self.network_timeout_s = network_timeout_s  # PostgreSQL: connect, unanswered TCP
+        self.timeout_key = timeout_key  # what sets network_timeout_s (named when it runs out)
         self._engine_lock = threading.Lock()
         self._engine: Engine | None = None
         self._engine_pid = 0
@@ -175,13 +185,22 @@ class Store:
 
     def _make_engine(self) -> Engine:
         if not self.is_sqlite:
+            milliseconds = max(1, round(1000 * self.network_timeout_s))
             return create_engine(
                 self.url,
                 pool_pre_ping=True,
-                connect_args={"connect_timeout": max(1, int(self.busy_timeout_s))},
+                connect_args={
+                    "connect_timeout": max(2, math.ceil(self.network_timeout_s)),  # libpq's least is 2 s
+                    "tcp_user_timeout": milliseconds,  # sent data left unacknowledged
+                    "keepalives": 1, "keepalives_idle": max(1, math.ceil(self.network_timeout_s)),
+                    "keepalives_interval": 1, "keepalives_count": 3,  # a host gone: noticed in seconds
+                },
             )
         path = Path(make_url(self.url).database or "")
         if self.read_only:
+            if path.is_dir():
+                raise StoreError(f"batch-size store {path} is a directory, not a store file; give the store's "
+                                 f"file (e.g. {path / 'bso.db'}) in {STORE_KEY}")
             if not path.is_file():
                 raise StoreError(f"batch-size store {path} does not exist; check {STORE_KEY}")
             url = f"sqlite:///file:{path}?mode=ro&uri=true"
@@ -244,9 +263,14 @@ class Store:
                     )
                 yield connection
         except OperationalError as err:
-            raise StoreError(
-                f"batch-size store {self.name} is unavailable: {err.orig or err}"
-            ) from err
+            raise StoreError(f"batch-size store {self.name} is unavailable: {err.orig or err}{self._timeout_hint(err)}"
+                             ) from err
+
+    def _timeout_hint(self, err: Exception) -> str:
+        """Which setting bounded the wait, when it ran out."""
+        if self.is_sqlite or "timeout" not in str(err).lower():
+            return ""
+        return f" (no answer within {self.timeout_key} = {self.network_timeout_s:g} s)"
 
     # ------------------------------------------------------------------ schema
     def _version(self, connection: Connection) -> int | None:
@@ -295,7 +319,8 @@ class Store:
                 if version == 1:
                     self._migrate_v1(connection)
         except SQLAlchemyError as err:
-            raise StoreError(f"cannot open batch-size store {self.name}: {err.orig or err}") from None
+            raise StoreError(f"cannot open batch-size store {self.name}: {err.orig or err}{self._timeout_hint(err)}"
+                             ) from None
 
     def _migrate_v1(self, connection: Connection) -> None:
         """v1 -> v2: add the lease columns; a v1 run still 'running' gets a lease from its

@@ -29,7 +29,7 @@ from typing_extensions import Required, TypedDict
 from perseus_ext.errors import ConfigError
 from perseus_ext.policies.base import OperatingPointPolicy, StragglerPolicy
 from perseus_ext.policies.batch_size import DEFAULT_LEASE_S, BatchSizeOptimizer
-from perseus_ext.policies.bso_store import StoreError, store_url
+from perseus_ext.policies.bso_store import DEFAULT_NETWORK_TIMEOUT_S, StoreError, store_url
 from perseus_ext.policies.carbon import (
     CARBON,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -321,6 +321,7 @@ class BatchSizeOptions(TypedDict, total=False):
     pruning_rounds: integer(1, example=DEFAULT_PRUNING_ROUNDS)
     seed: Annotated[int | None, Rule("an integer >= 0 or null", 0, lambda v: v is None or v >= 0)]
     lease_s: Seconds
+    timeout_s: Seconds  # a PostgreSQL store's connect timeout (default 5 s)
     target_metric: keyed(TargetMetricOptions, example=_TARGET_EXAMPLE)
 
 
@@ -550,6 +551,7 @@ class PolicyConfig(Section):
             pruning_rounds=options.get("pruning_rounds", DEFAULT_PRUNING_ROUNDS),
             seed=options.get("seed"),
             lease_s=options.get("lease_s", DEFAULT_LEASE_S),
+            network_timeout_s=options.get("timeout_s", DEFAULT_NETWORK_TIMEOUT_S),
         )
 
     def start_recurring_job(
@@ -572,6 +574,7 @@ class PolicyConfig(Section):
             pruning_rounds=options.get("pruning_rounds", DEFAULT_PRUNING_ROUNDS),
             seed=options.get("seed"),
             lease_s=options.get("lease_s", DEFAULT_LEASE_S),
+            network_timeout_s=options.get("timeout_s", DEFAULT_NETWORK_TIMEOUT_S),
             clock=clock,
         )
 

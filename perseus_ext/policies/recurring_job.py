@@ -38,7 +38,7 @@ from perseus_ext.policies.batch_size import (
     RunOutcome,
     Suggestion,
 )
-from perseus_ext.policies.bso_store import Store
+from perseus_ext.policies.bso_store import DEFAULT_NETWORK_TIMEOUT_S, Store
 
 logger = logging.getLogger(__name__)
 
@@ -160,12 +160,13 @@ class RecurringJob:
         pruning_rounds: int = 2,
         seed: int | None = None,
         lease_s: float = DEFAULT_LEASE_S,
+        network_timeout_s: float = DEFAULT_NETWORK_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> "RecurringJob":
         """Ask the store for this run's batch size (call on rank 0, before the engine is built)."""
         optimizer = BatchSizeOptimizer(
             store, job_id, batch_sizes, default_batch_size, eta=eta, max_power_w=max_power_w,
-            beta=beta, pruning_rounds=pruning_rounds, seed=seed, lease_s=lease_s,
+            beta=beta, pruning_rounds=pruning_rounds, seed=seed, lease_s=lease_s, network_timeout_s=network_timeout_s,
         )
         job = cls(optimizer, optimizer.suggest(), num_gpus=num_gpus, target=target, clock=clock)
         logger.info(
