@@ -45,6 +45,56 @@ def misplanned_schedules():
         adapter.build_schedule, adapter.interleaved = saved
 
 
+class _CpuGraph:
+    """torch.cuda.CUDAGraph on a CPU: capture runs the work eagerly (so the first captured
+    iteration computes as on a GPU), replay launches nothing -- on a real device the replay's
+    kernels run without any Python, which is all perseus-ext sees of it. Counts replays."""
+
+    replays = 0
+
+    def register_generator_state(self, state) -> None:
+        pass
+
+    def replay(self) -> None:
+        _CpuGraph.replays += 1
+
+
+@contextlib.contextmanager
+def cpu_cuda_graphs():
+    """What megatron-core's FullCudaGraphWrapper needs of torch.cuda, on the CPU; the wrapper's
+    class-level state (iteration counters, captured graphs) is reset before and after a run."""
+    from unittest import mock
+
+    from megatron.core import full_cuda_graph
+
+    class Stream:
+        def wait_stream(self, other) -> None:
+            pass
+
+    @contextlib.contextmanager
+    def capture(graph, **kwargs):
+        yield
+
+    def reset() -> None:
+        wrapper = full_cuda_graph.FullCudaGraphWrapper
+        wrapper.curr_iteration = {"training": 0, "validation": 0}
+        wrapper.cuda_graph = {"training": None, "validation": None}
+        wrapper.result = {"training": None, "validation": None}
+        full_cuda_graph.StaticBufferLoader.static_buffers = {"training": [], "validation": []}
+
+    reset()
+    _CpuGraph.replays = 0
+    with mock.patch("torch.cuda.CUDAGraph", _CpuGraph), mock.patch("torch.cuda.graph", capture), \
+            mock.patch("torch.cuda.Stream", Stream), mock.patch("torch.cuda.stream", lambda s: contextlib.nullcontext()), \
+            mock.patch("torch.cuda.current_stream", lambda *a, **k: Stream()), \
+            mock.patch.object(full_cuda_graph, "get_all_rng_states", lambda: {}):
+        try:
+            yield
+        finally:
+            print(f"cpu_cuda_graphs: {_CpuGraph.replays} replays", flush=True)
+            reset()
+
+
 def run_many(script: str, runs_file: str) -> None:
     """Call `script`'s `main(argv)` for each run in `runs_file`, then its `shutdown()`.
 
@@ -56,7 +106,11 @@ def run_many(script: str, runs_file: str) -> None:
     for run in runs:
         saved_env = dict(os.environ)
         os.environ.update(run.get("env", {}))
-        with misplanned_schedules() if run.get("misplan") else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if run.get("misplan"):
+                stack.enter_context(misplanned_schedules())
+            if run.get("cpu_graphs"):
+                stack.enter_context(cpu_cuda_graphs())
             module["main"](run["argv"])
         os.environ.clear()
         os.environ.update(saved_env)

@@ -90,7 +90,7 @@ def free_port() -> int:
 
 def launch(tmp: Path, nproc: int, layout: list[str], runs: dict[str, dict], timeout: int) -> dict[str, Run]:
     """Train every run of `runs` (name -> {"perseus": None | "observe" | "optimize", "env",
-    "misplan", "iterations", "argv"}) in one torchrun job of `nproc` CPU processes."""
+    "misplan", "cpu_graphs", "iterations", "argv"}) in one torchrun job of `nproc` CPU processes."""
     config = tmp / "perseus.json"
     config.write_text(json.dumps(PERSEUS))
     entries = []
@@ -102,7 +102,8 @@ def launch(tmp: Path, nproc: int, layout: list[str], runs: dict[str, dict], time
         if run["perseus"] is not None:
             argv += ["--perseus", "--perseus-config", str(config), "--perseus-mode",
                      run["perseus"], "--perseus-log-path", str(tmp / f"{name}-{{rank}}.jsonl")]
-        entries.append({"argv": argv, "env": run.get("env", {}), "misplan": run.get("misplan", False)})
+        entries.append({"argv": argv, "env": run.get("env", {}), "misplan": run.get("misplan", False),
+                        "cpu_graphs": run.get("cpu_graphs", False)})
     runs_file = tmp / "runs.json"
     runs_file.write_text(json.dumps(entries))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

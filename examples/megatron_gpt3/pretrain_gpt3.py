@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Megatron-LM's batch-size ramp-up: the global batch grows from START by "
                             "INCREMENT until --global-batch-size, spread evenly over SAMPLES samples")
     train.add_argument("--train-iters", type=int, default=10)
+    train.add_argument("--cuda-graph-impl", choices=("none", "full_iteration"), default="none",
+                       help="full_iteration: capture the whole forward-backward as one CUDA graph "
+                            "(megatron-core's FullCudaGraphWrapper, as Megatron-LM >= 0.18 spells it) "
+                            "and replay it; perseus-ext then deploys stage-constant plans")
+    train.add_argument("--cuda-graph-warmup-steps", type=int, default=3,
+                       help="eager iterations before the full-iteration graph is captured")
     train.add_argument("--lr", type=float, default=1.5e-4)
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--log-interval", type=int, default=1)
@@ -246,6 +252,10 @@ def train(args: argparse.Namespace) -> dict:
     )
     data = [synthetic_batches(args) for _ in model]
     forward_backward = get_forward_backward_func()
+    if args.cuda_graph_impl == "full_iteration":  # as Megatron-LM's training.py wraps it
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+
+        forward_backward = FullCudaGraphWrapper(forward_backward, cuda_graph_warmup_steps=args.cuda_graph_warmup_steps)
     iterations = []
     summary = None
     consumed_samples = 0

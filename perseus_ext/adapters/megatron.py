@@ -75,6 +75,8 @@ __all__ = ["MegatronPerseus", "PATCH_SURFACES", "add_perseus_args", "chain_extra
            "config_from_args", "install"]
 
 _SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
+_FULL_GRAPH_MODULE = "megatron.core.full_cuda_graph"  # FullCudaGraphWrapper (full-iteration graphs)
+_GRAPH_CALL = "FullCudaGraphWrapper.__call__"
 _NO_PIPELINING = "forward_backward_no_pipelining"
 _WITHOUT_INTERLEAVING = "forward_backward_pipelining_without_interleaving"
 _WITH_INTERLEAVING = "forward_backward_pipelining_with_interleaving"
@@ -134,11 +136,6 @@ def default_clock_reason(execution: MegatronExecution) -> str | None:
                 f"another's backward (their expert all-to-alls overlapped) and calls neither forward_step "
                 f"nor backward_step: no per-computation clock can follow it. perseus-ext measures this job "
                 f"at default clocks (mode observe); drop {COMBINED_1F1B_FLAG} to let it plan clocks")
-    if execution.graph_mode is GraphMode.FULL_ITERATION:
-        return (f"perseus: {execution.graph_flags} replays each training iteration as one CUDA graph "
-                f"(megatron-core's FullCudaGraphWrapper): no hook runs after the capture, so no planned "
-                f"clock can follow the computations. perseus-ext measures this job at default clocks "
-                f"(mode observe)")
     return None
 
 
@@ -266,6 +263,7 @@ class MegatronPerseus:
         self._originals: dict[str, Callable] = {}
         self._schedules: dict[tuple, PipelineSchedule] = {}
         self.execution: MegatronExecution | None = None  # CUDA graphs / combined_1f1b, from args or model config
+        self._graph_call = False  # inside a FullCudaGraphWrapper call: the replay is the iteration
         self._closed = False
 
     # ---- installation ------------------------------------------------------------------
@@ -290,9 +288,21 @@ class MegatronPerseus:
 
     def _unpatch(self) -> None:
         module = importlib.import_module(_SCHEDULES_MODULE)
+        graph_call = self._originals.pop(_GRAPH_CALL, None)
+        if graph_call is not None:
+            importlib.import_module(_FULL_GRAPH_MODULE).FullCudaGraphWrapper.__call__ = graph_call
         for name, original in self._originals.items():
             setattr(module, name, original)
         self._originals.clear()
+
+    def _patch_graph_call(self) -> None:
+        """Make each `FullCudaGraphWrapper` call one perseus-ext iteration (full-iteration
+        graphs): after the capture it only replays, and no hook inside it would run."""
+        if _GRAPH_CALL in self._originals:
+            return
+        wrapper_class = importlib.import_module(_FULL_GRAPH_MODULE).FullCudaGraphWrapper
+        self._originals[_GRAPH_CALL] = wrapper_class.__call__
+        wrapper_class.__call__ = self._wrap_graph_call(wrapper_class.__call__)
 
     def adopt_execution(self, source: Any) -> None:
         """Read the job's CUDA-graph mode and combined_1f1b from `source` (the parsed arguments,
@@ -307,7 +317,12 @@ class MegatronPerseus:
         if not special or self._config is None:
             return
         reason = default_clock_reason(execution)
-        if reason is None:
+        if execution.graph_mode is GraphMode.FULL_ITERATION and reason is None:
+            self._patch_graph_call()
+            log.info("perseus: full-iteration CUDA graph (%s): each FullCudaGraphWrapper call is one "
+                     "iteration; perseus-ext deploys stage-constant plans (one clock per stage, set "
+                     "between replays) solved from perseus.profile_path", execution.graph_flags)
+        elif reason is None:
             log.info("perseus: per-layer CUDA graphs (%s): megatron-core's schedule still calls "
                      "forward_step and backward_step once per computation, so clocks are planned and "
                      "set per computation as without graphs", execution.graph_flags)
@@ -346,12 +361,40 @@ class MegatronPerseus:
 
         return run_iteration
 
+    def _wrap_graph_call(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def run_graph_iteration(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            if self._closed or self._graph_call or kwargs.get("forward_only"):
+                return original(graph, *args, **kwargs)
+            self._schedule_depth += 1
+            self._graph_call = True
+            try:
+                # The wrapped schedule (looked up after install()) names the pipeline's schedule.
+                if not self._start_iteration(kwargs, graph.forward_backward_func, whole=True):
+                    return original(graph, *args, **kwargs)
+                try:
+                    result = original(graph, *args, **kwargs)  # eager warm-up, capture + replay, or replay
+                except BaseException:
+                    self._iteration = None
+                    raise
+            finally:
+                self._graph_call = False
+                self._schedule_depth -= 1
+            self._iteration = None
+            self.runtime.iteration_end()
+            self.metrics.write()
+            return result
+
+        return run_graph_iteration
+
     def _wrap_step(self, original: Callable, kind: Kind) -> Callable:
         signature = inspect.signature(original)
 
         @functools.wraps(original)
         def run_step(*args: Any, **kwargs: Any) -> Any:
             iteration = self._iteration
+            if self._graph_call:  # a full-iteration graph's eager or captured run: not hooked
+                return original(*args, **kwargs)
             if iteration is None:
                 if self._schedule_depth == 0 and not self._closed:
                     self._step_outside_schedule(original.__name__)
@@ -420,11 +463,16 @@ class MegatronPerseus:
         self.runtime.fall_back(f"megatron-core ran {what}, which perseus cannot place in the plan")
         return None
 
-    def _start_iteration(self, bound: dict, original: Callable) -> bool:
+    def _start_iteration(self, bound: dict, original: Callable, whole: bool = False) -> bool:
         models = bound.get("model")
         models = list(models) if isinstance(models, (list, tuple)) else [models]
-        if self.runtime is None and not self._build_runtime(bound, original, models):
+        if self.runtime is None and not self._build_runtime(bound, original, models, whole):
             return False
+        if self.runtime.whole_iterations != whole:
+            # Full-iteration graphs: a schedule call outside the wrapper (or a wrapper call in a
+            # job whose runtime runs per computation) cannot be planned like the others.
+            self.runtime.fall_back("megatron-core ran its schedule both inside and outside "
+                                   "FullCudaGraphWrapper; perseus-ext plans one of the two")
         schedule = self._schedule_of(bound, original, models)
         if schedule != self.schedule:  # e.g. Megatron's batch-size ramp-up: same on every rank
             log.info("perseus: megatron-core now runs %s; re-planning", schedule.describe())
@@ -499,7 +547,7 @@ class MegatronPerseus:
             return torch.cuda.current_device()
         return int(os.environ.get("LOCAL_RANK", "0"))
 
-    def _build_runtime(self, bound: dict, original: Callable, models: list[Any]) -> bool:
+    def _build_runtime(self, bound: dict, original: Callable, models: list[Any], whole: bool = False) -> bool:
         """First training iteration: build the schedule this stage runs and the runtime."""
         if self._resolve_config() is None:  # --perseus not given: stay out of the way for good
             return False
@@ -522,6 +570,7 @@ class MegatronPerseus:
             gpu=self._gpu,
             policy=self._policy,
             local_rank=self._local_device(),
+            whole_iterations=whole,
         )
         from perseus_ext.monitoring import IterationMetrics, megatron_sinks
 
