@@ -48,7 +48,9 @@ class FakeEvent:
         self.clock.now = max(self.clock.now, self.done_at)
 
     def elapsed_time(self, end: "FakeEvent") -> float:
-        """float32 milliseconds between the two device timestamps, as CUDA returns them."""
+        """float32 milliseconds between the two device timestamps, as CUDA returns them (asked
+        only from an earlier event to a later one: what CUDA documents)."""
+        assert end.done_at >= self.done_at, "elapsed_time asked backwards"
         device = self.clock.device_clock
         return float(np.float32((device(end.done_at) - device(self.done_at)) * 1000.0))
 
@@ -116,3 +118,20 @@ def test_without_iteration_anchors_and_after_a_three_hour_pause(monkeypatch):
                                pause_at_s=0.5 * DAY_S, pause_s=3 * 3600.0)
     assert set(worst_ms_by_day) == {0, 1}
     assert all(error_ms < 0.1 for error_ms in worst_ms_by_day.values()), worst_ms_by_day
+
+
+def test_a_marker_noticed_after_a_later_anchor_is_measured_forwards(monkeypatch):
+    """The observer may notice an iteration start (the new anchor) before anyone queries a
+    marker of the previous iteration: its time is then measured from it to the anchor."""
+    clock = Clock(0.0)
+    monkeypatch.setattr(cuda_timeline, "time", types.SimpleNamespace(perf_counter=lambda: clock.now,
+                                                                     sleep=lambda s: None))
+    timeline = CudaTimeline(types.SimpleNamespace(Event=lambda enable_timing=False: FakeEvent(clock)))
+    clock.device_busy_until = clock.now + 0.010
+    earlier = timeline.record_marker()
+    clock.device_busy_until += 0.020
+    start = timeline.record_marker()
+    timeline.anchor_at(start)
+    clock.now = clock.device_busy_until + 50e-6
+    assert start.query() and timeline.anchors == 2
+    assert earlier.device_time_s() == pytest.approx(clock.device_busy_until - 0.020, abs=60e-6)

@@ -119,7 +119,9 @@ class CudaTimeline(DeviceTimeline):
         reference.record()
         # Once, at construction: the first anchor must be complete before elapsed times exist.
         reference.synchronize()
+        self._sequence = itertools.count(1)  # record order (the training thread records every marker)
         self._anchor_event = reference
+        self._anchor_seq = 0
         self._anchor_d = 0.0
         self._next_anchor: CudaMarker | None = None
         self.anchors = 1  # anchors taken so far (the reference included)
@@ -128,7 +130,7 @@ class CudaTimeline(DeviceTimeline):
     def record_marker(self) -> DeviceMarker:
         event = self._cuda.Event(enable_timing=True)
         event.record()
-        return CudaMarker(self, event)
+        return CudaMarker(self, event, next(self._sequence))
 
     def anchor_at(self, marker: DeviceMarker) -> None:
         """Measure later markers from `marker` once the device has reached it (an iteration
@@ -143,13 +145,16 @@ class CudaTimeline(DeviceTimeline):
         """A marker noticed reached at `at_s`: its device time d (tightens the offset, and may
         become the anchor)."""
         with self._lock:
-            d = self._anchor_d + self._anchor_event.elapsed_time(marker.event) / 1000.0
+            if marker.seq >= self._anchor_seq:
+                d = self._anchor_d + self._anchor_event.elapsed_time(marker.event) / 1000.0
+            else:  # recorded before the anchor: always ask CUDA for earlier -> later
+                d = self._anchor_d - marker.event.elapsed_time(self._anchor_event) / 1000.0
             link_s = d - self._anchor_d
             if marker is self._next_anchor or link_s >= ANCHOR_MAX_AGE_S:
                 if marker is self._next_anchor:
                     self._next_anchor = None
                 if link_s > 0:
-                    self._anchor_event, self._anchor_d = marker.event, d
+                    self._anchor_event, self._anchor_seq, self._anchor_d = marker.event, marker.seq, d
                     self.anchors += 1
                     if link_s >= LONG_LINK_S:
                         self.offset.restart()
@@ -163,11 +168,12 @@ class CudaTimeline(DeviceTimeline):
 class CudaMarker(DeviceMarker):
     """One CUDA event; its device time is read once it has completed."""
 
-    __slots__ = ("timeline", "event", "_d")
+    __slots__ = ("timeline", "event", "seq", "_d")
 
-    def __init__(self, timeline: CudaTimeline, event: Any) -> None:
+    def __init__(self, timeline: CudaTimeline, event: Any, seq: int) -> None:
         self.timeline = timeline
         self.event = event
+        self.seq = seq
         self._d: float | None = None
 
     def query(self) -> bool:
