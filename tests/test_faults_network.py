@@ -63,3 +63,19 @@ def test_a_directory_given_as_the_store_is_named_as_such(tmp_path, capsys):
     assert f"batch-size store {tmp_path} is a directory, not a store file" in capsys.readouterr().err
     with pytest.raises(StoreError, match="does not exist"):
         read_states(tmp_path / "missing.db")
+
+
+@pytest.mark.parametrize("quantity_name", ["carbon", "power budget"])
+def test_a_silent_signal_endpoint_is_bounded_by_its_timeout_and_named(silent_server, caplog, quantity_name):
+    """The carbon source and the power-budget URL: a fetch from a server that accepts and never
+    answers ends within its timeout_s, keeps the last value and names the URL and the key."""
+    from perseus_ext.policies.carbon import CARBON, HTTPCarbonSignal
+    from perseus_ext.policies.power_budget import POWER_BUDGET
+
+    quantity = {"carbon": CARBON, "power budget": POWER_BUDGET}[quantity_name]
+    url = f"http://127.0.0.1:{silent_server}/signal"
+    signal = HTTPCarbonSignal(url, timeout_s=0.5, start=False, quantity=quantity)
+    began = time.monotonic()
+    assert signal.fetch() is None
+    assert time.monotonic() - began < 1.5 and signal.failures == 1
+    assert f"{url} failed (timed out after 0.5 s) (bounded by {quantity.key}.timeout_s = 0.5 s)" in caplog.text

@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from array import array
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -60,6 +61,10 @@ class SignalQuantity:
 CARBON = SignalQuantity(
     "carbon", "carbon intensity", "gCO2/kWh", "perseus.policy.carbon", INTENSITY_COLUMNS
 )
+
+
+MAX_READING = 1e12  # no carbon intensity (gCO2/kWh) or power budget (W) is larger
+MAX_TIMESTAMP_S = 1e11  # POSIX seconds: about the year 5138
 
 
 class CarbonSignalError(ConfigError):
@@ -107,9 +112,11 @@ def _parse_time(text: str, where: str) -> float:
     """POSIX seconds from a number or an ISO 8601 date (naive dates are taken as UTC)."""
     text = text.strip()
     try:
-        return float(text)
+        seconds: float | None = float(text)
     except ValueError:
-        pass
+        seconds = None
+    if seconds is not None:
+        return _finite_time(seconds, text, where)
     try:  # Python < 3.11 does not read a trailing "Z"
         moment = datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)
     except ValueError:
@@ -119,6 +126,13 @@ def _parse_time(text: str, where: str) -> float:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
     return moment.timestamp()
+
+
+def _finite_time(seconds: float, text: str, where: str) -> float:
+    if not math.isfinite(seconds) or abs(seconds) > MAX_TIMESTAMP_S:
+        raise CarbonSignalError(f"{where}: timestamp {text.strip()!r} is not a time (seconds within "
+                                f"+/-{MAX_TIMESTAMP_S:g}, or ISO 8601)")
+    return seconds
 
 
 class CSVCarbonTrace(CarbonSignal):
@@ -144,39 +158,53 @@ class CSVCarbonTrace(CarbonSignal):
 
     @staticmethod
     def _read(path: Path, quantity: SignalQuantity) -> tuple[np.ndarray, np.ndarray]:
+        """The trace, read one line at a time through the bounded reader (size, line length
+        and UTF-8 checked; times and values finite, values within MAX_READING): any problem is
+        one CarbonSignalError naming the file, the line and the column."""
+        from perseus_ext.inputs import TABLE_LIMIT_BYTES, InputError, check_file, iter_lines
+
+        what = f"{quantity.label} trace"
+        fix = f"give a CSV with a header 'timestamp,{quantity.columns[0]}' and one reading per line ({quantity.key})"
+        header: list[str] | None = None
+        times, values = array("d"), array("d")
         try:
-            with path.open(newline="", encoding="utf-8") as handle:
-                reader = csv.DictReader(handle)
-                header = [name.strip().lower() for name in reader.fieldnames or []]
-                rows = list(reader)
-        except OSError as err:
+            check_file(path, what=what, limit_bytes=TABLE_LIMIT_BYTES, fix=fix)
+            for number, _, text in iter_lines(path, what=what, fix=fix):
+                if not text.strip():
+                    continue
+                row = next(csv.reader([text]))  # a line is shorter than csv's field limit: no csv.Error
+                if header is None:
+                    header = [name.strip().lower() for name in row]
+                    time_col = next((header.index(c) for c in TIME_COLUMNS if c in header), None)
+                    value_col = next((header.index(c) for c in quantity.columns if c in header), None)
+                    if time_col is None or value_col is None:
+                        raise CarbonSignalError(
+                            f"{path}: header {header} needs a time column ({'/'.join(TIME_COLUMNS)}) and a "
+                            f"{quantity.value_name} column ({'/'.join(quantity.columns)}), e.g. "
+                            f"'timestamp,{quantity.columns[0]}'")
+                    continue
+                where = f"{path}:{number}"
+                if len(row) <= max(time_col, value_col):
+                    raise InputError(path, f"the row has {len(row)} cells, the header {len(header)}", fix,
+                                     line=number, field=header[max(time_col, value_col)])
+                times.append(_parse_time(row[time_col], where))
+                value = check_value(row[value_col].strip(), where, quantity)
+                if value > MAX_READING:
+                    raise InputError(path, f"{quantity.value_name} {value:g} {quantity.unit} is above {MAX_READING:g}",
+                                     fix, line=number, field=header[value_col])
+                values.append(value)
+                if len(times) > 1 and times[-1] <= times[-2]:
+                    raise CarbonSignalError(f"{where}: timestamps must increase strictly; sort the trace by time")
+        except InputError as err:
+            raise CarbonSignalError(str(err).replace(f"cannot read the {what}", f"cannot read {what}")) from None
+        if header is None:
             raise CarbonSignalError(
-                f"cannot read {quantity.label} trace {path}: {err.strerror or err}"
-            ) from None
-        time_col = next((c for c in TIME_COLUMNS if c in header), None)
-        value_col = next((c for c in quantity.columns if c in header), None)
-        if time_col is None or value_col is None:
-            raise CarbonSignalError(
-                f"{path}: header {header} needs a time column ({'/'.join(TIME_COLUMNS)}) and a "
-                f"{quantity.value_name} column ({'/'.join(quantity.columns)}), e.g. "
-                f"'timestamp,{quantity.columns[0]}'"
-            )
-        if not rows:
-            raise CarbonSignalError(
-                f"{path}: {quantity.label} trace is empty; add at least one "
-                f"'{time_col},{value_col}' row"
-            )
-        times, values = [], []
-        for number, row in enumerate(rows, start=2):
-            norm = {str(k).strip().lower(): v for k, v in row.items()}
-            where = f"{path}, line {number}"
-            times.append(_parse_time(norm.get(time_col) or "", where))
-            values.append(check_value((norm.get(value_col) or "").strip(), where, quantity))
-            if len(times) > 1 and times[-1] <= times[-2]:
-                raise CarbonSignalError(
-                    f"{where}: timestamps must increase strictly; sort the trace by time"
-                )
-        return np.array(times), np.array(values)
+                f"{path}: header [] needs a time column ({'/'.join(TIME_COLUMNS)}) and a {quantity.value_name} "
+                f"column ({'/'.join(quantity.columns)}), e.g. 'timestamp,{quantity.columns[0]}'")
+        if not times:
+            raise CarbonSignalError(f"{path}: {quantity.label} trace is empty; add at least one "
+                                    f"'{header[time_col]},{header[value_col]}' row")
+        return np.frombuffer(times, dtype=np.float64).copy(), np.frombuffer(values, dtype=np.float64).copy()
 
     def _trace_time(self, now: float) -> float:
         if self._offset is None:
@@ -416,9 +444,11 @@ class HTTPCarbonSignal(CarbonSignal):
             with self._lock:
                 self.failures += 1
                 last = self._last
+            bound = (f" (bounded by {self.quantity.key}.timeout_s = {self.timeout_s:g} s)"
+                     if isinstance(err, FetchError) and "timed out" in str(err) else "")
             logger.warning(
-                "%s endpoint %s failed (%s); keeping last value %s %s",
-                self.quantity.label, self.url, err, last, self.quantity.unit,
+                "%s endpoint %s failed (%s)%s; keeping last value %s %s",
+                self.quantity.label, self.url, err, bound, last, self.quantity.unit,
             )
             return last
         with self._lock:
