@@ -42,19 +42,26 @@ LONG_LINK_S = 60.0  # an anchor-to-anchor link this long (float32 ms step ~4 us)
 BUCKET_S = 1.0  # device time over which the lowest offset bound is kept
 WINDOW_BUCKETS = 120  # latest buckets holding a bound that the offset's level is taken from (rate-corrected)
 RATE_BUCKETS = 600  # latest buckets holding a bound that the drift rate is fitted to
-REFIT_EVERY = 16  # new buckets between two fits of the rate (a fit reads all RATE_BUCKETS)
+REFIT_EVERY = 16  # new buckets between two fits of the rate (a fit reads the WINDOW_BUCKETS)
 MIN_RATE_SPAN_S = 10.0  # no rate is fitted over a shorter span
 MAX_RATE = 1e-3  # |drift| above 1000 ppm is noise in the bounds, not a clock
 
 
 class OffsetEstimate:
     """host time − device time as a line over device time, from notice bounds; thread-safe to
-    read (one tuple), written under the timeline's lock."""
+    read (one tuple), written under the timeline's lock. Every update costs O(1) but a fit of
+    the rate (every `REFIT_EVERY` new buckets: a pass over `WINDOW_BUCKETS`), whichever thread
+    notices a marker, the training thread included."""
 
     def __init__(self) -> None:
-        self._buckets: collections.deque[list[float]] = collections.deque(maxlen=RATE_BUCKETS)  # [index, d, bound]
+        self._buckets: collections.deque[list[float]] = collections.deque()  # [index, d, bound]
         self._line: tuple[float, float] = (float("inf"), 0.0)  # (level, rate)
         self._new_buckets = 0
+        self._appended = 0
+        # least-squares sums over the buckets, of x = d - origin[0] and y = bound - origin[1]
+        # (centred: a week of device time and a host clock since boot would lose digits)
+        self._origin: tuple[float, float] | None = None
+        self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # n, Σx, Σy, Σxx, Σxy
 
     def add(self, d: float, bound: float) -> None:
         """A marker at device time d was noticed at host time d + bound."""
@@ -63,36 +70,59 @@ class OffsetEstimate:
         if buckets and index <= buckets[-1][0]:
             last = buckets[-1]
             if index == last[0] and bound < last[2]:
+                self._count(last, -1.0)
                 last[1], last[2] = d, bound
-            level, rate = self._line
-            self._line = (min(level, bound - rate * d), rate)
+                self._count(last, 1.0)
+            self._lower(d, bound)
             return
-        buckets.append([index, d, bound])
+        if self._origin is None:
+            self._origin = (d, bound)
+        if len(buckets) == RATE_BUCKETS:
+            self._count(buckets.popleft(), -1.0)
+        bucket = [index, d, bound]
+        buckets.append(bucket)
+        self._count(bucket, 1.0)
+        self._appended += 1
+        if self._appended % RATE_BUCKETS == 0:  # added and removed that often: sum afresh
+            self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]
+            for each in buckets:
+                self._count(each, 1.0)
         self._new_buckets += 1
         if self._new_buckets >= REFIT_EVERY or len(buckets) < REFIT_EVERY:
             self._refit()
         else:
-            level, rate = self._line
-            self._line = (min(level, bound - rate * d), rate)
+            self._lower(d, bound)
+
+    def _count(self, bucket: list[float], sign: float) -> None:
+        x, y = bucket[1] - self._origin[0], bucket[2] - self._origin[1]
+        sums = self._sums
+        sums[0] += sign
+        sums[1] += sign * x
+        sums[2] += sign * y
+        sums[3] += sign * x * x
+        sums[4] += sign * x * y
+
+    def _lower(self, d: float, bound: float) -> None:
+        level, rate = self._line
+        self._line = (min(level, bound - rate * d), rate)
 
     def _refit(self) -> None:
         buckets = self._buckets
         rate = self._line[1]
         self._new_buckets = 0
-        if len(buckets) >= 3 and buckets[-1][1] - buckets[0][1] >= MIN_RATE_SPAN_S:
-            n = len(buckets)
-            mean_d = sum(b[1] for b in buckets) / n
-            mean_bound = sum(b[2] for b in buckets) / n
-            spread = sum((b[1] - mean_d) ** 2 for b in buckets)
+        n, sx, sy, sxx, sxy = self._sums
+        if n >= 3 and buckets[-1][1] - buckets[0][1] >= MIN_RATE_SPAN_S:
+            spread = sxx - sx * sx / n
             if spread > 0:
-                fitted = sum((b[1] - mean_d) * (b[2] - mean_bound) for b in buckets) / spread
-                rate = max(-MAX_RATE, min(MAX_RATE, fitted))
+                rate = max(-MAX_RATE, min(MAX_RATE, (sxy - sx * sy / n) / spread))
         recent = itertools.islice(buckets, max(0, len(buckets) - WINDOW_BUCKETS), None)
         self._line = (min(b[2] - rate * b[1] for b in recent), rate)
 
     def restart(self) -> None:
         """Forget the bounds (the device clock's coordinate may have shifted); keep the rate."""
         self._buckets.clear()
+        self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]
+        self._origin = None
         self._line = (float("inf"), self._line[1])
 
     def offset_s(self, d: float) -> float:
