@@ -375,6 +375,22 @@ def test_cli_table_output_and_plots(tmp_path, capsys):
     assert pngs == ["frontier_8mb_512gpus.png", "timeline_8mb_512gpus.png"]
 
 
+def test_cli_stage_constant_plans(tmp_path, capsys):
+    """--stage-constant: the frontier the runtime deploys under full-iteration CUDA graphs."""
+    from perseus_ext.planning.stage_constant import is_stage_constant, solve_stage_constant
+
+    out = tmp_path / "result.json"
+    code = _cli(["--profile", str(GPT3_A100), "--tp", "8", "--microbatches", "8", "--blocking-power", "a100",
+                 "--scale", "10", "--slowdown", "1.2", "--stage-constant", "--output", str(out)])
+    assert code == 0
+    assert "stage-constant plans" in capsys.readouterr().out
+    rows = {r["strategy"]: r for r in json.loads(out.read_text())}
+    assert 0.0 < rows[PERSEUS]["saving"] < 1.0
+    emulator = Emulator(load_profile(GPT3_A100), JobLayout(8, 8, 64, 8), 83.64, time_scale=10,
+                        solver=solve_stage_constant)
+    assert all(is_stage_constant(plan) for plan in emulator.frontier.plans)
+
+
 def test_cli_sweep_and_bad_input(tmp_path, capsys):
     code = _cli([
         "--profile", str(GPT3_A100), "--microbatches", "8", "--blocking-power", "83.64",

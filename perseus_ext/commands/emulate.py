@@ -63,6 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "times and per-GPU energies are multiplied by SCALE (paper: 10)")
     energy.add_argument("--energy-scale", type=bounded_float(0, MAX_SCALE, inclusive_min=False), default=None,
                         help="per-GPU energy multiplier if it differs from --scale")
+    energy.add_argument("--stage-constant", action="store_true",
+                        help="plan one clock per stage for the whole iteration, as perseus-ext does under "
+                             "megatron-core's full-iteration CUDA graphs (benchmarks/graph_safe_plans.py "
+                             "compares both)")
 
     scenario = parser.add_argument_group("straggler scenario (default: none)")
     which = scenario.add_mutually_exclusive_group()
@@ -112,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from perseus_ext.emulator import Emulator, JobLayout, StragglerScenario, report
     from perseus_ext.errors import ConfigError, PerseusError
     from perseus_ext.planning.profile import load_profile
+    from perseus_ext.planning.stage_constant import solve_stage_constant
 
     profile_path = resolve_profile(args.profile)
     profile = load_profile(profile_path)
@@ -157,11 +162,13 @@ def run(args: argparse.Namespace) -> int:
         )
         emulators.append(Emulator(
             profile, layout, blocking, time_scale=args.scale, energy_scale=args.energy_scale,
+            solver=solve_stage_constant if args.stage_constant else None,
         ))
 
     energy_scale = args.scale if args.energy_scale is None else args.energy_scale
     print(
-        f"profile {profile_path.name}: TP {args.tp} x PP {pp}, {args.schedule}, blocking power "
+        f"profile {profile_path.name}: TP {args.tp} x PP {pp}, {args.schedule}"
+        f"{', stage-constant plans' if args.stage_constant else ''}, blocking power "
         f"{blocking:g} W/GPU, stage time x{args.scale:g}, GPU energy x{energy_scale:g}"
     )
     plot_dir = Path(args.plot_dir) if args.plot_dir else None
