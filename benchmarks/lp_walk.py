@@ -20,6 +20,7 @@ from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.profile import load_profile
 from perseus_ext.planning.relaxation import ConvexRelaxation
 from perseus_ext.planning.schedule import one_f_one_b
+from perseus_ext.planning.solver import planning_model
 
 DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "examples/profiles/gpt3-175b-a100_sxm.csv"
 DEFAULT_ANCHORS = 256
@@ -51,7 +52,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=24)
     parser.add_argument("--blocking-power", type=float, default=83.64)
     args = parser.parse_args()
-    model = CostModel(one_f_one_b(args.stages, args.microbatches), load_profile(args.profile), args.blocking_power)
+    model = planning_model(one_f_one_b(args.stages, args.microbatches), load_profile(args.profile), args.blocking_power)
     t_min = float(model.dag.makespan(model.times[:, 0]))
     slowest = model.times[np.arange(model.num_nodes), model.num_options - 1]
     t_slowest = float(model.dag.makespan(slowest))
