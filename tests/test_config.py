@@ -302,9 +302,10 @@ def test_saved_profile_needs_its_blocking_power(tmp_path):
     given = PerseusConfig.from_dict({"profile_path": str(profile), "blocking_power_w": 80})
     assert given.saved_blocking_power_w is None and given.blocking_power_w == 80.0
     profile_sidecar(profile).write_text(json.dumps({"blocking_power_w": 0}))
-    assert "not a positive number of watts" in error_of({"profile_path": str(profile)})
+    assert "profile.csv.json: blocking_power_w: Input should be greater than 0" in error_of({"profile_path": str(profile)})
     profile_sidecar(profile).write_text("{")
-    assert "cannot read the blocking power" in error_of({"profile_path": str(profile)})
+    assert "profile.csv.json: the side file of perseus.profile_path is not valid JSON" in error_of(
+        {"profile_path": str(profile)})
     profile_sidecar(profile).write_text(json.dumps({"blocking_power_w": 83.64, "gpu": "A100"}))
     config = PerseusConfig.from_dict({"profile_path": str(profile)})
     assert config.saved_blocking_power_w == 83.64 and config.blocking_power_w is None

@@ -63,6 +63,9 @@ CORRUPT = {
     "sidecar without blocking power": (_csv_text(), json.dumps({"gpus_per_stage": 1, "gpu": SIM_NAME}),
                                        "blocking_power_w"),
     "non-numeric blocking power": (_csv_text(), _sidecar(blocking_power_w="lots"), "blocking_power_w"),
+    "deeply nested sidecar": (_csv_text(), '{"blocking_power_w": 83.64, "x": ' + "[" * 5000 + "]" * 5000 + "}",
+                              "nests deeper than 16 levels"),  # was RecursionError
+    "infinite blocking power": (_csv_text(), _sidecar().replace("83.64", "1e999"), "profile_path"),
     "another GPU model": (_csv_text(), _sidecar(gpu="NVIDIA H100 80GB HBM3"), "was measured on NVIDIA H100"),
     "other tensor parallelism": (_csv_text(), _sidecar(gpus_per_stage=4), "4 GPU(s) per stage"),
     "wrong stage count": (_csv_text().replace("\n0,", "\n1,"), _sidecar(), "profile_path"),

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, Field, PlainValidator, PrivateAttr, TypeAdapter, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, TypeAdapter, model_validator
 
 from perseus_ext.errors import ConfigError, SolverError
 from perseus_ext.measurement.gpu import ENV_SPEC as GPU_ENV
@@ -205,28 +205,53 @@ def profile_sidecar(path: str | Path) -> Path:
     return Path(f"{path}.json")
 
 
+class ProfileSidecar(BaseModel):
+    """`<profile_path>.json`: what the profile CSV cannot hold (profile_store.py writes it)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, frozen=True, extra="ignore")
+
+    blocking_power_w: Annotated[float, Field(gt=0.0, le=1e5)] | None = None  # per GPU
+    gpus_per_stage: Annotated[int, Field(ge=1, le=1 << 16)] | None = None
+    gpu: Annotated[str, Field(max_length=256)] | None = None
+
+
+def read_profile_sidecar(profile_path: str | Path, fix: str) -> ProfileSidecar | None:
+    """The side file of a saved profile (None when there is none), through the bounded reader:
+    at most 1 MB of UTF-8 JSON nested at most 16 deep, typed fields (finite, positive); any
+    problem is one ConfigError naming perseus.profile_path, the side file, the field and `fix`."""
+    from pydantic import ValidationError
+
+    from perseus_ext.inputs import CONFIG_DEPTH, InputError, parse_json, read_text, validation_problem
+
+    path = profile_sidecar(profile_path)
+    if not path.exists():
+        return None
+    what = f"side file of {PREFIX}.profile_path"
+    try:
+        data = parse_json(read_text(path, what=what, limit_bytes=SIDECAR_LIMIT_BYTES, fix=fix), path=path, what=what,
+                          fix=fix, max_depth=CONFIG_DEPTH)
+        if not isinstance(data, dict):
+            raise InputError(path, f"must hold a JSON object, got {type(data).__name__}", fix)
+        try:
+            return ProfileSidecar.model_validate(data)
+        except ValidationError as err:
+            field, problem = validation_problem(err)
+            raise InputError(path, problem, fix, field=field) from None
+    except InputError as err:
+        raise ConfigError(f"{PREFIX}.profile_path {profile_path}: {err}") from None
+
+
 def _saved_blocking_power_w(profile_path: str) -> float:
     """The blocking power saved next to an existing profile, or a ConfigError saying how to fix."""
-    sidecar = profile_sidecar(profile_path)
     fix = f"set {PREFIX}.blocking_power_w, or delete {profile_path} so the job profiles again"
-    try:
-        if sidecar.stat().st_size > SIDECAR_LIMIT_BYTES:
-            raise ValueError(f"larger than {SIDECAR_LIMIT_BYTES} bytes")
-        value = json.loads(sidecar.read_text(encoding="utf-8"))["blocking_power_w"]
-    except FileNotFoundError:
+    sidecar = read_profile_sidecar(profile_path, fix)
+    if sidecar is None or sidecar.blocking_power_w is None:
+        missing = "is missing" if sidecar is None else "has no blocking_power_w"
         raise ConfigError(
-            f"{PREFIX}.profile_path {profile_path} has no blocking power ({sidecar} is missing); {fix}"
-        ) from None
-    except (OSError, ValueError, KeyError, TypeError) as err:  # UnicodeDecodeError is a ValueError
-        raise ConfigError(
-            f"{PREFIX}.profile_path: cannot read the blocking power from {sidecar} ({err!r}); {fix}"
-        ) from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(
-            f"{PREFIX}.profile_path: {sidecar} holds blocking_power_w {show(value)}, not a positive number "
-            f"of watts; {fix}"
+            f"{PREFIX}.profile_path {profile_path} has no blocking power ({profile_sidecar(profile_path)} {missing}); "
+            f"{fix}"
         )
-    return float(value)
+    return sidecar.blocking_power_w
 
 
 def _profile_path(path: str) -> str:

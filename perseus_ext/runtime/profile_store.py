@@ -16,13 +16,13 @@ from pathlib import Path
 from perseus_ext.errors import ConfigError, PerseusError
 from perseus_ext.planning.profile import load_profile
 from perseus_ext.planning.schedule import PipelineSchedule
-from perseus_ext.runtime.config import PREFIX, profile_sidecar as sidecar_path
+from perseus_ext.runtime.config import PREFIX, ProfileSidecar, read_profile_sidecar
+from perseus_ext.runtime.config import profile_sidecar as sidecar_path
 from perseus_ext.runtime.records import MeasuredProfile
 
 logger = logging.getLogger(__name__)
 
 KEY = f"{PREFIX}.profile_path"
-SIDECAR_LIMIT_BYTES = 1 << 20
 
 
 class ProfileStore:
@@ -48,33 +48,22 @@ class ProfileStore:
             raise ConfigError(f"{KEY} {self.path} profiles {profile.num_stages} stages, this pipeline "
                               f"has {schedule.num_stages}; {fix}")
         sidecar = self._read_sidecar(fix)
-        saved_gpu = sidecar.get("gpu")
+        saved_gpu = sidecar.gpu
         if saved_gpu is not None and self.gpu_name is not None and saved_gpu != self.gpu_name:
             raise ConfigError(f"{KEY} {self.path} was measured on {saved_gpu}, this job runs on "
                               f"{self.gpu_name}; {fix}")
         per_gpu = self.blocking_override_w
         if per_gpu is None:  # PerseusConfig checked it at the door
             raise ConfigError(f"{KEY} {self.path} has no blocking power; set {PREFIX}.blocking_power_w or {fix}")
-        saved_tp = sidecar.get("gpus_per_stage", self.gpus_per_stage)
+        saved_tp = sidecar.gpus_per_stage if sidecar.gpus_per_stage is not None else self.gpus_per_stage
         if saved_tp != self.gpus_per_stage:
             raise ConfigError(f"{KEY} {self.path} was measured with {saved_tp} GPU(s) per stage, this "
                               f"job has {self.gpus_per_stage}; {fix}")
         return MeasuredProfile(profile, float(per_gpu) * self.gpus_per_stage, self.gpus_per_stage,
                                saved_gpu if saved_gpu is not None else self.gpu_name)
 
-    def _read_sidecar(self, fix: str) -> dict:
-        path = sidecar_path(self.path)
-        if not path.is_file():
-            return {}
-        try:
-            if path.stat().st_size > SIDECAR_LIMIT_BYTES:
-                raise ValueError(f"larger than {SIDECAR_LIMIT_BYTES} bytes")
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:  # UnicodeDecodeError is a ValueError
-            raise ConfigError(f"{path} (beside {KEY}) is unreadable ({err}); {fix}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path} (beside {KEY}) must hold a JSON object; {fix}")
-        return data
+    def _read_sidecar(self, fix: str) -> ProfileSidecar:
+        return read_profile_sidecar(self.path, fix) or ProfileSidecar()
 
     def save(self, measured: MeasuredProfile, schedule: PipelineSchedule) -> None:
         """Write the CSV and its sidecar; a failure is logged (the job goes on without it)."""
