@@ -181,7 +181,9 @@ def config_from_args(args: argparse.Namespace):
         keys = dict.fromkeys(_MENTIONED_KEY.findall(str(exc)))
         flags = [flag_name(key) for key in keys if key in PerseusConfig.model_fields]
         separator = "\n" if "\n" in str(exc) else " "
-        hint = f"{separator}(Megatron flag {', '.join(flags)} or {CONFIG_FLAG})" if flags else ""
+        hint = (f"{separator}(Megatron flag {', '.join(flags)} or {CONFIG_FLAG})" if flags
+                else f"{separator}(in {CONFIG_FLAG} {args.perseus_config})" if getattr(args, "perseus_config", None)
+                else "")
         raise ConfigError(f"{exc}{hint}") from None
 
 
