@@ -108,7 +108,13 @@ def test_a_bad_frontier_file_is_one_line(tmp_path, capsys, content, expected):
     log = write(tmp_path / "log-0.jsonl", rows(0, 20))
     (tmp_path / "f.json").write_bytes(content)
     err = report_error(capsys, log, extra=("--frontier", str(tmp_path / "f.json")))
-    assert expected in err and "perseus.frontier_path" in err
+    assert expected in err and "perseus.frontier_path" in err and "error: --frontier " in err
+
+
+def test_an_output_that_cannot_be_written_names_its_flag_before_the_logs_are_read(tmp_path, capsys):
+    log = write(tmp_path / "log-0.jsonl", rows(0, 20))
+    assert "--output " in report_error(capsys, log, extra=("--output", str(tmp_path)))
+    assert "--plot " in report_error(capsys, log, extra=("--plot", str(tmp_path / "timeline.txt")))
 
 
 # ----------------------------------------------------------------------------- properties

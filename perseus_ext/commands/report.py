@@ -27,13 +27,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from perseus_ext.commands.options import check_plotting, check_writable_file
+    from perseus_ext.errors import ConfigError, PerseusError
     from perseus_ext.reporting import analyse, format_report, plot, read_logs
 
+    if args.output:  # before reading logs of any length
+        check_writable_file(args.output, "--output")
+    if args.plot:
+        check_plotting(args.plot, "--plot")
+        check_writable_file(args.plot, "--plot")
     model = None
     if args.frontier:
         from perseus_ext.planning.frontier import Frontier
 
-        model = Frontier.load(args.frontier).intrinsic_saving()
+        try:
+            model = Frontier.load(args.frontier).intrinsic_saving()
+        except PerseusError as err:
+            raise ConfigError(f"--frontier {err}") from None
     analysis = analyse(read_logs(args.logs, args.job), model, timeline=bool(args.output or args.plot))
     print(format_report(analysis))
     if args.output:
