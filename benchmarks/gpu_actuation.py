@@ -11,9 +11,14 @@ runtime attaches them. It reports:
 * the hook alone on the training thread per computation: the sequencer's two calls around it
   (CUDA event records + the queued clock request), NOT the block's kernel launches or autograd;
   split into the event records and the rest (the request); median, p99;
+* beside it, in the same place, a bare `torch.cuda.Event(enable_timing=True).record()` (two per
+  computation, as the hook records two): what CUDA itself charges for a record right there;
 * the same with the host in step with the device (synchronised at each iteration's end, so
   CUDA's launch queue never fills): with the host far ahead, any launch -- an event record too --
   waits for room in the queue, which is backpressure the next kernel launch would pay anyway;
+* the same with the host ahead but no controller threads (`quiet`: a stand-in controller that
+  only counts requests, no observer): what the worker's and observer's polling of markers
+  (interpreter lock, CUDA queries) adds on the training thread;
 * how far the host leads the device (launch of a computation -> the device starting it);
 * how late the controller's observer notices the device reaching an iteration start;
 * the clock coverage estimated from the event timestamps and the dry-run's change times, for a
@@ -37,6 +42,24 @@ sys.path.insert(1, os.path.dirname(HERE))
 from gpu_check_support import GuardError, Machine, backward_through, build_blocks, install_nvml_guard, stats  # noqa: E402
 
 
+class QuietController:
+    """A controller without threads: it counts requests and never waits on a marker, so the
+    hook's cost with it, against the real controller's, is what the worker's and the observer's
+    polling (the interpreter lock, CUDA event queries) adds to the training thread."""
+
+    def __init__(self) -> None:
+        from perseus_ext.actuation.issue_delay import IssueDelay
+
+        self.issue_delay = IssueDelay()
+        self.requests = 0
+
+    def set_clock(self, mhz: int, at: Any = None, after_s: float = 0.0, by: Any = None) -> None:
+        self.requests += 1
+
+    def reset(self, at: Any = None) -> None:
+        self.requests += 1
+
+
 class TimedTimeline:
     """A timeline whose `record_marker` (the CUDA event record) is timed: the hook's share that
     is the event, apart from the sequencer's logic and the queued request."""
@@ -56,8 +79,10 @@ class TimedTimeline:
 
 
 def measure_actuation(machine: Machine, gpu: Any, *, layers: int, hidden: int, sequence: int, batch: int,
-                      iterations: int, in_step_iterations: int, deadline: float) -> dict[str, Any]:
-    """Run `iterations` with the host ahead, then `in_step_iterations` synchronised at their end."""
+                      iterations: int, in_step_iterations: int, deadline: float,
+                      quiet_iterations: int = 10) -> dict[str, Any]:
+    """Run `iterations` with the host ahead, then `quiet_iterations` with the host ahead and no
+    controller threads, then `in_step_iterations` synchronised at their end."""
     torch = machine.torch
     from perseus_ext.actuation.controller import FrequencyController
     from perseus_ext.actuation.sequencer import ClockSequencer
@@ -72,14 +97,22 @@ def measure_actuation(machine: Machine, gpu: Any, *, layers: int, hidden: int, s
     controller = FrequencyController(gpu, dry_run=True, watchdog=False, handle_signals=False)
     timeline = TimedTimeline(machine.timeline())
     sequencer = ClockSequencer(controller, timeline, latency=latency)
+    quiet_sequencer = ClockSequencer(QuietController(), timeline, latency=latency)
     computations = 2 * layers
     plan = tuple(plan_clocks[(k // 2) % 2] for k in range(computations))
-    phases = {"ahead": {"hook": [], "record": [], "traces": []}, "in_step": {"hook": [], "record": [], "traces": []}}
+    phases = {name: {"hook": [], "record": [], "bare": [], "traces": []} for name in ("ahead", "quiet", "in_step")}
+    Event = machine.cuda.Event
+    bare_events: list[Any] = []  # the bare records' events, dropped at the next iteration start
     start_hook_us: list[float] = []
 
-    def hooked(phase: dict[str, list], launches: list[float], launch: Any) -> Any:
+    def hooked(phase: dict[str, list], sequencer: ClockSequencer, launches: list[float], launch: Any) -> Any:
         """One computation between the sequencer's two hooks; the hooks alone are timed (and,
-        within them, the event records: the block's launches record none)."""
+        within them, the event records: the block's launches record none), and so is a bare
+        event record just before the first hook and just after the second."""
+        b0 = time.perf_counter_ns()
+        first = Event(enable_timing=True)  # kept, as markers are: no destruction timed
+        first.record()
+        b1 = time.perf_counter_ns()
         timeline.record_ns = 0
         t0 = time.perf_counter_ns()
         sequencer.computation_started()
@@ -89,39 +122,52 @@ def measure_actuation(machine: Machine, gpu: Any, *, layers: int, hidden: int, s
         t2 = time.perf_counter_ns()
         sequencer.computation_finished()
         t3 = time.perf_counter_ns()
+        second = Event(enable_timing=True)
+        second.record()
+        b3 = time.perf_counter_ns()
+        bare_events.extend((first, second))
         phase["hook"].append((t1 - t0 + t3 - t2) / 1000.0)
         phase["record"].append(timeline.record_ns / 1000.0)
+        phase["bare"].append((b1 - b0 + b3 - t3) / 1000.0)
         return result
 
     durations = None
     iteration = 0
     try:
-        while iteration < iterations + in_step_iterations and time.perf_counter() < deadline:
-            phase = phases["ahead" if iteration < iterations else "in_step"]
+        quiet_end = iterations + quiet_iterations
+        while iteration < quiet_end + in_step_iterations and time.perf_counter() < deadline:
+            name = "ahead" if iteration < iterations else "quiet" if iteration < quiet_end else "in_step"
+            phase = phases[name]
+            if iteration == iterations:  # the real controller's worker and observer fall idle
+                machine.synchronize()
+                controller.flush(10)
+            hooks = quiet_sequencer if name == "quiet" else sequencer
+            bare_events.clear()
             began = time.perf_counter_ns()
-            start = sequencer.start_iteration(iteration, plan, durations)
-            start_hook_us.append((time.perf_counter_ns() - began) / 1000.0)
-            controller.observe(start, iteration)
+            start = hooks.start_iteration(iteration, plan, durations)
+            if name != "quiet":
+                start_hook_us.append((time.perf_counter_ns() - began) / 1000.0)
+                controller.observe(start, iteration)
             launches: list[float] = []
             inputs, outputs = [], []
             current = data
             for block in blocks:  # forward: one computation per block
                 current = current.detach().requires_grad_(True)
-                out = hooked(phase, launches, lambda: block(current))
+                out = hooked(phase, hooks, launches, lambda: block(current))
                 inputs.append(current)
                 outputs.append(out)
                 current = out
             grad = torch.ones_like(outputs[-1])
             for index in reversed(range(len(outputs))):  # backward: one computation per block
-                grad = hooked(phase, launches, lambda: backward_through(
+                grad = hooked(phase, hooks, launches, lambda: backward_through(
                     machine, blocks[index], outputs[index], inputs[index], grad))
             for block in blocks:
                 block.zero_grad(set_to_none=True)
-            phase["traces"].append((sequencer.trace, launches))
+            phase["traces"].append((hooks.trace, launches))
             if iteration == 1:  # planned durations from a timed iteration, to issue changes ahead
                 machine.synchronize()
                 durations = tuple(end - begin for begin, end, _ in sequencer.trace.device_spans())
-            if iteration >= iterations:
+            if iteration >= quiet_end:
                 machine.synchronize()  # in step: the launch queue is empty when the next one starts
             iteration += 1
         machine.synchronize()
@@ -138,17 +184,20 @@ def measure_actuation(machine: Machine, gpu: Any, *, layers: int, hidden: int, s
     all_spans = []
     for name, phase in phases.items():
         host_lead_ms, compute_ms = [], []
-        for trace, launches in phase["traces"][2 if name == "ahead" else 0:]:
+        # the host's lead builds up over the first iterations of a phase whose host runs ahead
+        for trace, launches in phase["traces"][2 if name != "in_step" else 0:]:
             spans = trace.device_spans() or []
             if name == "ahead":
                 all_spans.extend(spans)
             compute_ms.extend(1000.0 * (end - begin) for begin, end, _ in spans)
             host_lead_ms.extend(1000.0 * (begin - launched) for (begin, _, _), launched in zip(spans, launches))
-        suffix = "" if name == "ahead" else "_in_step"
-        request_us = [hook - record for hook, record in zip(phase["hook"], phase["record"])]
-        figures.update({f"hook_us{suffix}": stats(phase["hook"]), f"hook_event_records_us{suffix}": stats(phase["record"]),
-                        f"hook_request_us{suffix}": stats(request_us), f"host_lead_ms{suffix}": stats(host_lead_ms),
-                        f"computation_ms{suffix}": stats(compute_ms)})
+        suffix = "" if name == "ahead" else f"_{name}"
+        skip = 2 * computations if name == "quiet" else 0  # as its traces: the lead builds up again
+        hook, record, bare = (phase[key][skip:] for key in ("hook", "record", "bare"))
+        request_us = [h - r for h, r in zip(hook, record)]
+        figures.update({f"hook_us{suffix}": stats(hook), f"hook_event_records_us{suffix}": stats(record),
+                        f"hook_request_us{suffix}": stats(request_us), f"bare_event_records_us{suffix}": stats(bare),
+                        f"host_lead_ms{suffix}": stats(host_lead_ms), f"computation_ms{suffix}": stats(compute_ms)})
     tally = estimate_coverage(all_spans, changes, latency, None, default_clock_mhz=clocks[0])
     figures.update({
         "iteration_start_hook_us": stats(start_hook_us), "notice_delay_ms": stats(notices_ms),
@@ -166,6 +215,7 @@ def main() -> int:
     parser.add_argument("--sequence", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--iterations", type=int, default=40, help="iterations with the host ahead")
+    parser.add_argument("--quiet-iterations", type=int, default=10, help="iterations ahead without controller threads")
     parser.add_argument("--in-step-iterations", type=int, default=10, help="iterations synchronised at their end")
     parser.add_argument("--output", "--json", dest="json", help="also write the figures to this file")
     args = parser.parse_args()
@@ -189,7 +239,8 @@ def main() -> int:
 
     figures = measure_actuation(Machine(cpu=False), open_gpu("nvml"), layers=args.layers, hidden=args.hidden,
                                 sequence=args.sequence, batch=args.batch, iterations=args.iterations,
-                                in_step_iterations=args.in_step_iterations, deadline=time.perf_counter() + 600)
+                                in_step_iterations=args.in_step_iterations, quiet_iterations=args.quiet_iterations,
+                                deadline=time.perf_counter() + 600)
     for key, value in figures.items():
         print(f"{key:<30} {value}")
     if args.json:

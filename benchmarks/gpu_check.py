@@ -20,7 +20,12 @@ a crash or a timeout still leaves the figures measured before it. Sections:
                   alternating two clocks;
 * end_to_end      perseus-ext's runtime end to end in dry-run: two pipeline stages' computations
                   (1F1B, 4 microbatches) in one process, a saved profile, the solve, deployed
-                  iterations, and the coverage the runtime estimates.
+                  iterations, and the coverage the runtime estimates;
+* cuda_graphs     (gpu_graphs.py) per-layer graphs with the hooks and markers around each graphed
+                  block, against the same blocks eagerly; a full-iteration graph with external
+                  CUDA events captured at every computation boundary (re-recorded at each replay?
+                  can another stream and perseus-ext's observer wait on them?); the capture probe,
+                  and whether polling events from a thread breaks a capture.
 
 Needs torch with CUDA, nvidia-ml-py, and perseus-ext's own dependencies (wheels:
 benchmarks/gpu_wheels.sh). The whole run stops itself after --budget-s seconds.
@@ -45,6 +50,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
 from gpu_actuation import measure_actuation  # noqa: E402
+from gpu_graphs import section_cuda_graphs  # noqa: E402
 from gpu_check_support import (  # noqa: E402
     Budget,
     GuardError,
@@ -388,9 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequence", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--iterations", type=int, default=40, help="actuation: iterations with the host ahead")
+    parser.add_argument("--quiet-iterations", type=int, default=10,
+                        help="actuation: iterations with the host ahead and no controller threads")
     parser.add_argument("--in-step-iterations", type=int, default=10,
                         help="actuation: iterations synchronised at their end (the launch queue never fills)")
     parser.add_argument("--e2e-iterations", type=int, default=30)
+    parser.add_argument("--graph-iterations", type=int, default=12,
+                        help="cuda_graphs: hooked iterations per-layer, eager and graphed")
+    parser.add_argument("--graph-replays", type=int, default=20, help="cuda_graphs: replays of the full-iteration graph")
     args = parser.parse_args(argv)
     defaults = dict(layers=4, hidden=64, sequence=16, batch=2) if args.cpu else \
         dict(layers=4, hidden=4096, sequence=1024, batch=4)
@@ -446,12 +457,16 @@ def main(argv: list[str] | None = None) -> int:
     run_section(report, "event_timing", budget, 8, lambda d: section_event_timing(machine, d))
     run_section(report, "actuation", budget, 50, lambda d: measure_actuation(
         machine, gpu, layers=args.layers, hidden=args.hidden, sequence=args.sequence, batch=args.batch,
-        iterations=args.iterations, in_step_iterations=args.in_step_iterations, deadline=d))
+        iterations=args.iterations, in_step_iterations=args.in_step_iterations,
+        quiet_iterations=args.quiet_iterations, deadline=d))
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as workdir:
         run_section(report, "end_to_end", budget, 80,
                     lambda d: section_end_to_end(machine, gpu, args, d, workdir))
+    # Last: a capture broken on purpose (a thread polling events during a global-mode capture)
+    # must not spoil the sections before it.
+    run_section(report, "cuda_graphs", budget, 60, lambda d: section_cuda_graphs(machine, gpu, args, d))
     report.set("guard_attempts", list(attempts))  # writes perseus-ext tried (must be empty in dry-run)
     report.set("finished_utc", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     faulthandler.cancel_dump_traceback_later()

@@ -61,7 +61,8 @@ def test_the_guard_on_the_fake_keeps_writes_from_it():
 def test_cpu_mode_runs_every_section_and_the_guard_stops_a_live_controller(tmp_path):
     out = tmp_path / "check.json"
     process = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--cpu", "--json", str(out),
-                              "--budget-s", "150", "--iterations", "12", "--e2e-iterations", "12"],
+                              "--budget-s", "150", "--iterations", "12", "--e2e-iterations", "12",
+                              "--graph-iterations", "4", "--graph-replays", "3"],
                              capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -72,16 +73,27 @@ def test_cpu_mode_runs_every_section_and_the_guard_stops_a_live_controller(tmp_p
     assert report["guard_attempts"] == []  # the measured sections (dry-run) tried no write at all
     sections = report["sections"]
     assert set(sections) == {"environment", "nvml_reads", "energy_counter", "event_timing", "actuation",
-                             "end_to_end"}
+                             "end_to_end", "cuda_graphs"}
     assert not [name for name, figures in sections.items() if "error" in figures]
     assert sections["energy_counter"]["update_period_ms"]["median"] == pytest.approx(20, abs=5)
     assert sections["event_timing"]["float32_quantum_ms_after_7_days"] == 64.0
     actuation = sections["actuation"]
-    assert actuation["iterations"] == 12 + 10 and actuation["hook_us"]["n"] == 12 * 8
+    assert actuation["iterations"] == 12 + 10 + 10 and actuation["hook_us"]["n"] == 12 * 8
     assert actuation["hook_us_in_step"]["n"] == 10 * 8 and actuation["hook_event_records_us"]["n"] == 12 * 8
+    assert actuation["hook_us_quiet"]["n"] == (10 - 2) * 8 and actuation["bare_event_records_us"]["n"] == 12 * 8
     assert actuation["hook_event_records_us"]["median"] < actuation["hook_us"]["median"]
     assert actuation["notice_delay_ms"]["n"] == 22 and actuation["estimated_coverage"] is not None
     (stage,) = sections["end_to_end"]["stages"]
     assert stage["dry_run"] and stage["final_phase"] == "deployed" and stage["deployed_iterations"] >= 8
     assert stage["dry_run_changes"] > 0 and stage["estimated_coverage"] is not None
+    graphs = sections["cuda_graphs"]  # a stand-in on CPU: the code runs, the answers are the GPU's to give
+    assert graphs["mode"].startswith("cpu stand-in")
+    assert not [part for part in ("per_layer", "full_iteration", "capture_probe") if "error" in graphs[part]]
+    for run in ("eager", "graphed"):
+        assert graphs["per_layer"][run]["iterations_all_markers_paired"] == 4 - 2
+        assert graphs["per_layer"][run]["estimated_coverage"] is not None
+    full = graphs["full_iteration"]
+    assert full["in_step"]["replays"] == 3 and full["in_step"]["computation_ms"]["n"] == 3 * 8
+    assert full["observer_in_step"]["markers_observed"] == 3 * 9 and full["controller_errors"] == 0
+    assert graphs["capture_probe"]["inside"]["torch"] and not graphs["capture_probe"]["after"]["torch"]
     assert "hook_us" in process.stdout  # the table

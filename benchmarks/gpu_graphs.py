@@ -1,0 +1,465 @@
+"""CUDA graphs and perseus-ext's device markers on a real GPU (issue 28), read-only, in dry-run.
+
+`gpu_check.py` runs this as its `cuda_graphs` section. It answers, on the hardware:
+
+* per_layer -- each transformer block's forward and backward captured on its own
+  (`torch.cuda.make_graphed_callables`, as Megatron's per-layer graphs do), the sequencer's hooks
+  and device markers around each graphed call, a dry-run controller: do the markers pair with
+  computations (every start and end marker reached, in order, each span as long as the
+  computation), and is the estimated clock coverage what it is for the same blocks run eagerly,
+  side by side (same plan, same controller)? How far does the host run ahead with graphs?
+* full_iteration -- a whole forward+backward captured once into one graph, with
+  `torch.cuda.Event(enable_timing=True, external=True)` recorded at every computation boundary
+  during the capture, then replayed: are those events recorded again at every replay (still
+  pending right after the replay's launch; inside the bracket of two ordinary events recorded
+  around that launch; per-replay computation times that match the eager ones)? Can another
+  stream wait on one (`cudaStreamWaitEvent`)? Can perseus-ext's observer thread wait on them
+  (CudaMarker around the captured event, polled with `query`), with the replays launched back to
+  back (host ahead: each replay's launch re-records the events) and with the host in step?
+* capture_probe -- `torch.cuda.is_current_stream_capturing()` and perseus-ext's own probe
+  (`runtime/capture.py`) inside a capture and outside; and whether a thread polling a CUDA
+  event's `query()` during a capture (what perseus-ext's worker and observer do) breaks a capture
+  in CUDA's default "global" mode, and in "thread_local" mode. Run last: a broken capture must not
+  spoil the other answers.
+
+`--cpu`: there are no CUDA graphs on a CPU; a stand-in graph (replay runs the captured function
+again, events are reached when recorded) drives the same code so that it cannot rot. Its answers
+say nothing about CUDA and are marked as such.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from gpu_check_support import Machine, backward_through, build_blocks, stats
+
+
+# ----------------------------------------------------------------------------- graph kits
+class CudaGraphs:
+    """torch.cuda's graph API."""
+
+    fake = False
+    external_unsupported = False
+
+    def __init__(self, machine: Machine) -> None:
+        self.torch = machine.torch
+        self.cuda = machine.torch.cuda
+
+    def graphed(self, block: Any, sample: Any) -> Any:
+        return self.cuda.make_graphed_callables(block, (sample,))
+
+    def capture(self, body: Callable[[], None], warmup: Callable[[], None], mode: str = "thread_local") -> Any:
+        """Warm up on a side stream (lazy initialisation must not be captured), then capture."""
+        side = self.cuda.Stream()
+        side.wait_stream(self.cuda.current_stream())
+        with self.cuda.stream(side):
+            for _ in range(3):
+                warmup()
+        self.cuda.current_stream().wait_stream(side)
+        graph = self.cuda.CUDAGraph()
+        with self.cuda.graph(graph, capture_error_mode=mode):
+            body()
+        return graph
+
+    def external_event(self) -> Any:
+        try:
+            return self.cuda.Event(enable_timing=True, external=True)
+        except TypeError:  # a torch without `external`: the answer is then about internal events
+            self.external_unsupported = True
+            return self.cuda.Event(enable_timing=True)
+
+    def capturing(self) -> bool:
+        return bool(self.cuda.is_current_stream_capturing())
+
+    def waiter_after(self, event: Any) -> Any:
+        """An ordinary event recorded on another stream after that stream waits for `event`."""
+        stream = self.cuda.Stream()
+        stream.wait_event(event)
+        waiter = self.cuda.Event(enable_timing=True)
+        waiter.record(stream)
+        return waiter
+
+
+class FakeGraph:
+    def __init__(self, body: Callable[[], None]) -> None:
+        self.body = body
+
+    def replay(self) -> None:
+        self.body()
+
+
+class FakeGraphs:
+    """--cpu: a graph that runs its function again at each replay; nothing is captured."""
+
+    fake = True
+    external_unsupported = False
+
+    def __init__(self, machine: Machine) -> None:
+        self.machine = machine
+        self._capturing = False
+
+    def graphed(self, block: Any, sample: Any) -> Any:
+        return block
+
+    def capture(self, body: Callable[[], None], warmup: Callable[[], None], mode: str = "thread_local") -> Any:
+        warmup()
+        self._capturing = True
+        try:
+            body()
+        finally:
+            self._capturing = False
+        return FakeGraph(body)
+
+    def external_event(self) -> Any:
+        return self.machine.cuda.Event(enable_timing=True)
+
+    def capturing(self) -> bool:
+        return self._capturing
+
+    def waiter_after(self, event: Any) -> Any:
+        waiter = self.machine.cuda.Event(enable_timing=True)
+        waiter.record()
+        return waiter
+
+
+# ----------------------------------------------------------------------------- per-layer graphs
+def hooked_iterations(machine: Machine, gpu: Any, blocks: Any, forwards: list[Any], data: Any, iterations: int,
+                      deadline: float) -> dict[str, Any]:
+    """Iterations of forward+backward, one computation per block, between the sequencer's hooks,
+    with a dry-run controller and a plan alternating two clocks every two computations."""
+    torch = machine.torch
+    from perseus_ext.actuation.controller import FrequencyController
+    from perseus_ext.actuation.sequencer import ClockSequencer
+    from perseus_ext.measurement.coverage import estimate_coverage
+    from perseus_ext.measurement.gpu import gpu_switch_latency
+
+    latency = gpu_switch_latency(gpu)
+    clocks = gpu.supported_sm_clocks()
+    computations = 2 * len(blocks)
+    plan = tuple((clocks[0], clocks[len(clocks) // 3])[(k // 2) % 2] for k in range(computations))
+    controller = FrequencyController(gpu, dry_run=True, watchdog=False, handle_signals=False)
+    sequencer = ClockSequencer(controller, machine.timeline(), latency=latency)
+    traces, hook_us, durations = [], [], None
+
+    def hooked(launches: list[float], launch: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter_ns()
+        sequencer.computation_started()
+        t1 = time.perf_counter_ns()
+        launches.append(t1 / 1e9)
+        result = launch()
+        t2 = time.perf_counter_ns()
+        sequencer.computation_finished()
+        hook_us.append((t1 - t0 + time.perf_counter_ns() - t2) / 1000.0)
+        return result
+
+    try:
+        for iteration in range(iterations):
+            if time.perf_counter() > deadline:
+                break
+            controller.observe(sequencer.start_iteration(iteration, plan, durations), iteration)
+            launches: list[float] = []
+            inputs, outputs, current = [], [], data
+            for forward in forwards:
+                current = current.detach().requires_grad_(True)
+                out = hooked(launches, lambda: forward(current))
+                inputs.append(current)
+                outputs.append(out)
+                current = out
+            grad = torch.ones_like(outputs[-1])
+            for index in reversed(range(len(outputs))):
+                grad = hooked(launches, lambda: backward_through(machine, blocks[index], outputs[index],
+                                                                 inputs[index], grad))
+            for block in blocks:
+                block.zero_grad(set_to_none=True)
+            traces.append((sequencer.trace, launches))
+            if iteration == 1:
+                machine.synchronize()
+                durations = tuple(end - begin for begin, end, _ in sequencer.trace.device_spans())
+        machine.synchronize()
+        controller.flush(10)
+        changes = [(c.issued_s, c.mhz) for c in controller.drain_changes()]
+    finally:
+        controller.close()
+    paired = in_order = 0
+    spans_all, compute_ms, lead_ms = [], [], []
+    for trace, launches in traces[2:]:
+        spans = trace.device_spans()
+        if spans is None or len(spans) != computations:
+            continue
+        paired += 1
+        ends = [end for _, end, _ in spans]
+        starts = [begin for begin, _, _ in spans]
+        in_order += all(b <= e for b, e, _ in spans) and all(e <= s + 1e-6 for e, s in zip(ends, starts[1:]))
+        spans_all.extend(spans)
+        compute_ms.extend(1000.0 * (end - begin) for begin, end, _ in spans)
+        lead_ms.extend(1000.0 * (begin - launched) for (begin, _, _), launched in zip(spans, launches))
+    tally = estimate_coverage(spans_all, changes, latency, None, default_clock_mhz=clocks[0])
+    return {"iterations": len(traces), "iterations_counted": max(0, len(traces) - 2),
+            "iterations_all_markers_paired": paired, "iterations_markers_in_order": in_order,
+            "computation_ms": stats(compute_ms), "host_lead_ms": stats(lead_ms), "hook_us": stats(hook_us),
+            "clock_changes": len(changes), "estimated_coverage": tally.coverage}
+
+
+def per_layer_graphs(machine: Machine, kit: Any, gpu: Any, args: Any, deadline: float) -> dict[str, Any]:
+    torch = machine.torch
+    blocks = build_blocks(machine, args.layers, args.hidden)
+    data = torch.randn(args.batch, args.sequence, args.hidden, device=machine.device, dtype=machine.dtype)
+    half = max(time.perf_counter(), (time.perf_counter() + deadline) / 2)
+    eager = hooked_iterations(machine, gpu, blocks, list(blocks), data, args.graph_iterations, half)
+    began = time.perf_counter()
+    graphed = []
+    for block in blocks:  # make_graphed_callables patches the module: the eager run came first
+        sample = torch.randn(args.batch, args.sequence, args.hidden, device=machine.device, dtype=machine.dtype,
+                             requires_grad=True)
+        graphed.append(kit.graphed(block, sample))
+    capture_s = time.perf_counter() - began
+    with_graphs = hooked_iterations(machine, gpu, blocks, graphed, data, args.graph_iterations, deadline)
+    return {"eager": eager, "graphed": with_graphs, "capture_s": round(capture_s, 3),
+            "coverage_graphed_minus_eager": (None if None in (eager["estimated_coverage"], with_graphs["estimated_coverage"])
+                                             else round(with_graphs["estimated_coverage"] - eager["estimated_coverage"], 4))}
+
+
+# ----------------------------------------------------------------------------- full-iteration graph
+def _iteration_body(machine: Machine, blocks: Any, data: Any, record: Callable[[int], None]) -> None:
+    """Forward then backward through every block (input and weight gradients), calling
+    `record(k)` at each computation boundary (k = 0 before the first, k after computation k)."""
+    torch = machine.torch
+    record(0)
+    inputs, outputs, current = [], [], data
+    for block in blocks:
+        current = current.detach().requires_grad_(True)
+        out = block(current)
+        inputs.append(current)
+        outputs.append(out)
+        current = out
+        record(len(outputs))
+    grad = torch.ones_like(outputs[-1])
+    for index in reversed(range(len(outputs))):
+        grad = backward_through(machine, blocks[index], outputs[index], inputs[index], grad)
+        record(2 * len(outputs) - index)
+
+
+def full_iteration_graph(machine: Machine, kit: Any, gpu: Any, args: Any, deadline: float,
+                         eager_ms: float | None) -> dict[str, Any]:
+    torch = machine.torch
+    from perseus_ext.actuation.controller import FrequencyController
+    from perseus_ext.measurement.gpu.cuda_timeline import CudaMarker
+
+    blocks = build_blocks(machine, args.layers, args.hidden)
+    data = torch.randn(args.batch, args.sequence, args.hidden, device=machine.device, dtype=machine.dtype)
+    computations = 2 * len(blocks)
+    events = [kit.external_event() for _ in range(computations + 1)]
+    inside: dict[str, Any] = {}
+
+    def zero() -> None:
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
+
+    def warmup() -> None:
+        _iteration_body(machine, blocks, data, lambda k: None)
+        zero()
+
+    def body() -> None:
+        inside["torch_is_current_stream_capturing"] = kit.capturing()
+        _iteration_body(machine, blocks, data, lambda k: events[k].record())
+
+    began = time.perf_counter()
+    zero()
+    graph = kit.capture(body, warmup)
+    figures: dict[str, Any] = {"capture_s": round(time.perf_counter() - began, 3),
+                               "inside_capture": inside, "events": f"{computations + 1} external events, "
+                               "one per computation boundary, recorded during capture",
+                               "external_kwarg_unsupported": kit.external_unsupported}
+    Event = machine.cuda.Event
+
+    def replay_once() -> tuple[Any, Any, list[bool], Any]:
+        """Bracketed replay; whether the first and last captured events are pending right after
+        the launch (they are when the launch records them again: the replay takes ms)."""
+        before = Event(enable_timing=True)
+        before.record()
+        graph.replay()
+        pending = [not events[0].query(), not events[-1].query()]
+        waiter = kit.waiter_after(events[len(blocks)])  # another stream waits for the end of forward
+        after = Event(enable_timing=True)
+        after.record()
+        return before, after, pending, waiter
+
+    # 1. In step: per-replay times, bracket, pending-after-launch, stream wait.
+    per_replay_ms, pending_first, pending_last, inside_bracket, waits_honoured = [], 0, 0, 0, 0
+    computation_ms, waiter_after_mid_ms = [], []
+    replays = 0
+    elapsed_error = None
+    while replays < args.graph_replays and time.perf_counter() < deadline:
+        before, after, pending, waiter = replay_once()
+        after.synchronize()
+        machine.synchronize()
+        replays += 1
+        pending_first += pending[0]
+        pending_last += pending[1]
+        try:
+            times = [events[k].elapsed_time(events[k + 1]) for k in range(computations)]
+            per_replay_ms.append(events[0].elapsed_time(events[-1]))
+            computation_ms.extend(times)
+            inside_bracket += before.elapsed_time(events[0]) >= 0 and events[-1].elapsed_time(after) >= 0
+            mid_to_waiter = events[len(blocks)].elapsed_time(waiter)
+            waiter_after_mid_ms.append(mid_to_waiter)
+            waits_honoured += mid_to_waiter >= 0 and waiter.elapsed_time(events[-1]) > 0
+        except Exception as err:  # noqa: BLE001 - the answer is that it does not work
+            elapsed_error = repr(err)
+            break
+    figures["in_step"] = {
+        "replays": replays, "pending_right_after_launch": {"first_event": pending_first, "last_event": pending_last},
+        "inside_own_replay_bracket": inside_bracket, "stream_wait_honoured": waits_honoured,
+        "elapsed_time_error": elapsed_error, "replay_ms": stats(per_replay_ms), "computation_ms": stats(computation_ms),
+        "stream_waiter_after_forward_end_ms": stats(waiter_after_mid_ms),
+    }
+    figures["eager_computation_ms_median"] = eager_ms
+    if eager_ms and computation_ms:
+        figures["graph_over_eager_computation"] = round(stats(computation_ms)["median"] / eager_ms, 3)
+
+    # 2. perseus-ext's observer (the controller's thread) waiting on CudaMarkers around the captured
+    # events: host in step (flush before the next replay) and back to back (host ahead).
+    controller = FrequencyController(gpu, dry_run=True, watchdog=False, handle_signals=False)
+    timeline = machine.timeline()
+    clocks = gpu.supported_sm_clocks()
+    try:
+        for mode in ("observer_in_step", "observer_back_to_back"):
+            brackets: list[tuple[Any, Any]] = []
+            count = 0
+            while count < args.graph_replays and time.perf_counter() < deadline:
+                before, after, _, _ = replay_once()
+                brackets.append((before, after))
+                for k, event in enumerate(events):
+                    marker = CudaMarker(timeline, event)
+                    controller.observe(marker, (count, k, before, after))
+                    if 0 < k < computations:
+                        controller.set_clock(clocks[(k // 2) % 2 * (len(clocks) // 3)], at=marker)
+                controller.reset(at=CudaMarker(timeline, events[-1]))
+                if mode == "observer_in_step":
+                    machine.synchronize()
+                    controller.flush(5)
+                count += 1
+            machine.synchronize()
+            flushed = controller.flush(10)
+            seen = controller.observations()
+            own, notice_ms = 0, []
+            for observation in seen:
+                _, _, before, after = observation.tag
+                delay_ms = 1000.0 * (observation.noticed_s - observation.device_time_s)
+                notice_ms.append(delay_ms)
+                # its own replay: reached after the bracket's opening event and before its closing one
+                opening, closing = CudaMarker(timeline, before), CudaMarker(timeline, after)
+                t0, t1 = opening.device_time_s(), closing.device_time_s()
+                if t0 is not None and t1 is not None and t0 - 1e-6 <= observation.device_time_s <= t1 + 1e-6:
+                    own += 1
+            figures[mode] = {"replays": count, "markers_observed": len(seen), "flushed": flushed,
+                             "observed_in_own_replay": own, "notice_delay_ms": stats(notice_ms),
+                             "dry_run_changes_so_far": controller.dry_run_count}
+    finally:
+        controller.close()
+    figures["controller_errors"] = controller.error_count
+    return figures
+
+
+# ----------------------------------------------------------------------------- capture probes
+def capture_probe(machine: Machine, kit: Any, args: Any, deadline: float) -> dict[str, Any]:
+    from perseus_ext.runtime.capture import capture_probe as perseus_probe
+
+    torch = machine.torch
+    probe = perseus_probe()
+    block = build_blocks(machine, 1, min(args.hidden, 1024))[0]
+    data = torch.randn(args.batch, min(args.sequence, 256), min(args.hidden, 1024), device=machine.device,
+                       dtype=machine.dtype)
+    seen: dict[str, Any] = {"outside": {"torch": kit.capturing(), "perseus_probe": probe()}}
+
+    def body() -> None:
+        seen["inside"] = {"torch": kit.capturing(), "perseus_probe": probe()}
+        with torch.no_grad():
+            block(data)
+
+    def warmup() -> None:
+        with torch.no_grad():
+            block(data)
+
+    kit.capture(body, warmup)
+    seen["after"] = {"torch": kit.capturing(), "perseus_probe": probe()}
+    if kit.fake:
+        seen["polling_during_capture"] = "not on CPU (no CUDA graphs)"
+        return seen
+    # A thread polling CUDA events during the capture, as perseus-ext's worker and observer do.
+    results = {}
+    for mode in ("thread_local", "global"):  # global last: a broken capture must come last
+        if time.perf_counter() > deadline:
+            break
+        done = torch.cuda.Event()
+        done.record()
+        torch.cuda.synchronize()
+        stop, polls, errors = threading.Event(), [0], []
+
+        def poll() -> None:
+            while not stop.is_set():
+                try:
+                    done.query()
+                    polls[0] += 1
+                except Exception as err:  # noqa: BLE001
+                    errors.append(repr(err))
+                time.sleep(0.0002)
+
+        thread = threading.Thread(target=poll, daemon=True)
+
+        def polled_body() -> None:
+            thread.start()
+            time.sleep(0.02)  # the poller queries while the capture is open
+            with torch.no_grad():
+                for _ in range(4):
+                    block(data)
+            time.sleep(0.02)
+
+        outcome: dict[str, Any] = {}
+        try:
+            graph = kit.capture(polled_body, warmup, mode=mode)
+            graph.replay()
+            torch.cuda.synchronize()
+            outcome["capture_ok"] = True
+        except Exception as err:  # noqa: BLE001 - the answer
+            outcome.update(capture_ok=False, capture_error=repr(err)[:300])
+        finally:
+            stop.set()
+            thread.join(2)
+        outcome.update(queries_during=polls[0], query_errors=len(errors), first_query_error=errors[0][:300] if errors else None)
+        results[mode] = outcome
+    seen["polling_during_capture"] = results
+    return seen
+
+
+def section_cuda_graphs(machine: Machine, gpu: Any, args: Any, deadline: float) -> dict[str, Any]:
+    """The three parts, each in its own try/except and share of the time."""
+    kit = FakeGraphs(machine) if machine.cpu else CudaGraphs(machine)
+    figures: dict[str, Any] = {"mode": "cpu stand-in (no CUDA graphs: answers say nothing about CUDA)" if kit.fake
+                               else "cuda", "model": f"{args.layers} blocks, hidden {args.hidden}, batch {args.batch} "
+                               f"x sequence {args.sequence}"}
+    start = time.perf_counter()
+    parts: list[tuple[str, float, Callable[[float], dict[str, Any]]]] = [
+        ("per_layer", 0.45, lambda d: per_layer_graphs(machine, kit, gpu, args, d)),
+        ("full_iteration", 0.4, lambda d: full_iteration_graph(
+            machine, kit, gpu, args, d, ((figures.get("per_layer") or {}).get("eager") or {})
+            .get("computation_ms", {}).get("median"))),
+        ("capture_probe", 0.15, lambda d: capture_probe(machine, kit, args, d)),
+    ]
+    total = max(0.0, deadline - start)
+    for name, share, part in parts:
+        began = time.perf_counter()
+        try:
+            figures[name] = part(min(deadline, began + share * total))
+        except Exception as err:  # noqa: BLE001 - one part's failure must not lose the others
+            import traceback
+
+            figures[name] = {"error": repr(err)[:500], "traceback": traceback.format_exc(limit=8)}
+        figures[name]["part_s"] = round(time.perf_counter() - began, 2)
+        try:
+            machine.synchronize()
+        except Exception as err:  # noqa: BLE001 - e.g. after a capture broken on purpose
+            figures[name]["synchronize_after"] = repr(err)[:300]
+    return figures
