@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -255,3 +256,36 @@ def test_install_is_idempotent_and_autoload_hooks_the_import():
             "assert deepspeed.initialize._perseus_wrapped")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120, capture_output=True)
+
+
+# --------------------------------------------------------------------------- README's demo block
+def _shape(line: str) -> str:
+    """A report line with its figures, column padding, plan lists and plurals made generic."""
+    line = re.sub(r"[-+]?\d+(?:[.,]\d+)*", "#", line)
+    line = re.sub(r"(, it #: plan # \(x#\))+", ", ...", line)
+    line = re.sub(r"\[#(?:, #)*\]", "[#, ...]", line)
+    line = re.sub(r"\bprobes\b", "probe", line)
+    line = re.sub(r"(/tmp|perseus-demo)\S*?/(torchrun\.log|frontier\.png|timeline\.png)", r"DIR/\2", line)
+    line = re.sub(r"\S*/(torchrun\.log|frontier\.png|timeline\.png)", r"DIR/\1", line)
+    return re.sub(r"\s+", " ", line).strip()
+
+
+def test_readmes_demo_block_is_the_demos_own_output(straggler_job, capsys):
+    """README shows the demo's whole output, line for line in the demo's report format (it used
+    to be abridged and presented as verbatim)."""
+    demo = _demo()
+    from perseus_ext.demo.report import finish_line, launch_line
+
+    scenario, results = straggler_job
+    print(launch_line(scenario))
+    demo.print_report(scenario, demo.compare(scenario, results), results)
+    print()
+    print(finish_line([Path(scenario.out_dir) / "frontier.png", Path(scenario.out_dir) / "timeline.png"], 1.0))
+    printed = capsys.readouterr().out.splitlines()
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"```\n(launching .*?)\n```", readme, re.S)
+    assert block, "README's demo block must start with the demo's first line"
+    shown = block.group(1).splitlines()
+    assert [_shape(line) for line in shown] == [_shape(line) for line in printed]
+    seconds = int(re.search(r"finished in (\d+) s", shown[-1]).group(1))
+    assert f"`perseus-ext demo`, {seconds} s" in readme  # the prose states the block's own time

@@ -10,6 +10,17 @@ from perseus_ext.demo.analysis import by_variant, straggler_response
 from perseus_ext.demo.scenario import Scenario
 
 
+def launch_line(scenario: Scenario) -> str:
+    """The demo's first line (printed before the job runs)."""
+    return (f"launching {scenario.world_size} DeepSpeed ranks (torchrun, gloo); log: "
+            f"{Path(scenario.out_dir) / 'torchrun.log'}")
+
+
+def finish_line(paths: list[Path], seconds: float) -> str:
+    """The demo's last line: its plots and how long the whole command took."""
+    return f"plots: {', '.join(str(p) for p in paths)}; finished in {seconds:.0f} s"
+
+
 def print_report(scenario: Scenario, comparison: dict[str, Any], results: list[list[dict[str, Any]]]) -> None:
     pers = by_variant(results, "perseus")
     summary0 = pers[0]["summary"]
