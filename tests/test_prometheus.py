@@ -10,6 +10,8 @@ import math
 import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from perseus_ext.errors import ConfigError
 from perseus_ext.prometheus import export_target
@@ -132,3 +134,25 @@ def test_the_environment_turns_the_export_on_and_is_checked(monkeypatch):
     with pytest.raises(ConfigError, match="perseus.prometheus exports nowhere"):
         PerseusConfig.from_dict({"prometheus": {"job": "x"}})
     assert "PERSEUS_PROMETHEUS_PORT" not in os.environ
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(port=st.text(max_size=12), gateway=st.text(max_size=40), local_rank=st.integers(0, 1023))
+def test_any_environment_is_a_target_or_one_config_error(port, gateway, local_rank):
+    """Whatever the job's environment holds: an export target, nothing, or a ConfigError naming
+    the variable, never a traceback."""
+    environment = {"PERSEUS_PROMETHEUS_PORT": port, "PERSEUS_PUSHGATEWAY": gateway}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in environment.items():
+            if "\0" in value:
+                return  # the environment cannot hold it
+            patch.setenv(name, value)
+        try:
+            target = export_target(None, local_rank=local_rank)
+        except ConfigError as err:
+            assert "PERSEUS_PROMETHEUS_PORT" in str(err) or "PERSEUS_PUSHGATEWAY" in str(err) \
+                or "perseus.prometheus" in str(err)
+            return
+    if target is not None:
+        assert target.port is None or 1 <= target.port <= 65535
+        assert target.port is not None or target.pushgateway is not None
