@@ -8,8 +8,11 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from perseus_ext.cli import main
+from perseus_ext.errors import PerseusError
 from perseus_ext.policies.batch_size import BatchSizeOptimizer, read_states
 from perseus_ext.policies.bso_store import StoreError
 
@@ -79,3 +82,19 @@ def test_a_silent_signal_endpoint_is_bounded_by_its_timeout_and_named(silent_ser
     assert signal.fetch() is None
     assert time.monotonic() - began < 1.5 and signal.failures == 1
     assert f"{url} failed (timed out after 0.5 s) (bounded by {quantity.key}.timeout_s = 0.5 s)" in caplog.text
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(location=st.one_of(
+    st.text(max_size=30),
+    st.builds("{}://{}@{}:{}/{}".format, st.sampled_from(["postgresql", "sqlite", "mysql", "", "postgres"]),
+              st.text(max_size=4), st.sampled_from(["127.0.0.1", "[::1", "[::1]", "", "\x00"]),
+              st.text(alphabet="0123456789:x", max_size=6), st.text(max_size=4)),
+    st.integers(4000, 5000).map(lambda n: "sqlite:///" + "a" * n)))
+def test_any_store_location_gives_states_or_a_store_error(tmp_path, location):
+    """Found: a NUL byte (ValueError), a malformed port (ValueError), a file name longer than
+    the OS allows (OSError) all ended in tracebacks."""
+    try:
+        read_states(location, network_timeout_s=2.0)
+    except PerseusError as err:
+        assert "\n" not in str(err)

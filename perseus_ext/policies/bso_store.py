@@ -17,6 +17,7 @@ foreign one is refused with a message that says what to do.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import threading
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 2
 STORE_KEY = "perseus.policy.batch_size.store"
 TIMEOUT_KEY = "perseus.policy.batch_size.timeout_s"
+MAX_LOCATION_CHARS = 4096  # PATH_MAX
 # A PostgreSQL store's connect timeout (the whole start-up: a server that accepts and never
 # answers fails in this long, not in minutes) and how long sent data may stay unacknowledged
 # (a host gone mid-transaction). Not a statement timeout: writers wait for each other's row
@@ -118,12 +120,15 @@ class StoreError(ConfigError):
 def store_url(location: str | Path) -> str:
     """The SQLAlchemy URL of a store location: a path, ``sqlite:///path`` or ``postgresql://``."""
     text_location = str(location)
+    if "\0" in text_location or len(text_location) > MAX_LOCATION_CHARS:
+        raise StoreError(f"{STORE_KEY}: {text_location[:60]!r}{'...' * (len(text_location) > 60)} is not a path or URL "
+                         f"(a NUL byte, or longer than {MAX_LOCATION_CHARS} characters)")
     if isinstance(location, Path) or "://" not in text_location:
         path = Path(text_location).expanduser().resolve()
         return f"sqlite:///{path}"
     try:
         url = make_url(text_location)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a malformed port ("postgresql://u@[::1/db")
         raise StoreError(
             f"{STORE_KEY}: {text_location!r} is not a URL; use a path, sqlite:///path or "
             f"postgresql://user:password@host:port/db"
@@ -142,6 +147,11 @@ def store_url(location: str | Path) -> str:
         f"{STORE_KEY}: unsupported database {backend!r} in {url.render_as_string()}; use a path, "
         f"sqlite:///path or postgresql://user:password@host:port/db"
     )
+
+
+def _one_line(err: Exception) -> str:
+    """A driver's error on one line (libpq's run over several, with hints)."""
+    return " ".join(str(getattr(err, "orig", None) or err).split())
 
 
 def describe(url: str) -> str:
@@ -198,6 +208,11 @@ class Store:
             )
         path = Path(make_url(self.url).database or "")
         if self.read_only:
+            try:
+                path.stat()
+            except OSError as err:
+                if err.errno != errno.ENOENT:
+                    raise StoreError(f"batch-size store {path}: {err.strerror}; check {STORE_KEY}") from None
             if path.is_dir():
                 raise StoreError(f"batch-size store {path} is a directory, not a store file; give the store's "
                                  f"file (e.g. {path / 'bso.db'}) in {STORE_KEY}")
@@ -263,7 +278,7 @@ class Store:
                     )
                 yield connection
         except OperationalError as err:
-            raise StoreError(f"batch-size store {self.name} is unavailable: {err.orig or err}{self._timeout_hint(err)}"
+            raise StoreError(f"batch-size store {self.name} is unavailable: {_one_line(err)}{self._timeout_hint(err)}"
                              ) from err
 
     def _timeout_hint(self, err: Exception) -> str:
@@ -319,7 +334,7 @@ class Store:
                 if version == 1:
                     self._migrate_v1(connection)
         except SQLAlchemyError as err:
-            raise StoreError(f"cannot open batch-size store {self.name}: {err.orig or err}{self._timeout_hint(err)}"
+            raise StoreError(f"cannot open batch-size store {self.name}: {_one_line(err)}{self._timeout_hint(err)}"
                              ) from None
 
     def _migrate_v1(self, connection: Connection) -> None:
@@ -341,7 +356,7 @@ class Store:
                 version = self._version(connection)
         except SQLAlchemyError as err:
             raise StoreError(
-                f"{self.name} is not a perseus-ext batch-size store ({err.orig or err})"
+                f"{self.name} is not a perseus-ext batch-size store ({_one_line(err)})"
             ) from None
         if version is None:
             raise StoreError(f"{self.name} is not a perseus-ext batch-size store (no jobs table)")
