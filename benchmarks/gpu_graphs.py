@@ -63,12 +63,12 @@ class CudaGraphs:
             body()
         return graph
 
-    def external_event(self) -> Any:
+    def external_event(self, timing: bool) -> Any:
         try:
-            return self.cuda.Event(enable_timing=True, external=True)
+            return self.cuda.Event(enable_timing=timing, external=True)
         except TypeError:  # a torch without `external`: the answer is then about internal events
             self.external_unsupported = True
-            return self.cuda.Event(enable_timing=True)
+            return self.cuda.Event(enable_timing=timing)
 
     def capturing(self) -> bool:
         return bool(self.cuda.is_current_stream_capturing())
@@ -112,8 +112,8 @@ class FakeGraphs:
             self._capturing = False
         return FakeGraph(body)
 
-    def external_event(self) -> Any:
-        return self.machine.cuda.Event(enable_timing=True)
+    def external_event(self, timing: bool) -> Any:
+        return self.machine.cuda.Event(enable_timing=timing)
 
     def capturing(self) -> bool:
         return self._capturing
@@ -244,14 +244,12 @@ def _iteration_body(machine: Machine, blocks: Any, data: Any, record: Callable[[
 def full_iteration_graph(machine: Machine, kit: Any, gpu: Any, args: Any, deadline: float,
                          eager_ms: float | None) -> dict[str, Any]:
     torch = machine.torch
-    from perseus_ext.actuation.controller import FrequencyController
-    from perseus_ext.measurement.gpu.cuda_timeline import CudaMarker
-
     blocks = build_blocks(machine, args.layers, args.hidden)
     data = torch.randn(args.batch, args.sequence, args.hidden, device=machine.device, dtype=machine.dtype)
     computations = 2 * len(blocks)
-    events = [kit.external_event() for _ in range(computations + 1)]
     inside: dict[str, Any] = {}
+    figures: dict[str, Any] = {"inside_capture": inside, "events": f"{computations + 1} external events, one per "
+                               "computation boundary, recorded during capture"}
 
     def zero() -> None:
         for block in blocks:
@@ -261,17 +259,27 @@ def full_iteration_graph(machine: Machine, kit: Any, gpu: Any, args: Any, deadli
         _iteration_body(machine, blocks, data, lambda k: None)
         zero()
 
-    def body() -> None:
-        inside["torch_is_current_stream_capturing"] = kit.capturing()
-        _iteration_body(machine, blocks, data, lambda k: events[k].record())
+    graph, events = None, []
+    for timing in (True, False):  # timing events first; without timing, the query answers remain
+        events = [kit.external_event(timing) for _ in range(computations + 1)]
 
-    began = time.perf_counter()
-    zero()
-    graph = kit.capture(body, warmup)
-    figures: dict[str, Any] = {"capture_s": round(time.perf_counter() - began, 3),
-                               "inside_capture": inside, "events": f"{computations + 1} external events, "
-                               "one per computation boundary, recorded during capture",
-                               "external_kwarg_unsupported": kit.external_unsupported}
+        def body() -> None:
+            inside["torch_is_current_stream_capturing"] = kit.capturing()
+            _iteration_body(machine, blocks, data, lambda k: events[k].record())
+
+        began = time.perf_counter()
+        zero()
+        try:
+            graph = kit.capture(body, warmup)
+            figures.update(capture_s=round(time.perf_counter() - began, 3), timing_events=timing)
+            break
+        except Exception as err:  # noqa: BLE001 - the answer, then the fallback
+            figures[f"capture_error_timing_{timing}"] = repr(err)[:400]
+            machine.synchronize()
+    figures["external_kwarg_unsupported"] = kit.external_unsupported
+    if graph is None:
+        return figures
+    timed = figures["timing_events"]
     Event = machine.cuda.Event
 
     def replay_once() -> tuple[Any, Any, list[bool], Any]:
@@ -286,77 +294,116 @@ def full_iteration_graph(machine: Machine, kit: Any, gpu: Any, args: Any, deadli
         after.record()
         return before, after, pending, waiter
 
-    # 1. In step: per-replay times, bracket, pending-after-launch, stream wait.
-    per_replay_ms, pending_first, pending_last, inside_bracket, waits_honoured = [], 0, 0, 0, 0
-    computation_ms, waiter_after_mid_ms = [], []
-    replays = 0
+    # 1. Host in step: pending right after the launch, the host waiting on each event in turn
+    # (query polled from this thread), per-replay device times, the replay's bracket, a stream wait.
+    replays, pending_first, pending_last, inside_bracket, waits_honoured = 0, 0, 0, 0, 0
+    per_replay_ms, computation_ms, waiter_ms, host_span_ms, host_gaps_ms, wait_timeouts = [], [], [], [], [], 0
     elapsed_error = None
     while replays < args.graph_replays and time.perf_counter() < deadline:
         before, after, pending, waiter = replay_once()
+        noticed = []
+        for event in events:
+            limit = time.perf_counter() + 2.0
+            while not event.query() and time.perf_counter() < limit:
+                time.sleep(0.00005)
+            noticed.append(time.perf_counter())
+            wait_timeouts += noticed[-1] >= limit
         after.synchronize()
         machine.synchronize()
         replays += 1
         pending_first += pending[0]
         pending_last += pending[1]
-        try:
-            times = [events[k].elapsed_time(events[k + 1]) for k in range(computations)]
-            per_replay_ms.append(events[0].elapsed_time(events[-1]))
-            computation_ms.extend(times)
-            inside_bracket += before.elapsed_time(events[0]) >= 0 and events[-1].elapsed_time(after) >= 0
-            mid_to_waiter = events[len(blocks)].elapsed_time(waiter)
-            waiter_after_mid_ms.append(mid_to_waiter)
-            waits_honoured += mid_to_waiter >= 0 and waiter.elapsed_time(events[-1]) > 0
-        except Exception as err:  # noqa: BLE001 - the answer is that it does not work
-            elapsed_error = repr(err)
-            break
+        host_span_ms.append(1000.0 * (noticed[-1] - noticed[0]))
+        host_gaps_ms.extend(1000.0 * (b - a) for a, b in zip(noticed, noticed[1:]))
+        if timed and elapsed_error is None:
+            try:
+                computation_ms.extend(events[k].elapsed_time(events[k + 1]) for k in range(computations))
+                per_replay_ms.append(events[0].elapsed_time(events[-1]))
+                inside_bracket += before.elapsed_time(events[0]) >= 0 and events[-1].elapsed_time(after) >= 0
+                mid_to_waiter = events[len(blocks)].elapsed_time(waiter)
+                waiter_ms.append(mid_to_waiter)
+                waits_honoured += mid_to_waiter >= 0 and waiter.elapsed_time(events[-1]) > 0
+            except Exception as err:  # noqa: BLE001 - the answer is that it does not work
+                elapsed_error = repr(err)[:400]
     figures["in_step"] = {
         "replays": replays, "pending_right_after_launch": {"first_event": pending_first, "last_event": pending_last},
+        "host_query_wait_span_ms": stats(host_span_ms), "host_query_wait_gaps_ms": stats(host_gaps_ms),
+        "host_query_wait_timeouts": wait_timeouts,
         "inside_own_replay_bracket": inside_bracket, "stream_wait_honoured": waits_honoured,
         "elapsed_time_error": elapsed_error, "replay_ms": stats(per_replay_ms), "computation_ms": stats(computation_ms),
-        "stream_waiter_after_forward_end_ms": stats(waiter_after_mid_ms),
+        "stream_waiter_after_forward_end_ms": stats(waiter_ms),
     }
     figures["eager_computation_ms_median"] = eager_ms
     if eager_ms and computation_ms:
         figures["graph_over_eager_computation"] = round(stats(computation_ms)["median"] / eager_ms, 3)
+    if timed and elapsed_error is None:
+        figures.update(observer_on_captured_markers(machine, gpu, args, deadline, events, replay_once))
+    else:
+        figures["observer"] = "skipped: the captured events give no elapsed times"
+    return figures
 
-    # 2. perseus-ext's observer (the controller's thread) waiting on CudaMarkers around the captured
-    # events: host in step (flush before the next replay) and back to back (host ahead).
+
+def observer_on_captured_markers(machine: Machine, gpu: Any, args: Any, deadline: float, events: list[Any],
+                                 replay_once: Callable[[], tuple[Any, Any, list[bool], Any]]) -> dict[str, Any]:
+    """perseus-ext's observer (a controller thread polling `query`) waiting on CudaMarkers around
+    the captured events, and dry-run clock changes tied to them: with the host in step (flushed
+    before the next replay) and with replays back to back (the host ahead: the next launch
+    records the events again). The timeline anchors at each replay's opening bracket event, an
+    ordinary one: a captured event must never be an anchor (a later replay moves it)."""
+    from perseus_ext.actuation.controller import FrequencyController
+    from perseus_ext.measurement.gpu.cuda_timeline import CudaMarker
+
+    computations = len(events) - 1
     controller = FrequencyController(gpu, dry_run=True, watchdog=False, handle_signals=False)
     timeline = machine.timeline()
     clocks = gpu.supported_sm_clocks()
+    figures: dict[str, Any] = {}
+
+    def wrap(event: Any) -> CudaMarker:
+        """A marker around an event already recorded (a captured one: by the replay's launch),
+        numbered in the timeline's record order; a fresh one per replay."""
+        return CudaMarker(timeline, event, next(timeline._sequence))
+
     try:
         for mode in ("observer_in_step", "observer_back_to_back"):
-            brackets: list[tuple[Any, Any]] = []
-            count = 0
+            count, flushed = 0, True
             while count < args.graph_replays and time.perf_counter() < deadline:
                 before, after, _, _ = replay_once()
-                brackets.append((before, after))
-                for k, event in enumerate(events):
-                    marker = CudaMarker(timeline, event)
-                    controller.observe(marker, (count, k, before, after))
+                # markers in the order their events were recorded (the timeline's record order)
+                opening = wrap(before)
+                captured = [wrap(event) for event in events]
+                closing = wrap(after)
+                timeline.anchor_at(opening)
+                controller.observe(opening, None)
+                for k, marker in enumerate(captured):
+                    controller.observe(marker, (opening, closing))
                     if 0 < k < computations:
                         controller.set_clock(clocks[(k // 2) % 2 * (len(clocks) // 3)], at=marker)
-                controller.reset(at=CudaMarker(timeline, events[-1]))
+                controller.reset(at=captured[-1])
+                controller.observe(closing, None)
+                count += 1
                 if mode == "observer_in_step":
                     machine.synchronize()
-                    controller.flush(5)
-                count += 1
+                    if not controller.flush(5):
+                        flushed = False
+                        break
             machine.synchronize()
-            flushed = controller.flush(10)
-            seen = controller.observations()
-            own, notice_ms = 0, []
-            for observation in seen:
-                _, _, before, after = observation.tag
-                delay_ms = 1000.0 * (observation.noticed_s - observation.device_time_s)
-                notice_ms.append(delay_ms)
-                # its own replay: reached after the bracket's opening event and before its closing one
-                opening, closing = CudaMarker(timeline, before), CudaMarker(timeline, after)
+            flushed = controller.flush(10) and flushed
+            own, notice_ms, seen = 0, [], 0
+            for observation in controller.observations():
+                if observation.tag is None:
+                    continue
+                seen += 1
+                opening, closing = observation.tag
+                notice_ms.append(1000.0 * (observation.noticed_s - observation.device_time_s))
                 t0, t1 = opening.device_time_s(), closing.device_time_s()
                 if t0 is not None and t1 is not None and t0 - 1e-6 <= observation.device_time_s <= t1 + 1e-6:
                     own += 1
-            figures[mode] = {"replays": count, "markers_observed": len(seen), "flushed": flushed,
+            figures[mode] = {"replays": count, "markers_observed": seen, "flushed": flushed,
                              "observed_in_own_replay": own, "notice_delay_ms": stats(notice_ms),
-                             "dry_run_changes_so_far": controller.dry_run_count}
+                             "dry_run_changes_so_far": controller.dry_run_count,
+                             "clock_changes_issued": len(controller.drain_changes()),
+                             "stale_skipped_so_far": controller.stale_skipped}
     finally:
         controller.close()
     figures["controller_errors"] = controller.error_count
