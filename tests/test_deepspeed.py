@@ -221,9 +221,11 @@ def test_tagged_schedule_emits_the_stock_instruction_stream():
             assert computations == [(c.kind, c.microbatch) for c in reference.orders[stage]]
 
 
-def _fake_deepspeed(section):
-    engine = SimpleNamespace(_config=SimpleNamespace(_param_dict={"perseus": section}))
-    return SimpleNamespace(initialize=lambda **kwargs: (engine, None, None, None))
+def _fake_deepspeed():
+    """A stand-in `deepspeed` module whose initialize builds an engine from the config it is given."""
+    def initialize(**kwargs):
+        return SimpleNamespace(_config=SimpleNamespace(_param_dict=kwargs["config"])), None, None, None
+    return SimpleNamespace(initialize=initialize)
 
 
 def test_initialize_rejects_a_bad_perseus_section():
@@ -237,17 +239,53 @@ def test_initialize_rejects_a_bad_perseus_section():
         ({"enabled": True}, "build the model as a deepspeed.pipe.PipelineModule"),
         ("on", "perseus must be an object"),
     ):
-        fake = _fake_deepspeed(section)
+        fake = _fake_deepspeed()
         install(fake)
         with pytest.raises(ConfigError) as error:
-            fake.initialize(config={})
+            fake.initialize(config={"perseus": section})
         assert message in str(error.value)
+
+
+DOOR_SCRIPT = """
+import sys, deepspeed, torch
+from perseus_ext.errors import ConfigError
+calls = []
+def scheduler(optimizer):
+    calls.append(1)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+model = torch.nn.Linear(2, 2)
+config = {"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+          "perseus": {"enabled": True, "mode": "observe", "warmup_iteration": 2}}
+try:
+    deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, lr_scheduler=scheduler)
+except ConfigError as err:
+    print("refused:", err)
+print("scheduler calls before the engine:", len(calls))
+del config["perseus"]  # the same call without the misspelt section builds the engine
+deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config, lr_scheduler=scheduler)
+print("scheduler calls with the engine:", len(calls))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
+def test_a_misspelt_key_fails_before_deepspeed_builds_the_engine(tmp_path):
+    """The section is parsed at the door: DeepSpeed never starts building (it would call the
+    lr_scheduler callable with the optimizer it built, as the second call shows)."""
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    completed = subprocess.run([sys.executable, "-c", DOOR_SCRIPT], env=env, cwd=tmp_path, capture_output=True,
+                               text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert "refused: unknown key(s) perseus.warmup_iteration" in completed.stdout
+    assert "scheduler calls before the engine: 0" in completed.stdout
+    assert "scheduler calls with the engine: 1" in completed.stdout
 
 
 def test_install_is_idempotent_and_autoload_hooks_the_import():
     from perseus_ext.adapters.deepspeed import install
 
-    fake = _fake_deepspeed({"enabled": False})
+    fake = _fake_deepspeed()
     install(fake)
     wrapped = fake.initialize
     install(fake)

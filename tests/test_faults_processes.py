@@ -24,7 +24,7 @@ LEADER_FAULT = textwrap.dedent(
     import torch.distributed as dist
     from perseus_ext.planning.schedule import build_schedule
     from perseus_ext.runtime import PerseusRuntime
-    import perseus_ext.runtime.runtime as runtime_module
+    import perseus_ext.runtime.pipeline_solve as solve_module
     from runtime_helpers import make_config, sim_gpu, train
 
     rank, port, timeout_s = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
@@ -32,7 +32,7 @@ LEADER_FAULT = textwrap.dedent(
     if rank == 0:  # the pipeline leader cannot start its solver (fork failed, out of memory...)
         def broken(problem):
             raise OSError("cannot fork the solver (injected)")
-        runtime_module.BackgroundSolve = broken
+        solve_module.BackgroundSolve = broken
     config = make_config(control_timeout_s=timeout_s, solve_in_background=True)
     runtime = PerseusRuntime(config, schedule=build_schedule("1f1b", 2, 4), stage=rank, gpu=sim_gpu(seed=rank))
     slowest = 0.0

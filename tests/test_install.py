@@ -262,15 +262,16 @@ def test_unattached_section_warns_until_install_is_called(caplog) -> None:
     from perseus_ext.adapters.deepspeed import install, warn_if_unattached
     from perseus_ext.errors import ConfigError
 
-    engine = SimpleNamespace(_config=SimpleNamespace(_param_dict={"perseus": {"enabled": True}}))
-    fake = SimpleNamespace(initialize=lambda **kwargs: (engine, None, None, None))
+    config = {"perseus": {"enabled": True}}
+    fake = SimpleNamespace(initialize=lambda **kwargs: (SimpleNamespace(_config=SimpleNamespace(
+        _param_dict=kwargs["config"])), None, None, None))
     warn_if_unattached(fake)
     warn_if_unattached(fake)  # idempotent: one wrapper
     with caplog.at_level("WARNING", logger="perseus_ext.adapters.deepspeed"):
-        fake.initialize(config={})
+        fake.initialize(config=config)
     assert [r.getMessage().count("not attached") for r in caplog.records] == [1]
     caplog.clear()
-    install(fake)  # now attach() runs (and rejects this non-pipeline engine); no warning
+    install(fake)  # now the section is checked (and this non-pipeline model rejected); no warning
     with pytest.raises(ConfigError, match="PipelineModule"):
-        fake.initialize(config={})
+        fake.initialize(config=config)
     assert not caplog.records

@@ -142,13 +142,22 @@ def test_any_flag_values_give_a_config_or_one_config_error(pairs):
     for flag, values in pairs:
         action = parser._option_string_actions[flag]
         argv += [flag, *(values if action.nargs == "+" else values[:1])]
-    args = parser.parse_args(argv)
-    try:
-        config = config_from_args(args)
+    try:  # the section is validated as the arguments are parsed
+        config = config_from_args(parser.parse_args(argv))
     except ConfigError as err:
         assert "Input should" not in str(err)
     else:
         assert config.enabled is True
+
+
+def test_the_section_is_validated_as_the_arguments_are_parsed_and_parsed_once():
+    parser = add_perseus_args(argparse.ArgumentParser())
+    with pytest.raises(ConfigError, match="perseus.straggler_threshold"):
+        parser.parse_args(["--perseus", "--perseus-straggler-threshold", "2"])  # before Megatron builds anything
+    args = parser.parse_args(["--perseus", "--perseus-mode", "observe"])
+    config = config_from_args(args)
+    assert config.mode == "observe" and config_from_args(args) is config  # the door's object, handed on
+    assert config_from_args(parser.parse_args([])) is None
 
 
 def test_chain_extra_args_runs_every_provider_and_skips_none():

@@ -15,7 +15,7 @@ from perseus_ext.errors import ConfigError
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.policies import PerseusEarlyStop
 from perseus_ext.policies.batch_size import BatchSizeOptimizer, RunOutcome, read_states
-from perseus_ext.runtime import PerseusRuntime
+from perseus_ext.runtime import PerseusConfig, PerseusRuntime
 from perseus_ext.runtime.recurring import JobCoordinator, choose_batch_size
 
 JOB = "unit-job"
@@ -28,8 +28,9 @@ def recurring_config(store: Path, **batch_size):
 
 
 def runtime_for(config) -> PerseusRuntime:
-    choose_batch_size(config, num_gpus=1)
-    return PerseusRuntime(config, schedule=build_schedule("1f1b", 1, 2), stage=0, gpu=sim_gpu())
+    prepared = choose_batch_size(config, num_gpus=1)
+    return PerseusRuntime(config, schedule=build_schedule("1f1b", 1, 2), stage=0, gpu=sim_gpu(),
+                          prepared_run=prepared)
 
 
 def seed_cheap_run(store: Path) -> None:
@@ -144,10 +145,10 @@ def test_deepspeed_initialize_refuses_candidates_that_cannot_be_built(tmp_path):
     model = SimpleNamespace(_topo=SimpleNamespace(get_dim=lambda axis: 2, world_size=lambda: 4))
     config = {"train_micro_batch_size_per_gpu": 2, "perseus": section}
     with pytest.raises(ConfigError, match="batch size 6 is not a multiple"):
-        with_run_batch_size((), {"model": model, "config": config})
+        with_run_batch_size((), {"model": model, "config": config}, PerseusConfig.from_dict(section))
     assert not (tmp_path / "bso.db").exists()  # refused before the store was asked
     untouched = {"model": model, "config": {"perseus": {"enabled": True}}}
-    assert with_run_batch_size((), untouched) == ((), untouched)
+    assert with_run_batch_size((), untouched, PerseusConfig.from_dict({"enabled": True})) == ((), untouched, None)
 
 
 # --------------------------------------------------------------------------- power budget

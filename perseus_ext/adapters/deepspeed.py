@@ -2,8 +2,12 @@
 
 How it hooks the stock engines that `deepspeed.initialize` builds, without forking DeepSpeed:
 
-* `install()` wraps `deepspeed.initialize`; when the config's `"perseus"` section is enabled,
-  `attach()` validates the section (ConfigError naming the key) and hooks that engine instance.
+* `install()` wraps `deepspeed.initialize`. Before the original runs (before DeepSpeed builds
+  anything), the `"perseus"` section of the config given to it (dict, JSON file, base64 string
+  or `args.deepspeed_config`) is parsed once into a `PerseusConfig` (`config_at_the_door`:
+  ConfigError naming the key), the mode is checked against the model (a `PipelineModule` or
+  not), and a batch-size policy gets this run's batch size from its store. When the section is
+  enabled, `attach()` then hooks the engine instance with that typed config.
 * A `PipelineEngine` gets every mode. `set_train_batch_size()` (a new number of microbatches)
   re-plans through `PerseusRuntime.reschedule` at the next `train_batch`;
   `set_train_micro_batch_size()` (more or less work per computation) profiles again through
@@ -36,6 +40,8 @@ import functools
 import logging
 from types import MethodType, ModuleType
 from typing import Any, Mapping
+
+from perseus_ext.adapters.common import check_mode, start_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -88,40 +94,35 @@ def _classes() -> dict[str, type]:
     return _schedule_classes
 
 
-def perseus_section(engine: Any) -> Mapping[str, Any] | None:
-    """The `"perseus"` section of the config the engine was built from (dict, file or args)."""
-    params = getattr(getattr(engine, "_config", None), "_param_dict", None) or {}
-    return params.get(CONFIG_KEY)
+NO_PIPELINE_FIX = (f"build the model as a deepspeed.pipe.PipelineModule, or set {CONFIG_KEY}.mode 'observe' "
+                   f"or {CONFIG_KEY}.policy {{\"type\": \"zeus\", \"mode\": \"power_limit\"}}")
 
 
-def attach(engine: Any, config: Any = None) -> Any:
+def attach(engine: Any, config: Any, *, prepared_run: Any = None) -> Any:
     """Hook a DeepSpeed engine instance; returns its `PerseusRuntime` (also `engine.perseus`).
 
-    config: a PerseusConfig, a `"perseus"` dict, or None to read the engine's DeepSpeed config.
-    A `PipelineEngine` gets every mode; any other engine (no pipeline: nothing to plan per
-    stage) gets observe and power-limit modes, hooked at its forward/backward/step calls.
+    config: the `PerseusConfig` parsed at the door (a `"perseus"` dict is parsed here, for
+    scripts that attach by hand). `prepared_run`: this run's batch size from the store
+    (`with_run_batch_size`). A `PipelineEngine` gets every mode; any other engine (no pipeline:
+    nothing to plan per stage) gets observe and power-limit modes, hooked at its
+    forward/backward/step calls.
     """
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    from perseus_ext.errors import ConfigError
     from perseus_ext.runtime import PerseusConfig
 
     if not isinstance(config, PerseusConfig):
-        config = PerseusConfig.from_dict(config if config is not None else perseus_section(engine))
+        config = PerseusConfig.from_dict(config)
     if getattr(engine, "perseus", None) is not None:
         return engine.perseus
+    pipeline = isinstance(engine, PipelineEngine)
+    check_mode(config, has_pipeline=pipeline, without_pipeline=f"this {type(engine).__name__} has no pipeline",
+               fix=NO_PIPELINE_FIX)
     _ensure_log_output()  # before the runtime: its first lines ("ready", the endpoint) must show
-    if isinstance(engine, PipelineEngine):
-        runtime = _attach_pipeline(engine, config)
+    if pipeline:
+        runtime = _attach_pipeline(engine, config, prepared_run)
     else:
-        power_limit = config.policy is not None and config.policy.mode == "power_limit"
-        if config.mode == "optimize" and not power_limit:
-            raise ConfigError(
-                f"{CONFIG_KEY}.mode 'optimize' plans GPU clocks across pipeline stages, but this "
-                f"{type(engine).__name__} has no pipeline; build the model as a "
-                f"deepspeed.pipe.PipelineModule, or set {CONFIG_KEY}.mode 'observe' or "
-                f"{CONFIG_KEY}.policy {{\"type\": \"zeus\", \"mode\": \"power_limit\"}}")
-        runtime = _attach_engine(engine, config)
+        runtime = _attach_engine(engine, config, prepared_run)
     engine.perseus = runtime
     original_destroy = getattr(engine, "destroy", None)
     if original_destroy is not None:
@@ -140,22 +141,33 @@ def _one_f_one_b(stages: int, micro_batches: int) -> Any:
     return build_schedule("1f1b", stages, micro_batches)
 
 
-def _attach_pipeline(engine: Any, config: Any) -> Any:
+def _sinks(engine: Any) -> tuple[Any, list[Any]]:
+    """DeepSpeed's monitor, stepped by samples like DeepSpeed's own scalars (the runtime's
+    metrics also go to Prometheus when configured; the last records are written at close)."""
+    from perseus_ext.monitoring import SampleCounts, deepspeed_sink
+
+    samples = SampleCounts(engine.train_batch_size)
+    return samples, [deepspeed_sink(getattr(engine, "monitor", None), samples)]
+
+
+def _attach_pipeline(engine: Any, config: Any, prepared_run: Any) -> Any:
     """Tagged TrainSchedule, per-instance instruction map; `set_train_batch_size` re-plans,
     `set_train_micro_batch_size` re-profiles (both seen at the next `train_batch`)."""
     from deepspeed.runtime.pipe import schedule as ds_schedule
 
     from perseus_ext.planning.schedule import Kind
-    from perseus_ext.runtime import PerseusRuntime
 
     grid = engine.grid
-    runtime = PerseusRuntime(
+    samples, sinks = _sinks(engine)
+    runtime, metrics = start_runtime(
         config,
         schedule=_one_f_one_b(engine.num_stages, engine.micro_batches),
         stage=engine.stage_id,
+        sinks=sinks,
         dp_group=grid.get_data_parallel_group(),
         pp_group=grid.get_pipe_parallel_group(),
         local_rank=max(int(getattr(engine, "local_rank", 0) or 0), 0),
+        prepared_run=prepared_run,
     )
     classes = _classes()
     stock = type(engine)._INSTRUCTION_MAP
@@ -205,26 +217,27 @@ def _attach_pipeline(engine: Any, config: Any) -> Any:
         samples.record(iteration, self.global_samples)  # the OptimizerStep ran inside
         metrics.write()
 
-    samples, metrics = _metrics(engine, runtime)
     engine._exec_schedule = MethodType(exec_schedule, engine)
     return runtime
 
 
-def _attach_engine(engine: Any, config: Any) -> Any:
+def _attach_engine(engine: Any, config: Any, prepared_run: Any) -> Any:
     """A non-pipeline engine: one iteration = `gradient_accumulation_steps()` forward/backward
     pairs up to the optimizer step at the accumulation boundary. Forwards outside training
     (eval mode or no_grad) pass through untouched."""
     import torch
 
     from perseus_ext.planning.schedule import Kind
-    from perseus_ext.runtime import PerseusRuntime
 
-    runtime = PerseusRuntime(
+    samples, sinks = _sinks(engine)
+    runtime, metrics = start_runtime(
         config,
         schedule=_one_f_one_b(1, engine.gradient_accumulation_steps()),
         stage=0,
+        sinks=sinks,
         dp_group=getattr(engine, "data_parallel_group", None),
         local_rank=max(int(getattr(engine, "local_rank", 0) or 0), 0),
+        prepared_run=prepared_run,
     )
     state = {"forwards": 0, "backwards": 0, "in_iteration": False}
     original_forward, original_backward, original_step = engine.forward, engine.backward, engine.step
@@ -268,19 +281,8 @@ def _attach_engine(engine: Any, config: Any) -> Any:
             metrics.write()
         return result
 
-    samples, metrics = _metrics(engine, runtime)
-
     engine.forward, engine.backward, engine.step = forward, backward, step
     return runtime
-
-
-def _metrics(engine: Any, runtime: Any) -> tuple[Any, Any]:
-    """Per-iteration metrics to DeepSpeed's monitor, stepped by samples like DeepSpeed's own
-    scalars, and to Prometheus when configured; the last records are written at close."""
-    from perseus_ext.monitoring import IterationMetrics, SampleCounts, deepspeed_sink
-
-    samples = SampleCounts(engine.train_batch_size)
-    return samples, IterationMetrics(runtime, [deepspeed_sink(getattr(engine, "monitor", None), samples)])
 
 
 def _ensure_log_output() -> None:
@@ -296,9 +298,10 @@ def _ensure_log_output() -> None:
 
 
 def install(deepspeed_module: ModuleType | None = None) -> None:
-    """Make `deepspeed.initialize` attach perseus-ext to pipeline engines whose config has an
-    enabled `"perseus"` section; idempotent. With `perseus.policy.batch_size`, the run's batch
-    size comes from the store before the engine is built (`with_run_batch_size`)."""
+    """Make `deepspeed.initialize` parse the config's `"perseus"` section before DeepSpeed builds
+    anything and attach perseus-ext to the engine when the section is enabled; idempotent. With
+    `perseus.policy.batch_size`, the run's batch size comes from the store before the engine is
+    built (`with_run_batch_size`)."""
     if deepspeed_module is None:
         import deepspeed as deepspeed_module
     deepspeed_module._perseus_installed = True  # silences warn_if_unattached's wrapper
@@ -308,42 +311,83 @@ def install(deepspeed_module: ModuleType | None = None) -> None:
 
     @functools.wraps(original)
     def initialize(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = with_run_batch_size(args, kwargs)
+        settings = config_at_the_door(args, kwargs)  # before DeepSpeed builds anything
+        prepared_run = None
+        if settings is not None and settings.enabled:
+            model = kwargs.get("model", args[1] if len(args) > 1 else None)
+            check_mode(settings, has_pipeline=_is_pipeline_module(model),
+                       without_pipeline=f"the model ({type(model).__name__}) is not a pipeline", fix=NO_PIPELINE_FIX)
+            args, kwargs, prepared_run = with_run_batch_size(args, kwargs, settings)
         result = original(*args, **kwargs)
-        engine = result[0]
-        section = perseus_section(engine)
-        if section is not None and not isinstance(section, Mapping):
-            from perseus_ext.errors import ConfigError
-
-            raise ConfigError(f"{CONFIG_KEY} must be an object of settings, got {section!r}")
-        if section and section.get("enabled") is True:
-            attach(engine, section)
-        elif section:
-            from perseus_ext.runtime import PerseusConfig
-
-            PerseusConfig.from_dict(section)  # a disabled section must still be valid
+        if settings is not None and settings.enabled:
+            attach(result[0], settings, prepared_run=prepared_run)
         return result
 
     initialize._perseus_wrapped = True  # type: ignore[attr-defined]
     deepspeed_module.initialize = initialize
 
 
+def _is_pipeline_module(model: Any) -> bool:
+    """Whether DeepSpeed will build a PipelineEngine for `model`."""
+    try:
+        from deepspeed.pipe import PipelineModule
+    except ImportError:  # a stand-in DeepSpeed (tests): the engine decides at attach()
+        return True
+    return isinstance(model, PipelineModule)
+
+
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 def _read_ds_config(config: Any) -> dict | None:
-    """The DeepSpeed config as a dict (from a dict or a JSON file); None for anything else."""
+    """The DeepSpeed config as a dict, read the way DeepSpeed reads it (a dict, a JSON file, or a
+    base64-encoded JSON string); None when it cannot be read (DeepSpeed reports that itself)."""
+    import json
+    from pathlib import Path
+
     if isinstance(config, Mapping):
         return dict(config)
-    if isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
-        import json
-        from pathlib import Path
+    if not (isinstance(config, (str, bytes)) or hasattr(config, "__fspath__")):
+        return None
+    try:
+        return json.loads(Path(config).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        pass
+    if isinstance(config, str):
+        import base64
+        import binascii
 
         try:
-            return json.loads(Path(config).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None  # DeepSpeed reports an unreadable config itself
+            data = json.loads(base64.urlsafe_b64decode(config).decode("utf-8"))
+        except (ValueError, binascii.Error):
+            return None
+        return data if isinstance(data, dict) else None
     return None
+
+
+def _given_config(args: tuple, kwargs: dict) -> tuple[dict | None, bool]:
+    """(the DeepSpeed config given to `deepspeed.initialize`, whether it came from
+    `args.deepspeed_config`)."""
+    ds_args = kwargs.get("args", args[0] if args else None)
+    source = kwargs.get("config", kwargs.get("config_params"))
+    from_args = source is None and getattr(ds_args, "deepspeed_config", None) is not None
+    return _read_ds_config(ds_args.deepspeed_config if from_args else source), from_args
+
+
+def config_at_the_door(args: tuple, kwargs: dict) -> Any:
+    """The `"perseus"` section of the config given to `deepspeed.initialize`, parsed once into a
+    `PerseusConfig` (a disabled section is validated too), or None without a section. Raises
+    ConfigError naming the key before DeepSpeed builds anything."""
+    config, _ = _given_config(args, kwargs)
+    section = config.get(CONFIG_KEY) if config is not None else None
+    if section is None:
+        return None
+    from perseus_ext.errors import ConfigError
+    from perseus_ext.runtime import PerseusConfig
+
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{CONFIG_KEY} must be an object of settings, got {section!r}")
+    return PerseusConfig.from_dict(section)
 
 
 def batch_keys_for(config: Mapping[str, Any], batch_size: int, data_parallel: int) -> tuple[dict, str]:
@@ -390,34 +434,28 @@ def _data_parallel_layout(model: Any, mpu: Any, kwargs: dict) -> tuple[int, int]
     return max(world // model_parallel, 1), world
 
 
-def with_run_batch_size(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """`deepspeed.initialize`'s arguments with this run's batch size from the store, when the
-    config has an enabled `perseus.policy.batch_size` (unchanged otherwise). Every rank calls
-    it; rank 0 asks the store and broadcasts. Every candidate is checked against the micro batch
-    and the data-parallel size first, so a bad list fails on the first run, not the n-th."""
+def with_run_batch_size(args: tuple, kwargs: dict, settings: Any) -> tuple[tuple, dict, Any]:
+    """`deepspeed.initialize`'s arguments with this run's batch size from the store, and the
+    prepared run to hand to the runtime, when `settings` (the door's `PerseusConfig`) enables
+    `policy.batch_size`; (args, kwargs, None) unchanged otherwise. Every rank calls it; rank 0
+    asks the store and broadcasts. Every candidate is checked against the micro batch and the
+    data-parallel size first, so a bad list fails on the first run, not the n-th."""
     kwargs = dict(kwargs)
-    ds_args = kwargs.get("args", args[0] if args else None)
-    source = kwargs.get("config", kwargs.get("config_params"))
-    from_args = source is None and getattr(ds_args, "deepspeed_config", None) is not None
-    config = _read_ds_config(ds_args.deepspeed_config if from_args else source)
-    section = config.get(CONFIG_KEY) if config is not None else None
-    if not isinstance(section, Mapping) or section.get("enabled") is not True:
-        return args, kwargs
-    policy = section.get("policy")
-    if not isinstance(policy, Mapping) or policy.get("batch_size") is None:
-        return args, kwargs
+    if settings is None or not settings.enabled or settings.policy is None or settings.policy.batch_size is None:
+        return args, kwargs, None
     import os
 
-    from perseus_ext.runtime import PerseusConfig
     from perseus_ext.runtime.recurring import choose_batch_size
 
-    perseus = PerseusConfig.from_dict(section)
+    config, from_args = _given_config(args, kwargs)
+    ds_args = kwargs.get("args", args[0] if args else None)
     model = kwargs.get("model", args[1] if len(args) > 1 else None)
     data_parallel, num_gpus = _data_parallel_layout(model, kwargs.get("mpu"), kwargs)
-    for candidate in perseus.policy.batch_size["batch_sizes"]:
+    for candidate in settings.policy.batch_size["batch_sizes"]:
         batch_keys_for(config, candidate, data_parallel)
-    assignment = choose_batch_size(perseus, num_gpus=num_gpus,
-                                   local_rank=max(int(os.environ.get("LOCAL_RANK", "0")), 0))
+    prepared = choose_batch_size(settings, num_gpus=num_gpus,
+                                 local_rank=max(int(os.environ.get("LOCAL_RANK", "0")), 0))
+    assignment = prepared.assignment
     keys, change = batch_keys_for(config, assignment.batch_size, data_parallel)
     config.update(keys)
     _ensure_log_output()
@@ -435,7 +473,7 @@ def with_run_batch_size(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             kwargs["args"] = ds_args
         else:
             args = (ds_args, *args[1:])
-    return args, kwargs
+    return args, kwargs, prepared
 
 
 def warn_if_unattached(deepspeed_module: ModuleType) -> None:
@@ -448,10 +486,11 @@ def warn_if_unattached(deepspeed_module: ModuleType) -> None:
 
     @functools.wraps(original)
     def initialize(*args: Any, **kwargs: Any) -> Any:
+        config, _ = _given_config(args, kwargs)
         result = original(*args, **kwargs)
         engine = result[0] if isinstance(result, tuple) and result else result
-        section = perseus_section(engine)
-        enabled = isinstance(section, Mapping) and section.get("enabled") is True
+        section = config.get(CONFIG_KEY) if config is not None else None
+        enabled = isinstance(section, Mapping) and section.get("enabled") is True  # perseus is off: no validation
         if (enabled and not getattr(deepspeed_module, "_perseus_installed", False)
                 and getattr(engine, "perseus", None) is None):
             logger.warning(

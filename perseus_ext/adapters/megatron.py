@@ -54,6 +54,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from perseus_ext.adapters.common import check_mode, start_runtime
 from perseus_ext.adapters.megatron_args import (
     add_perseus_args,
     apply_run_batch_size,
@@ -173,16 +174,16 @@ def _pipeline_size(args: Any) -> int | None:
     return value if isinstance(value, int) else None
 
 
+NO_PIPELINE_FIX = ("use --perseus-mode observe, a power-limit policy "
+                   "(--perseus-policy '{\"type\": \"zeus\", \"mode\": \"power_limit\"}') or "
+                   "--pipeline-model-parallel-size > 1")
+
+
 def _check_mode(config: Any, num_stages: int, where: str) -> None:
     """`optimize` plans per-computation clocks across pipeline stages; without a pipeline only
     observe and power-limit modes apply (both need nothing but iteration boundaries)."""
-    power_limit = config.policy is not None and config.policy.mode == "power_limit"
-    if num_stages == 1 and config.mode == "optimize" and not power_limit:
-        raise ConfigError(
-            f"perseus.mode 'optimize' plans GPU clocks across pipeline stages, but {where} runs "
-            f"without pipeline parallelism; use --perseus-mode observe, a power-limit policy "
-            f"(--perseus-policy '{{\"type\": \"zeus\", \"mode\": \"power_limit\"}}') or "
-            f"--pipeline-model-parallel-size > 1")
+    check_mode(config, has_pipeline=num_stages > 1, without_pipeline=f"{where} runs without pipeline parallelism",
+               fix=NO_PIPELINE_FIX)
 
 
 def _first_tensor(value: Any) -> Any:
@@ -253,6 +254,7 @@ class MegatronPerseus:
         self._writers = (tensorboard_writer, wandb_writer)
         self.metrics: Any = None
         self._config: Any = None
+        self._prepared_run: Any = None  # this run's batch size from the store (install(args))
         self.runtime: Any = None
         self.schedule: PipelineSchedule | None = None
         self.stage: int | None = None
@@ -559,22 +561,21 @@ class MegatronPerseus:
         _check_mode(config, self.schedule.num_stages, f"this job (megatron-core's {original.__name__})")
         pp_group = self._pp_group(bound) if self.schedule.num_stages > 1 else None
         self.stage = pp_group.rank() if pp_group is not None else 0
-        from perseus_ext.runtime import PerseusRuntime
+        from perseus_ext.monitoring import megatron_sinks
 
-        self.runtime = PerseusRuntime(
+        self.runtime, self.metrics = start_runtime(
             config,
             schedule=self.schedule,
             stage=self.stage,
+            sinks=megatron_sinks(*self._writers),
             dp_group=self._dp_group(),
             pp_group=pp_group,
             gpu=self._gpu,
             policy=self._policy,
             local_rank=self._local_device(),
             whole_iterations=whole,
+            prepared_run=self._prepared_run,
         )
-        from perseus_ext.monitoring import IterationMetrics, megatron_sinks
-
-        self.metrics = IterationMetrics(self.runtime, megatron_sinks(*self._writers))
         log.info("perseus: stage %d of %s", self.stage, self.schedule.describe())
         return True
 
@@ -636,18 +637,19 @@ def install(
     if _INSTALLED is not None and not _INSTALLED._closed:
         raise ConfigError("perseus is already installed on megatron-core in this process; "
                           "close() the previous install first")
-    config = None
+    config = prepared_run = None
     if args is not None:
-        config = config_from_args(args)  # bad flags fail before training starts
+        config = config_from_args(args)  # parsed with the arguments (add_perseus_args), else here
         if config is None:
             return None
         stages = _pipeline_size(args)
         if stages is not None:
             _check_mode(config, stages, "this job (--pipeline-model-parallel-size 1)")
-        apply_run_batch_size(args, config)  # the store's --global-batch-size, if asked for
+        prepared_run = apply_run_batch_size(args, config)  # the store's --global-batch-size, if asked for
     perseus = MegatronPerseus(args, gpu=gpu, policy=policy, tensorboard_writer=tensorboard_writer,
                               wandb_writer=wandb_writer)
     perseus._config = config
+    perseus._prepared_run = prepared_run
     perseus._patch()
     if args is not None:
         perseus.adopt_execution(args)

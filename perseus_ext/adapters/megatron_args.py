@@ -6,7 +6,9 @@ flag (`_` becomes `-`) whose help is the key's description. Flags parse loosely 
 booleans take true/false words, lists take several values, object-valued keys take JSON, and
 whatever does not parse stays text — so a bad value never makes argparse exit the trainer; it
 reaches `PerseusConfig.from_dict`, and `config_from_args` raises one ConfigError naming the key
-and its flag. This module imports neither torch nor megatron.
+and its flag. The parser `add_perseus_args` extends validates the section as soon as Megatron
+parses its arguments (before it builds anything), and `config_from_args` hands that same typed
+config on afterwards instead of parsing again. This module imports neither torch nor megatron.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import re
 import types
 import typing
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +29,11 @@ CONFIG_FLAG = "--perseus-config"
 _MENTIONED_KEY = re.compile(r"\bperseus\.(\w+)")
 _TRUE_WORDS = ("1", "true", "yes", "on")
 _FALSE_WORDS = ("0", "false", "no", "off")
+
+# The typed config parsed with each namespace, by id (a weak reference tells a reused id apart).
+# Not an attribute of the namespace: Megatron-LM saves its args in every checkpoint, and a
+# checkpoint must load where perseus-ext is not installed.
+_PARSED: dict[int, tuple[weakref.ref, Any]] = {}
 
 
 def flag_name(key: str) -> str:
@@ -124,7 +132,27 @@ def add_perseus_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             metavar=metavar,
             help=f"config key '{key}' ({requirement}; default {default}): {info.description}".replace("%", "%%"),
         )
+    _parse_at_the_door(parser)
     return parser
+
+
+def _parse_at_the_door(parser: argparse.ArgumentParser) -> None:
+    """Make `parser` validate the perseus section right after it parses (Megatron's
+    `parse_args` calls `parse_known_args` either way): a bad flag fails before Megatron builds
+    anything, and `config_from_args` returns this typed config later."""
+    original = parser.parse_known_args
+    if getattr(original, "_perseus_door", False):
+        return
+
+    def parse_known_args(args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = original(args, namespace)
+        _PARSED.pop(id(parsed), None)
+        config = config_from_args(parsed)
+        _PARSED[id(parsed)] = (weakref.ref(parsed), config)
+        return parsed, extras
+
+    parse_known_args._perseus_door = True  # type: ignore[attr-defined]
+    parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
 
 
 def chain_extra_args(
@@ -166,6 +194,9 @@ def config_from_args(args: argparse.Namespace):
     is off. A bad value raises ConfigError naming the key and its flag."""
     from perseus_ext.runtime.config import PerseusConfig
 
+    reference, parsed = _PARSED.get(id(args), (None, None))
+    if reference is not None and reference() is args:
+        return parsed  # validated when the arguments were parsed
     if not getattr(args, "perseus", False):
         return None
     section: dict = {}
@@ -206,11 +237,12 @@ def _data_parallel_size(args: argparse.Namespace) -> int:
     return max(world // model_parallel, 1)
 
 
-def apply_run_batch_size(args: argparse.Namespace, config: Any) -> int | None:
+def apply_run_batch_size(args: argparse.Namespace, config: Any) -> Any:
     """Under `--perseus` with `policy.batch_size`: set `args.global_batch_size` to this run's
     batch size from the store (rank 0 asks, every rank gets the same) and reconfigure
     megatron-core's microbatch calculator if it already exists. Call before the number of
-    microbatches is derived; returns the batch size (None without a batch-size policy).
+    microbatches is derived; returns the `PreparedRun` to hand to the runtime (None without a
+    batch-size policy).
 
     A flag that contradicts the store's choice fails with its name: a `--global-batch-size`
     other than `default_batch_size` (or the micro batch x DP that Megatron fills in without
@@ -246,7 +278,8 @@ def apply_run_batch_size(args: argparse.Namespace, config: Any) -> int | None:
     import torch.distributed as dist
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    assignment = choose_batch_size(config, num_gpus=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    prepared = choose_batch_size(config, num_gpus=world, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    assignment = prepared.assignment
     args.global_batch_size = assignment.batch_size
     from megatron.core import num_microbatches_calculator as calculator
 
@@ -258,4 +291,4 @@ def apply_run_batch_size(args: argparse.Namespace, config: Any) -> int | None:
             "perseus: run %d of job %r trains with %s %d (%s): %d microbatches of %d x data-parallel %d",
             assignment.run_id, assignment.job_id, GLOBAL_BATCH_FLAG, assignment.batch_size, assignment.phase,
             assignment.batch_size // per_step, micro, data_parallel)
-    return assignment.batch_size
+    return prepared

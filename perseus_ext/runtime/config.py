@@ -136,12 +136,6 @@ class SimulatedWorkload(Section):
                     f"pipeline has {num_stages} stages; give one number or one per stage"
                 )
 
-    @property
-    def saved_blocking_power_w(self) -> float | None:
-        """The blocking power saved next to an existing `profile_path` (read at the door), for
-        when `blocking_power_w` is null."""
-        return self._saved_blocking_power_w
-
     def to_dict(self) -> dict[str, Any]:
         return {"forward_seconds": list(self.forward_seconds), "backward_seconds": list(self.backward_seconds)}
 
@@ -241,17 +235,20 @@ def read_profile_sidecar(profile_path: str | Path, fix: str) -> ProfileSidecar |
         raise ConfigError(f"{PREFIX}.profile_path {profile_path}: {err}") from None
 
 
-def _saved_blocking_power_w(profile_path: str) -> float:
-    """The blocking power saved next to an existing profile, or a ConfigError saying how to fix."""
-    fix = f"set {PREFIX}.blocking_power_w, or delete {profile_path} so the job profiles again"
+def _saved_sidecar(profile_path: str, *, need_blocking_power: bool) -> ProfileSidecar | None:
+    """The side file of an existing profile, read once (here, at the door: the profile store
+    takes it from the config); with `need_blocking_power` (the section sets no
+    `blocking_power_w`) it must hold one. A ConfigError says how to fix either."""
+    fix = (f"set {PREFIX}.blocking_power_w, or delete {profile_path} so the job profiles again" if need_blocking_power
+           else f"delete {profile_path} (and {profile_sidecar(profile_path)}) to profile again")
     sidecar = read_profile_sidecar(profile_path, fix)
-    if sidecar is None or sidecar.blocking_power_w is None:
+    if need_blocking_power and (sidecar is None or sidecar.blocking_power_w is None):
         missing = "is missing" if sidecar is None else "has no blocking_power_w"
         raise ConfigError(
             f"{PREFIX}.profile_path {profile_path} has no blocking power ({profile_sidecar(profile_path)} {missing}); "
             f"{fix}"
         )
-    return sidecar.blocking_power_w
+    return sidecar
 
 
 def _profile_path(path: str) -> str:
@@ -436,7 +433,7 @@ class PerseusConfig(Section):
                           "the end; also `address`, `job`. `null`: env `PERSEUS_PROMETHEUS_PORT` / "
                           "`PERSEUS_PUSHGATEWAY`, else off. docs/monitoring.md.")] = None
 
-    _saved_blocking_power_w: float | None = PrivateAttr(default=None)
+    _profile_sidecar: ProfileSidecar | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _keys_agree(self) -> PerseusConfig:
@@ -459,9 +456,10 @@ class PerseusConfig(Section):
                 f"{show(resolved_gpu_spec(self.gpu))}: set {PREFIX}.gpu to \"sim:a100_sxm\" (a CPU machine, "
                 f"or a test of the loop) or drop {PREFIX}.simulated_workload (a real GPU)"
             )
-        if self.profile_path is not None and self.blocking_power_w is None and Path(self.profile_path).is_file():
+        if self.profile_path is not None and Path(self.profile_path).is_file():
             try:
-                self._saved_blocking_power_w = _saved_blocking_power_w(self.profile_path)
+                self._profile_sidecar = _saved_sidecar(self.profile_path,
+                                                       need_blocking_power=self.blocking_power_w is None)
             except ConfigError as err:
                 raise statement_error(str(err)) from None
         return self
@@ -473,10 +471,17 @@ class PerseusConfig(Section):
         return parse(cls, {} if data is None else data, root=PREFIX)
 
     @property
+    def saved_profile_sidecar(self) -> ProfileSidecar | None:
+        """What `<profile_path>.json` says about an existing profile (read once, at the door)."""
+        return self._profile_sidecar
+
+    @property
     def saved_blocking_power_w(self) -> float | None:
         """The blocking power saved next to an existing `profile_path` (read at the door), used
         when `blocking_power_w` is null."""
-        return self._saved_blocking_power_w
+        if self.blocking_power_w is not None or self._profile_sidecar is None:
+            return None
+        return self._profile_sidecar.blocking_power_w
 
     def to_dict(self) -> dict[str, Any]:
         """The section as plain values; `from_dict(config.to_dict()) == config`."""

@@ -32,7 +32,9 @@ from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
 from perseus_ext.runtime.comm import ControlPlane, Pending, StragglerExchange
 from perseus_ext.runtime.config import PerseusConfig
-from perseus_ext.runtime.records import IterationRecord, MeasuredProfile, PlanChoice, PlanSwitch
+from perseus_ext.runtime.baseline import BaselineProbes
+from perseus_ext.runtime.phase import Phase
+from perseus_ext.runtime.records import IterationRecord, IterationSetting, MeasuredProfile, PlanChoice, PlanSwitch
 from perseus_ext.runtime.straggler import SlowdownTracker
 
 logger = logging.getLogger(__name__)
@@ -107,6 +109,17 @@ class PlanDeployment:
     def factor(self) -> float:
         """The slowdown the deployed plan was chosen for (the tracker's may be a check ahead)."""
         return self._plan_factor
+
+    def iteration_setting(self, iteration: int, deployed_iterations: int, probes: BaselineProbes,
+                          fell_back: bool) -> IterationSetting:
+        """What a deployed iteration runs: the plan, or default clocks on a rank that fell back
+        or in a baseline probe -- decided from the deployed-iteration count and the pipeline's
+        last plan switch, the same on every rank (a probe's setting has no plan, so it runs and
+        is recorded at default clocks)."""
+        since_switch = iteration - self.switches[-1].iteration - 1 if self.switches else None
+        probe = not fell_back and probes.is_probe(deployed_iterations, since_switch)
+        return IterationSetting(iteration, Phase.DEPLOYED, plan=None if fell_back or probe else self.index,
+                                factor=self.factor, fell_back=fell_back, probe=probe)
 
     def deploy(self, iteration: int) -> None:
         """First deployment (every rank of the job, same iteration); announced slowdowns count

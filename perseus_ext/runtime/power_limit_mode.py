@@ -9,8 +9,10 @@ and SIGKILL like clocks are.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from perseus_ext.measurement.gpu import GPU
@@ -50,6 +52,18 @@ class ControlledPowerLimits:
         if not self.released:
             self.released = True
             self.reset_power_limit()
+
+
+@dataclass(frozen=True)
+class PowerLimitSnapshot:
+    """Power-limit mode as the summary reports it: the limit in force (None while profiling),
+    the limits measured, the limit switches and the iteration the limit was chosen at."""
+
+    limit_w: float | None
+    profiling: bool
+    measurements: tuple[dict[str, Any], ...]
+    switches: tuple[dict[str, Any], ...]
+    chosen_at: int | None
 
 
 class PowerLimitMode:
@@ -121,6 +135,13 @@ class PowerLimitMode:
     def chosen_at(self) -> int | None:
         """The iteration at whose end the limit was chosen (later ones ran at it)."""
         return next((s["iteration"] for s in self.switches if s["reason"] == "chosen"), None)
+
+    def snapshot(self) -> PowerLimitSnapshot:
+        optimizer = self.optimizer
+        return PowerLimitSnapshot(limit_w=None if optimizer.profiling else optimizer.limit_w,
+                                  profiling=optimizer.profiling,
+                                  measurements=tuple(dataclasses.asdict(m) for m in optimizer.measurements),
+                                  switches=tuple(self.switches), chosen_at=self.chosen_at)
 
     def close(self) -> None:
         self.optimizer.close()  # queues the initial limit through the controller

@@ -1,7 +1,7 @@
 """A measured profile saved beside the job (`perseus.profile_path`), so a restarted job skips
 profiling: the CSV (`stage,instruction,frequency,time,energy`) plus `<path>.json` with what the
-CSV cannot hold -- the blocking power per GPU (read and checked at the door by `PerseusConfig`),
-the GPUs per stage and the GPU model.
+CSV cannot hold -- the blocking power per GPU, the GPUs per stage and the GPU model, read once at
+the door by `PerseusConfig` (`saved_profile_sidecar`) and handed to the store (`for_job`).
 
 Everything wrong with a saved profile is a ConfigError naming `perseus.profile_path` and the
 fix, found when the runtime is built (the GPU model needs the GPU) rather than at deployment.
@@ -12,13 +12,17 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from perseus_ext.errors import ConfigError, PerseusError
 from perseus_ext.planning.profile import load_profile
 from perseus_ext.planning.schedule import PipelineSchedule
-from perseus_ext.runtime.config import PREFIX, ProfileSidecar, read_profile_sidecar
+from perseus_ext.runtime.config import PREFIX, PerseusConfig, ProfileSidecar
 from perseus_ext.runtime.config import profile_sidecar as sidecar_path
 from perseus_ext.runtime.records import MeasuredProfile
+
+if TYPE_CHECKING:
+    from perseus_ext.measurement.gpu import GPU
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +33,20 @@ class ProfileStore:
     """Loads and saves one job's measured profile."""
 
     def __init__(self, path: str | None, *, gpus_per_stage: int, gpu_name: str | None,
-                 blocking_power_per_gpu_w: float | None) -> None:
+                 blocking_power_per_gpu_w: float | None, sidecar: ProfileSidecar | None = None) -> None:
+        """`sidecar`: what the config read beside `path` at the door (None: no side file)."""
         self.path = Path(path) if path is not None else None
+        self.sidecar = sidecar
         self.gpus_per_stage = gpus_per_stage
         self.gpu_name = gpu_name
         self.blocking_override_w = blocking_power_per_gpu_w
+
+    @classmethod
+    def for_job(cls, config: PerseusConfig, gpus_per_stage: int, gpu: GPU | None) -> "ProfileStore":
+        """The store of `config.profile_path`, with the side file the config read at the door."""
+        return cls(config.profile_path, gpus_per_stage=gpus_per_stage, gpu_name=gpu.name if gpu is not None else None,
+                   blocking_power_per_gpu_w=config.blocking_power_w or config.saved_blocking_power_w,
+                   sidecar=config.saved_profile_sidecar)
 
     def load(self, schedule: PipelineSchedule) -> MeasuredProfile | None:
         """The saved profile, None when there is none yet; ConfigError when it is unusable."""
@@ -47,7 +60,7 @@ class ProfileStore:
         if profile.num_stages != schedule.num_stages:
             raise ConfigError(f"{KEY} {self.path} profiles {profile.num_stages} stages, this pipeline "
                               f"has {schedule.num_stages}; {fix}")
-        sidecar = self._read_sidecar(fix)
+        sidecar = self.sidecar or ProfileSidecar()
         saved_gpu = sidecar.gpu
         if saved_gpu is not None and self.gpu_name is not None and saved_gpu != self.gpu_name:
             raise ConfigError(f"{KEY} {self.path} was measured on {saved_gpu}, this job runs on "
@@ -61,9 +74,6 @@ class ProfileStore:
                               f"job has {self.gpus_per_stage}; {fix}")
         return MeasuredProfile(profile, float(per_gpu) * self.gpus_per_stage, self.gpus_per_stage,
                                saved_gpu if saved_gpu is not None else self.gpu_name)
-
-    def _read_sidecar(self, fix: str) -> ProfileSidecar:
-        return read_profile_sidecar(self.path, fix) or ProfileSidecar()
 
     def save(self, measured: MeasuredProfile, schedule: PipelineSchedule) -> None:
         """Write the CSV and its sidecar; a failure is logged (the job goes on without it)."""

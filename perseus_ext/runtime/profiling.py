@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 from perseus_ext.errors import PerseusError
@@ -20,7 +21,7 @@ from perseus_ext.measurement.gpu.timeline import DeviceMarker, DeviceTimeline
 from perseus_ext.measurement.windows import EnergyMeter, MeasurementError
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
-from perseus_ext.runtime.comm import Member
+from perseus_ext.runtime.comm import ControlPlane, Member
 from perseus_ext.runtime.config import PREFIX, PerseusConfig
 from perseus_ext.runtime.profiler import StageMeasurements, StageProfiler
 from perseus_ext.runtime.rank_setup import RankSetup
@@ -122,6 +123,35 @@ class ProfilingRun:
             return None
         self.overhead_s = measured.overhead_s
         return measured
+
+    def finish_iteration(self, comm: ControlPlane, fallback_reason: str | None, *, blocking_override_w: float | None,
+                         gpu_name: str | None, save: Callable[[MeasuredProfile], None]) -> tuple[bool, MeasuredProfile | None]:
+        """Every rank, at the end of each profiling iteration (collectives): (False, None) while
+        some rank still profiles; then (True, the pipeline's profile on its leader -- None on
+        the other ranks or when it is unusable). `save` keeps pipeline 0's profile."""
+        self.end_iteration(fallback_reason)
+        (all_done,) = comm.all_min([float(self.profiler.done)])
+        if not all_done:
+            return False, None
+        measurements = self.measurements(fallback_reason is not None)
+        (iterations,) = comm.all_max([self.iterations])
+        # One line per stage (pipeline 0's ranks); the other pipelines' at DEBUG.
+        logger.log(logging.INFO if comm.pipeline == 0 else logging.DEBUG,
+                   "perseus-ext: profiling finished after %d iteration(s) (stage %d: %s; framework "
+                   "overhead %.2f ms per computation)", int(iterations), self.profiler.stage,
+                   self.profiler.stop_reason, 1000 * self.overhead_s)
+        gathered = comm.gather_pipeline(measurements)
+        if not comm.is_pipeline_leader:
+            return True, None
+        try:
+            measured = self.assemble(gathered, pipeline=comm.pipeline, blocking_override_w=blocking_override_w,
+                                     gpu_name=gpu_name)
+            if measured is not None and comm.pipeline == 0:
+                save(measured)
+        except Exception as err:  # leader-only work: failing it must not skip a collective
+            logger.exception("perseus-ext: pipeline %d: assembling the profile failed: %r", comm.pipeline, err)
+            return True, None
+        return True, measured
 
     @property
     def waits_s(self) -> float:

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from perseus_ext.actuation.controller import FrequencyController
 from perseus_ext.errors import ConfigError
 from perseus_ext.measurement.gpu import GPU, GPUError, open_gpu
 from perseus_ext.measurement.gpu.timeline import DeviceTimeline, SwitchLatency
@@ -59,6 +60,16 @@ class RankSetup:
             policy = _frontier_policy(policy_config, gpu)
         latency = gpu_switch_latency(gpu) if gpu is not None else NO_LATENCY
         return cls(gpu, candidates, communication, policy_config, policy, latency)
+
+    def controller(self, config: PerseusConfig, stage: int) -> FrequencyController:
+        """The GPU's clock controller; says so when it only records (dry-run)."""
+        controller = FrequencyController(self.gpu, dry_run=config.dry_run, strict=config.strict)
+        if controller.dry_run:
+            why = ("as configured" if config.dry_run else "no GPU could be opened" if self.gpu is None
+                   else "no permission to set GPU clocks")
+            logger.warning("perseus-ext: stage %d runs in DRY-RUN mode (%s): clock changes are "
+                           "recorded, not applied", stage, why)
+        return controller
 
     def timeline(self, job_id: str, rank: int, peer_timeout_s: float | None = None) -> DeviceTimeline:
         return open_timeline(self.gpu, job_id=job_id, rank=rank, peer_timeout_s=peer_timeout_s)

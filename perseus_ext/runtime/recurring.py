@@ -4,7 +4,8 @@ stop and its report, and the one poller of an external signal (carbon, power bud
 Why a job-level collaborator: the batch-size optimizer prices a *run* (every GPU, from the
 job's start to its target), and the store must see one answer per run, so rank 0 alone talks
 to it. Before the engine is built, `choose_batch_size` asks the store on rank 0 and broadcasts
-the answer (every rank must build the same engine). Once the runtime exists, `JobCoordinator`
+the answer (every rank must build the same engine); the `PreparedRun` it returns is handed to
+the runtime by the adapter (`PerseusRuntime(prepared_run=...)`). Once the runtime exists, `JobCoordinator`
 runs one small all-reduce per iteration boundary that carries, at once, this rank's energy since
 the last boundary (summed: the job's energy), rank 0's stop decision, whether any rank saw the
 target reached, and rank 0's reading of a shared signal (so one rank per job polls a carbon or
@@ -50,14 +51,17 @@ class RunAssignment:
 
 
 @dataclass
-class _PreparedRun:
+class PreparedRun:
+    """A run whose batch size was chosen before its engine was built: what `choose_batch_size`
+    returns and the adapter hands to the runtime (`PerseusRuntime(prepared_run=...)`)."""
+
     assignment: RunAssignment
     job: RecurringJob | None  # rank 0 only
-    crashed: bool = False
+    crashed: bool = False  # the script died of an exception: the run was expired
+    claimed: bool = False  # a runtime took it over (and reports it at close)
 
 
-_prepared: _PreparedRun | None = None  # chosen, not yet claimed by a runtime
-_current: _PreparedRun | None = None  # this process's latest run (the exception hook's)
+_current: PreparedRun | None = None  # this process's latest run (the exception hook's)
 _excepthook_installed = False
 _lock = threading.Lock()
 
@@ -102,10 +106,11 @@ def _gpu_max_power_w(config: PerseusConfig, local_rank: int) -> float | None:
         gpu.close()
 
 
-def choose_batch_size(config: PerseusConfig, *, num_gpus: int, local_rank: int = 0) -> RunAssignment | None:
-    """This run's batch size, the same on every rank (call on every rank, before the engine is
-    built). Rank 0 asks the store; a failure there fails every rank (no silent default)."""
-    global _prepared, _current
+def choose_batch_size(config: PerseusConfig, *, num_gpus: int, local_rank: int = 0) -> PreparedRun | None:
+    """This run's batch size (`.assignment`), the same on every rank (call on every rank, before
+    the engine is built), or None without an enabled batch-size policy. Rank 0 asks the store; a
+    failure there fails every rank (no silent default)."""
+    global _current
     policy = config.policy
     if not config.enabled or policy is None or policy.batch_size is None:
         return None
@@ -125,13 +130,14 @@ def choose_batch_size(config: PerseusConfig, *, num_gpus: int, local_rank: int =
     if error is not None or assignment is None:
         raise ConfigError(f"{BATCH_SIZE_KEY}: rank 0 could not get this run's batch size from the store "
                           f"({error}); the job does not start with a guessed one")
+    prepared = PreparedRun(assignment, job)
     with _lock:
-        if _prepared is not None and _prepared.job is not None and _prepared.job.report is None:
-            _prepared.job.abandon()  # a run prepared but never attached (its engine failed)
-            _prepared.job.close()
-        _prepared = _current = _PreparedRun(assignment, job)
+        previous, _current = _current, prepared
+    if previous is not None and not previous.claimed and previous.job is not None and previous.job.report is None:
+        previous.job.abandon()  # a run prepared but never attached (its engine failed)
+        previous.job.close()
     _install_excepthook()
-    return assignment
+    return prepared
 
 
 def _install_excepthook() -> None:
@@ -158,14 +164,12 @@ def _install_excepthook() -> None:
     sys.excepthook = expire_then_report
 
 
-def _claim_prepared(config: PerseusConfig) -> _PreparedRun:
-    global _prepared
-    with _lock:
-        prepared, _prepared = _prepared, None
+def _claim(prepared: PreparedRun | None) -> PreparedRun:
     if prepared is None:
         raise ConfigError(f"{BATCH_SIZE_KEY} is set but this run got no batch size from the store before its "
                           f"engine was built: build it with deepspeed.initialize (perseus-ext installed) or "
                           f"perseus_ext.megatron.install(args) before computing the number of microbatches")
+    prepared.claimed = True
     return prepared
 
 
@@ -186,7 +190,7 @@ def _shared_signal(policy: Any) -> tuple[Any, str] | None:
 class JobCoordinator:
     """One rank's part of the job-wide exchange at every iteration boundary (see module doc)."""
 
-    def __init__(self, comm: ControlPlane, gpu: Any, *, prepared: _PreparedRun | None,
+    def __init__(self, comm: ControlPlane, gpu: Any, *, prepared: PreparedRun | None,
                  target: TargetMetric | None, signal_holder: tuple[Any, str] | None) -> None:
         self.comm = comm
         self.gpu = gpu
@@ -215,16 +219,17 @@ class JobCoordinator:
                 self._signal = getattr(holder, attribute)
 
     @classmethod
-    def create(cls, config: PerseusConfig, comm: ControlPlane, gpu: Any, policy: Any) -> "JobCoordinator | None":
-        """None unless the job has a batch-size run or a signal to share; a power budget's
-        job-wide scope is divided over the job's GPUs here."""
+    def create(cls, config: PerseusConfig, comm: ControlPlane, gpu: Any, policy: Any,
+               prepared: PreparedRun | None = None) -> "JobCoordinator | None":
+        """None unless the job has a batch-size run (`prepared`, from `choose_batch_size`) or a
+        signal to share; a power budget's job-wide scope is divided over the job's GPUs here."""
         if isinstance(policy, PowerBudgetPolicy) and policy.budget.scope is BudgetScope.JOB:
             policy.budget.num_gpus = len(comm.members)
         recurring = config.policy is not None and config.policy.batch_size is not None
         holder = _shared_signal(policy) if comm.distributed else None
         if not recurring and holder is None:
             return None
-        prepared = _claim_prepared(config) if recurring else None
+        prepared = _claim(prepared) if recurring else None
         target = config.policy.target_metric if recurring else None
         return cls(comm, gpu, prepared=prepared, target=target, signal_holder=holder)
 

@@ -10,7 +10,8 @@ around every forward and backward, optionally `mark_compute_end()` right before 
 all-reduce, and `iteration_end()`. The runtime is a phase machine over collaborators:
 `RankSetup` (device, clocks, policy), `ClockSequencer` (clocks ordered by device markers),
 `ComputationPacer` (simulated work, nothing on real GPUs), `RunRecorder` (device-side records),
-`ProfilingRun`, `PlanDeployment` and `PowerLimitMode`. Deployed iterations never synchronise the
+`ProfilingRun`, `PipelineSolve` (the frontier, solved and shipped), `PlanDeployment` and
+`PowerLimitMode`; the summary is built from a typed `RunSnapshot`. Deployed iterations never synchronise the
 host with the device. Phase changes are decided from collective results only, so every rank
 changes phase at the same iteration. Nothing raises into the training step: a failure logs its
 traceback once and the rank falls back to default clocks while still taking part in the
@@ -19,13 +20,13 @@ collectives, so it cannot hang the others.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
+import functools
 import logging
 import secrets
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from perseus_ext.actuation.controller import FrequencyController
 from perseus_ext.actuation.exit_guard import forget_interrupt, on_interrupt
 from perseus_ext.actuation.sequencer import ClockSequencer
 from perseus_ext.actuation.silence import SilenceGuard, SilentEpisode
@@ -44,18 +45,15 @@ from perseus_ext.runtime.profile_store import ProfileStore
 from perseus_ext.runtime.profiling import ProfilingRun
 from perseus_ext.runtime.rank_setup import RankSetup, describe_gpu
 from perseus_ext.runtime.recorder import RunRecorder
-from perseus_ext.runtime.recurring import JobCoordinator
-from perseus_ext.runtime.records import IterationSetting, MeasuredProfile, SolveOutcome, SolveProblem
-from perseus_ext.runtime.shipping import StageFrontier, ship, shipped_bytes
-from perseus_ext.runtime.solver_process import BackgroundSolve, solve
+from perseus_ext.runtime.recurring import JobCoordinator, PreparedRun
+from perseus_ext.runtime.pipeline_solve import PipelineSolve
+from perseus_ext.runtime.records import IterationSetting, MeasuredProfile
 from perseus_ext.runtime.summary import (
-    PolicySnapshot,
-    PowerLimitSnapshot,
     RunSnapshot,
     SilenceReport,
     build_summary,
-    gather_job_summary,
-    log_summary,
+    close_summary,
+    policy_snapshot,
     write_interrupted_summary,
 )
 from perseus_ext.measurement.gpu import GPU
@@ -73,6 +71,26 @@ CAPTURE_REASON = ("a perseus-ext hook ran while a CUDA stream was capturing a CU
 RECORD_WAIT_S = 5.0  # power-limit mode: longest wait for the previous iteration's device record
 
 
+def _hook(method: Callable[..., None]) -> Callable[..., None]:
+    """A training-thread hook: does nothing after `close()` or while a CUDA graph is captured
+    (the silence guard hears it either way), and a failure makes this rank fall back to default
+    clocks (`fall_back`, traceback logged once) instead of breaking the step."""
+    starts_iteration = method.__name__ == "iteration_start"
+
+    @functools.wraps(method)
+    def hook(self: PerseusRuntime, *args: Any, **kwargs: Any) -> None:
+        if self._closed:
+            return
+        self.silence.iteration_started() if starts_iteration else self.silence.heartbeat()
+        if self._capture_noticed():
+            return
+        try:
+            method(self, *args, **kwargs)
+        except Exception as err:  # never break the training step
+            self.fall_back(f"{method.__name__} failed", err)
+    return hook
+
+
 class PerseusRuntime:
     """One rank's Perseus lifecycle (see the module docstring for the hook protocol)."""
 
@@ -88,12 +106,15 @@ class PerseusRuntime:
         policy: OperatingPointPolicy | None = None,
         local_rank: int = 0,
         whole_iterations: bool = False,
+        prepared_run: PreparedRun | None = None,
     ) -> None:
         """whole_iterations: the adapter reports iterations only, each run as one unit the hooks
         cannot look into (a full-iteration CUDA graph replay): every iteration is one span on the
         device at one clock per stage, set before it and released after it, so plans are
         stage-constant (`planning/stage_constant.py`) and solved from a saved profile
-        (`profile_path`), since computations cannot be profiled one by one."""
+        (`profile_path`), since computations cannot be profiled one by one. `prepared_run`: this
+        run's batch size from the store (`choose_batch_size`, called by the adapter before the
+        engine was built); required with `policy.batch_size`."""
         if not 0 <= stage < schedule.num_stages:
             raise PerseusError(f"stage {stage} is outside the schedule's 0..{schedule.num_stages - 1}")
         check_pipeline_rank(pp_group, stage)
@@ -108,12 +129,7 @@ class PerseusRuntime:
         self.setup = RankSetup.prepare(config, gpu=gpu, policy=policy, local_rank=local_rank)
         self.gpu = self.setup.gpu
         self.policy = self.setup.policy
-        self.controller = FrequencyController(self.gpu, dry_run=config.dry_run, strict=config.strict)
-        if self.controller.dry_run:
-            why = ("as configured" if config.dry_run else "no GPU could be opened" if self.gpu is None
-                   else "no permission to set GPU clocks")
-            logger.warning("perseus-ext: stage %d runs in DRY-RUN mode (%s): clock changes are "
-                           "recorded, not applied", stage, why)
+        self.controller = self.setup.controller(config, stage)
         self.comm = ControlPlane(stage=stage, dp_group=dp_group, timeout_s=config.control_timeout_s)
         self.job_id = self.comm.broadcast_job(secrets.token_hex(8))  # the same on every rank
         # a simulated device's wait for another rank is bounded like every collective
@@ -127,10 +143,9 @@ class PerseusRuntime:
         self.silence = SilenceGuard(lambda: self.controller.current_clock, self._hooks_fell_silent)
         self._capturing = capture_probe()
         self.captured_hooks = 0  # hooks that ran during a CUDA graph capture (and did nothing)
-        self.store = ProfileStore(config.profile_path, gpus_per_stage=self.comm.gpus_per_stage,
-                                  gpu_name=self.gpu.name if self.gpu is not None else None,
-                                  blocking_power_per_gpu_w=config.blocking_power_w or config.saved_blocking_power_w)
-        self.saved_profile = self.store.load(schedule)
+        self.solve = PipelineSolve(config, self.comm, self.setup.latency,
+                                   ProfileStore.for_job(config, self.comm.gpus_per_stage, self.gpu), schedule,
+                                   stage_constant=whole_iterations)
         self.emissions = EmissionsAccount(self.policy)
         self.probes = BaselineProbes(config.baseline_fraction, config.straggler_check_interval)
         self.recorder = RunRecorder(self.controller, rank=self.comm.rank, pipeline=self.comm.pipeline,
@@ -139,7 +154,7 @@ class PerseusRuntime:
                                     on_record=self.emissions.on_record,
                                     saving=self.probes.estimate)
         # The job-wide exchange (batch-size run, early stop, shared signal); None when unused.
-        self.job = JobCoordinator.create(config, self.comm, self.gpu, self.policy)
+        self.job = JobCoordinator.create(config, self.comm, self.gpu, self.policy, prepared_run)
         self.phase = Phase.WARMUP if config.mode == "optimize" else Phase.OBSERVING
         self.iteration = 0
         self.fallback_reason: str | None = None
@@ -147,13 +162,8 @@ class PerseusRuntime:
         self.profiling: ProfilingRun | None = None
         self.deployment: PlanDeployment | None = None
         self.power_limit: PowerLimitMode | None = None
-        self.solve_outcome: SolveOutcome | StageFrontier | None = None  # the leader's, or this rank's share
         self._phase_iterations = 0
         self._announced: tuple[str, float] | None = None
-        self._solver: BackgroundSolve | None = None
-        self._leader_outcome: SolveOutcome | None = None
-        self._measured: MeasuredProfile | None = None  # the pipeline leader's, kept for re-plans
-        self._solved: dict[PipelineSchedule, SolveOutcome] = {}  # the leader's frontiers, per schedule
         self._setting = IterationSetting(-1, self.phase)
         self._compute_ended = False
         self._closed = False
@@ -169,79 +179,65 @@ class PerseusRuntime:
                    self.comm.num_pipelines * schedule.num_stages)
 
     # ------------------------------------------------------------------ hooks
+    @_hook
     def iteration_start(self) -> None:
         """Pick the iteration's clocks and queue them at the device's iteration start."""
-        if self._closed:
-            return
-        self.silence.iteration_started()
-        if self._capture_noticed():
-            return
-        try:
-            self._compute_ended = False
-            self._setting = self._current_setting()
-            if self._profiling_now:
-                self.profiling.start_iteration()
-            planned = self._setting.plan is not None and not self.whole_iterations
-            durations = self.deployment.stage_durations(self.stage) if planned else None
-            start = self.sequencer.start_iteration(self.iteration, self._iteration_clocks(), durations)
-            self.recorder.begin(self._setting, start)
-            if self.whole_iterations:  # the whole iteration is the one span the stage's clock covers
-                self.sequencer.computation_started()
-        except Exception as err:  # never break the training step
-            self.fall_back("iteration_start failed", err)
+        self._compute_ended = False
+        setting = self._setting = self._current_setting()
+        if self._profiling_now:
+            self.profiling.start_iteration()
+        clocks = durations = None
+        if setting.plan is not None:
+            clocks = self.deployment.stage_clocks(self.stage)
+            if not self.whole_iterations:
+                durations = self.deployment.stage_durations(self.stage)
+            elif len(set(clocks)) != 1:  # a stage-constant plan: its one clock for the whole iteration
+                raise PerseusError(f"whole-iteration mode deploys stage-constant plans; stage "
+                                   f"{self.stage} was given {sorted(set(clocks))} MHz")
+            else:
+                clocks = tuple(clocks[:1])
+        elif setting.profiled_clock_mhz is not None:
+            clocks = (setting.profiled_clock_mhz,) * len(self.order)
+        start = self.sequencer.start_iteration(self.iteration, clocks, durations)
+        self.recorder.begin(setting, start)
+        if self.whole_iterations:  # the whole iteration is the one span the stage's clock covers
+            self.sequencer.computation_started()
 
+    @_hook
     def before_computation(self, kind: Kind | str, microbatch: int, chunk: int = 0) -> None:
         """The framework is about to launch this computation's work."""
-        if self._closed:
-            return
-        self.silence.heartbeat()
-        if self._capture_noticed():
-            return
-        try:
-            computation = Computation(self.stage, chunk, microbatch, Kind(kind))
-            position = self.sequencer.position
-            if self.fallback_reason is None:
-                expected = self.order[position] if position < len(self.order) else None
-                if computation != expected:
-                    self.fall_back(
-                        f"the framework ran {computation} where the {self.schedule.kind.value} "
-                        f"schedule expects {expected if expected else 'no more computations'} "
-                        f"(position {position}); is the configured schedule the one running?")
-            self.pacer.receive(self.iteration, computation)
-            if self._profiling_now:
-                self.profiling.before_computation()
-            self.sequencer.computation_started()
-            planned = self.sequencer.planned_clock() if self._setting.plan is not None else None
-            self.pacer.compute(self.iteration, computation, planned)
-        except Exception as err:
-            self.fall_back("before_computation failed", err)
+        computation = Computation(self.stage, chunk, microbatch, Kind(kind))
+        position = self.sequencer.position
+        if self.fallback_reason is None:
+            expected = self.order[position] if position < len(self.order) else None
+            if computation != expected:
+                self.fall_back(
+                    f"the framework ran {computation} where the {self.schedule.kind.value} "
+                    f"schedule expects {expected if expected else 'no more computations'} "
+                    f"(position {position}); is the configured schedule the one running?")
+        self.pacer.receive(self.iteration, computation)
+        if self._profiling_now:
+            self.profiling.before_computation()
+        self.sequencer.computation_started()
+        planned = self.sequencer.planned_clock() if self._setting.plan is not None else None
+        self.pacer.compute(self.iteration, computation, planned)
 
+    @_hook
     def after_computation(self, kind: Kind | str, microbatch: int, chunk: int = 0) -> None:
         """The framework has launched this computation's work: queue what comes next."""
-        if self._closed:
-            return
-        self.silence.heartbeat()
-        if self._capture_noticed():
-            return
-        try:
-            if self._profiling_now:
-                self.profiling.after_computation(Kind(kind).value, self.sequencer.planned_clock())
-            self.sequencer.computation_finished()
-        except Exception as err:
-            self.fall_back("after_computation failed", err)
+        if self._profiling_now:
+            self.profiling.after_computation(Kind(kind).value, self.sequencer.planned_clock())
+        self.sequencer.computation_finished()
 
+    @_hook
     def mark_compute_end(self) -> None:
         """This stage's computations are launched; the data-parallel gradient sync follows,
         which straggler detection must not count."""
-        if self._closed or self._compute_ended or self._capture_noticed():
+        if self._compute_ended:
             return
-        self.silence.heartbeat()
-        try:
-            self._compute_ended = True
-            self.recorder.compute_end(self.iteration, self.timeline.record_marker())
-            self.pacer.gradient_sync(self.iteration)
-        except Exception as err:
-            self.fall_back("mark_compute_end failed", err)
+        self._compute_ended = True
+        self.recorder.compute_end(self.iteration, self.timeline.record_marker())
+        self.pacer.gradient_sync(self.iteration)
 
     def iteration_end(self) -> None:
         """Record the iteration's end on the device and advance the lifecycle (collectives)."""
@@ -268,7 +264,7 @@ class PerseusRuntime:
             self.close()
             raise self.job.early_stop()
 
-    # ------------------------------------------------------------------ recurring-job API
+    # ------------------------------------------------------------------ script and cluster-manager API
     def report_metric(self, value: float) -> bool:
         """Hand over one evaluation result of `policy.batch_size.target_metric`; True once the
         target is reached (the run is then reported as reached)."""
@@ -281,7 +277,6 @@ class PerseusRuntime:
         """True once the run was stopped early by its cost limit (PerseusEarlyStop was raised)."""
         return self.job is not None and self.job.stop_requested
 
-    # ------------------------------------------------------------------ cluster-manager API
     def announce_slowdown(self, factor_or_time: float | datetime.timedelta | None) -> None:
         """Announce the slowest pipeline's expected iteration time instead of waiting for it to
         be measured: a float is a factor of the normal (fastest pipeline's) iteration time, a
@@ -303,26 +298,16 @@ class PerseusRuntime:
         if schedule.num_stages != self.schedule.num_stages:
             raise PerseusError(f"reschedule: the new schedule has {schedule.num_stages} stages, this "
                                f"pipeline {self.schedule.num_stages}; a new pipeline needs a new runtime")
-        if self.deployment is not None and self._leader_outcome is not None:
-            self._solved[self.schedule] = self._leader_outcome
-        if self._solver is not None:
-            self._solver.cancel()
-            self._solver = None
-        self._leader_outcome = None
+        solving_again = self.phase in (Phase.SOLVING, Phase.DEPLOYED)
+        self.solve.reschedule(self.schedule, schedule, deployed=self.deployment is not None, solving_again=solving_again)
         self.schedule = schedule
         self.order = schedule.orders[self.stage]
         self.pacer = self.setup.pacer(self.config, self.timeline, schedule, stage=self.stage,
                                       pipeline=self.comm.pipeline, num_pipelines=self.comm.num_pipelines)
         logger.info("perseus-ext: stage %d runs %s from iteration %d on", self.stage,
                     schedule.describe(), self.iteration)
-        if self.phase not in (Phase.SOLVING, Phase.DEPLOYED):
-            return
-        cached = self._solved.get(schedule)
-        if cached is None:
-            self._start_solve(self._measured)
-            return
-        self._set_phase(Phase.SOLVING)
-        self._leader_outcome = dataclasses.replace(cached, solve_s=0.0, in_background=False)
+        if solving_again:
+            self._set_phase(Phase.SOLVING)
 
     def reprofile(self, reason: str) -> None:
         """Measure the profile again from the next iteration on: each computation's work changed
@@ -333,12 +318,7 @@ class PerseusRuntime:
         which keeps describing the job as configured. Warm-up, observe and power-limit mode go on."""
         if self._closed or self.phase not in (Phase.PROFILING, Phase.SOLVING, Phase.DEPLOYED):
             return
-        if self._solver is not None:
-            self._solver.cancel()
-            self._solver = None
-        self._leader_outcome = self._measured = self.saved_profile = None
-        self._solved.clear()
-        self.store.path = None
+        self.solve.forget()
         self.deployment = None
         logger.info("perseus-ext: stage %d profiles again from iteration %d on (%s)", self.stage,
                     self.iteration, reason)
@@ -350,60 +330,25 @@ class PerseusRuntime:
         return (self.phase is Phase.PROFILING and self.fallback_reason is None
                 and self.profiling is not None and not self.profiling.profiler.done)
 
-    @property
-    def plan(self):
-        return self.deployment.plan if self.deployment is not None else None
-
-    @property
-    def frontier(self):
-        return self.deployment.frontier if self.deployment is not None else None
-
-    @property
-    def history(self):
-        return self.recorder.history
-
-    @property
-    def profiling_iterations(self) -> int:
-        return self.profiling.iterations if self.profiling is not None else 0
-
-    @property
-    def candidate_clocks(self) -> list[int]:
-        return self.setup.candidate_clocks
+    # Read-only views of the collaborators, for adapters, tests and monitoring.
+    plan = property(lambda self: self.deployment.plan if self.deployment is not None else None)
+    frontier = property(lambda self: self.deployment.frontier if self.deployment is not None else None)
+    history = property(lambda self: self.recorder.history)
+    saved_profile = property(lambda self: self.solve.saved_profile, doc="The profile saved beside the job, if any.")
+    solve_outcome = property(lambda self: self.solve.outcome,
+                             doc="The pipeline leader's solve outcome, or this rank's share of it (None before).")
+    profiling_iterations = property(lambda self: self.profiling.iterations if self.profiling is not None else 0)
+    candidate_clocks = property(lambda self: self.setup.candidate_clocks)
 
     def _current_setting(self) -> IterationSetting:
         fell_back = self.fallback_reason is not None
         if self.phase is Phase.DEPLOYED and self.deployment is not None:
-            probe = not fell_back and self._baseline_probe()
-            return IterationSetting(self.iteration, self.phase,
-                                    plan=None if fell_back or probe else self.deployment.index,
-                                    factor=self.deployment.factor, fell_back=fell_back, probe=probe)
+            return self.deployment.iteration_setting(self.iteration, self._phase_iterations, self.probes, fell_back)
         if self._profiling_now:
             return IterationSetting(self.iteration, self.phase, profiled_clock_mhz=self.profiling.profiler.current_clock)
         if self.power_limit is not None:
             return IterationSetting(self.iteration, self.phase, power_limit_w=self.power_limit.limit_w, fell_back=fell_back)
         return IterationSetting(self.iteration, self.phase, fell_back=fell_back)
-
-    def _baseline_probe(self) -> bool:
-        """Whether this deployed iteration runs default clocks as a baseline probe: decided from
-        the deployed-iteration count and the pipeline's last plan switch, the same on every rank;
-        a probe's setting has no plan, so it runs (and is recorded) at default clocks."""
-        switches = self.deployment.switches
-        since_switch = self.iteration - switches[-1].iteration - 1 if switches else None
-        return self.probes.is_probe(self._phase_iterations, since_switch)
-
-    def _iteration_clocks(self) -> tuple[int, ...] | None:
-        setting = self._setting
-        if setting.plan is not None:
-            clocks = self.deployment.stage_clocks(self.stage)
-            if self.whole_iterations:  # a stage-constant plan: its one clock for the whole iteration
-                if len(set(clocks)) != 1:
-                    raise PerseusError(f"whole-iteration mode deploys stage-constant plans; stage "
-                                       f"{self.stage} was given {sorted(set(clocks))} MHz")
-                return tuple(clocks[:1])
-            return clocks
-        if setting.profiled_clock_mhz is not None:
-            return (setting.profiled_clock_mhz,) * len(self.order)
-        return None
 
     # ------------------------------------------------------------------ phase machine
     def _advance(self) -> None:
@@ -436,13 +381,13 @@ class PerseusRuntime:
             self._set_phase(Phase.POWER_LIMIT if self.power_limit is not None else Phase.OBSERVING)
             return
         have_profile, can_set_clocks, none_fell_back = self.comm.all_min([
-            float(self.saved_profile is not None),
+            float(self.solve.saved_profile is not None),
             float(not self.controller.dry_run and bool(self.setup.candidate_clocks)),
             float(self.fallback_reason is None),
         ])
         if have_profile:
             logger.info("perseus-ext: using saved profile %s; skipping profiling", self.config.profile_path)
-            self._start_solve(self.saved_profile if self.comm.is_pipeline_leader else None)
+            self._start_solve(self.solve.saved_profile if self.comm.is_pipeline_leader else None)
         elif self.whole_iterations:
             logger.warning("perseus-ext: each iteration runs as one full-iteration CUDA graph replay, whose "
                            "computations cannot be profiled one by one, and there is no saved profile "
@@ -462,89 +407,27 @@ class PerseusRuntime:
             self._set_phase(Phase.OBSERVING)
 
     def _profiling_step(self) -> None:
-        run = self.profiling
-        run.end_iteration(self.fallback_reason)
-        (all_done,) = self.comm.all_min([float(run.profiler.done)])
-        if not all_done:
-            return
-        measurements = run.measurements(self.fallback_reason is not None)
-        (iterations,) = self.comm.all_max([run.iterations])
-        # One line per stage (pipeline 0's ranks); the other pipelines' at DEBUG.
-        logger.log(logging.INFO if self.comm.pipeline == 0 else logging.DEBUG,
-                   "perseus-ext: profiling finished after %d iteration(s) (stage %d: %s; framework "
-                   "overhead %.2f ms per computation)", int(iterations), self.stage,
-                   run.profiler.stop_reason, 1000 * run.overhead_s)
-        gathered = self.comm.gather_pipeline(measurements)
-        measured = None
-        if self.comm.is_pipeline_leader:
-            try:
-                measured = run.assemble(gathered, pipeline=self.comm.pipeline,
-                                        blocking_override_w=self.config.blocking_power_w,
-                                        gpu_name=describe_gpu(self.gpu))
-                if measured is not None and self.comm.pipeline == 0:
-                    self.store.save(measured, self.schedule)
-            except Exception as err:  # leader-only work: failing it must not skip a collective
-                logger.exception("perseus-ext: pipeline %d: assembling the profile failed: %r",
-                                 self.comm.pipeline, err)
-        self._start_solve(measured)
+        done, measured = self.profiling.finish_iteration(
+            self.comm, self.fallback_reason, blocking_override_w=self.config.blocking_power_w,
+            gpu_name=describe_gpu(self.gpu), save=lambda profile: self.solve.store.save(profile, self.schedule))
+        if done:
+            self._start_solve(measured)
 
     def _start_solve(self, measured: MeasuredProfile | None) -> None:
-        self._measured = measured
         self._set_phase(Phase.SOLVING)
-        if not self.comm.is_pipeline_leader:
-            return
-        if measured is None:
-            self._leader_outcome = SolveOutcome(None, "no usable profile", 0.0, False)
-            return
-        try:
-            # Changes within an iteration are issued so that the ramp starts as the previous
-            # computation ends (ClockSequencer): what plans pay per change is about half the
-            # ramp. A change must also save more than the stage draws idle during one ramp.
-            ramp_s = self.setup.latency.transition_s
-            problem = SolveProblem(self.schedule, measured, self.config.solver, ramp_s / 2,
-                                   switch_cost_j=ramp_s * measured.blocking_power_per_stage_w,
-                                   stage_constant=self.whole_iterations)
-            if self.config.solve_in_background:
-                self._solver = BackgroundSolve(problem)
-            else:
-                self._leader_outcome = solve(problem)
-        except Exception as err:  # leader-only work: failing it must not skip a collective
-            logger.exception("perseus-ext: pipeline %d: starting the solve failed", self.comm.pipeline)
-            self._leader_outcome = SolveOutcome(None, f"starting the solve failed: {err!r}", 0.0, False)
+        self.solve.start(self.schedule, measured)
 
     def _solving_step(self) -> None:
-        leader = self.comm.is_pipeline_leader
-        if leader and self._leader_outcome is None and self._solver is not None:
-            try:
-                self._leader_outcome = self._solver.result()
-            except Exception as err:  # leader-only work: failing it must not skip a collective
-                self._leader_outcome = SolveOutcome(None, f"reading the solver's result failed: {err!r}", 0.0, True)
-        (all_ready,) = self.comm.all_min([float(self._leader_outcome is not None or not leader)])
-        if not all_ready:
+        shipped = self.solve.collect()
+        if shipped is None:
             return
-        shipments = ship(self._leader_outcome, self.comm.pipeline_members) if leader else None
-        shipment: StageFrontier = self.comm.scatter_pipeline(shipments)
-        self.solve_outcome = self._leader_outcome if leader else shipment
-        if shipment.compact is None:
+        if shipped.frontier is None:
             logger.warning("perseus-ext: pipeline %d has no frontier (%s); staying at default clocks",
-                           self.comm.pipeline, shipment.error)
+                           self.comm.pipeline, shipped.error)
             self._set_phase(Phase.OBSERVING)
             return
-        # The leader keeps the whole frontier; the others get their own stage's clocks only.
-        frontier = self._leader_outcome.frontier if leader else shipment.frontier()
-        if leader:
-            how = "in a background process while training went on" if shipment.in_background else "inline"
-            logger.info("perseus-ext: pipeline %d frontier: %d plans, solved in %.1f s %s; the fastest "
-                        "plan saves %.1f%% energy at no slowdown (model); %.3f MB shipped per rank",
-                        self.comm.pipeline, len(frontier.plans), shipment.solve_s, how,
-                        100 * frontier.intrinsic_saving(), max(map(shipped_bytes, shipments.values())) / 1e6)
-            if self.comm.pipeline == 0 and self.config.frontier_path:
-                try:
-                    frontier.save(self.config.frontier_path)
-                except OSError as err:
-                    logger.error("perseus-ext: cannot save the frontier to %s: %s", self.config.frontier_path, err)
-        self.deployment = PlanDeployment(frontier, self.policy, self.config, self.comm, self.schedule,
-                                         shipment.measured, None if leader else shipment.stage_clocks())
+        self.deployment = PlanDeployment(shipped.frontier, self.policy, self.config, self.comm, self.schedule,
+                                         shipped.measured, shipped.stage_table)
         self.deployment.deploy(self.iteration)
         self._set_phase(Phase.DEPLOYED)
 
@@ -627,19 +510,8 @@ class PerseusRuntime:
 
     def snapshot(self) -> RunSnapshot:
         """This rank's run as the summary reads it (typed, detached from the collaborators)."""
-        profiling, deployment, mode = self.profiling, self.deployment, self.power_limit
-        config = self.setup.policy_config
-        power_limit = None if mode is None else PowerLimitSnapshot(
-            limit_w=None if mode.optimizer.profiling else mode.optimizer.limit_w,
-            profiling=mode.optimizer.profiling,
-            measurements=tuple(dataclasses.asdict(m) for m in mode.optimizer.measurements),
-            switches=tuple(mode.switches), chosen_at=mode.chosen_at)
-        policy = PolicySnapshot(
-            mode=str(config.mode) if config else "frontier",
-            type=str(config.type) if config else (self.policy.name if self.policy else None),
-            eta=config.eta if config is not None and config.type != "perseus" else None,
-            power_limit_mode=self.setup.power_limit_mode, power_limit=power_limit,
-            carbon=getattr(self.emissions.ledger, "report", None))
+        profiling, deployment = self.profiling, self.deployment
+        power_limit = self.power_limit.snapshot() if self.power_limit is not None else None
         return RunSnapshot(
             rank=self.comm.rank, pipeline=self.comm.pipeline, stage=self.stage,
             gpu_name=self.gpu.name if self.gpu is not None else None, mode=str(self.config.mode),
@@ -654,7 +526,8 @@ class PerseusRuntime:
             set_call_s=tuple(self.controller.set_call_s), assumed_call_s=self.controller.dry_run_call_s,
             silent_hooks=SilenceReport(self.silence.bound_s, self.silence.expected_iteration_s,
                                        tuple(self.silence.episodes), self.captured_hooks),
-            frontier=deployment.frontier if deployment else None, policy=policy, zeusd=self._zeusd_report())
+            frontier=deployment.frontier if deployment else None, zeusd=self._zeusd_report(),
+            policy=policy_snapshot(self.setup, power_limit, getattr(self.emissions.ledger, "report", None)))
 
     def _zeusd_report(self) -> ZeusdReport | None:
         from perseus_ext.measurement.gpu.zeusd import ZeusdGPU  # here: httpx only where zeusd is used
@@ -666,50 +539,33 @@ class PerseusRuntime:
         flush their last iterations there)."""
         self._close_hooks.append(hook)
 
+    def _close_policy(self) -> None:
+        if self.policy is not None:
+            self.policy.close()
+        if self.power_limit is not None:
+            self.power_limit.close()
+
+    def _close_summary(self) -> None:
+        self._summary = close_summary(self.comm, self.snapshot(), summary_path=self.config.summary_path,
+                                      job_id=self.job_id, control_timeout_s=self.config.control_timeout_s,
+                                      control_plane_failed=self.control_plane_failed, interrupted=self._interrupted)
+
     def close(self) -> None:
         """Restore default clocks and report; idempotent, never raises."""
         if self._closed:
             return
         self._closed = True
         forget_interrupt(self)
-        if self._solver is not None:
-            self._solver.cancel()
+        self.solve.cancel()
         self.silence.close()
-        try:
-            self.recorder.close(FLUSH_TIMEOUT_S)
-        except Exception:
-            logger.exception("perseus-ext: recording the last iterations failed")
-        try:
-            if self.policy is not None:
-                self.policy.close()
-            if self.power_limit is not None:
-                self.power_limit.close()
-        except Exception:
-            logger.exception("perseus-ext: closing the policy failed")
-        try:
-            self.controller.close()
-        except Exception:
-            logger.exception("perseus-ext: restoring clocks failed")
-        try:
-            self.timeline.close()
-        except Exception:
-            logger.exception("perseus-ext: closing the device timeline failed")
-        try:
-            run = self.snapshot()
-            self._summary = build_summary(run)
-            if self._interrupted is not None:  # closed by the application after the signal
-                self._summary["interrupted"] = self._interrupted
-            # Every rank: the job's figures (bounded wait for the others), logged by rank 0. A
-            # rank whose control plane failed earlier skips the reductions.
-            if self.control_plane_failed:
-                self._summary["job"], job_error = None, "this rank's control plane failed earlier (its error says why)"
-            else:
-                self._summary["job"], job_error = gather_job_summary(
-                    self.comm, run, self._summary, job_id=self.job_id,
-                    control_timeout_s=self.config.control_timeout_s)
-            log_summary(self._summary, self.config.summary_path, job_error)
-        except Exception:
-            logger.exception("perseus-ext: writing the summary failed")
+        for what, step in (("recording the last iterations", lambda: self.recorder.close(FLUSH_TIMEOUT_S)),
+                           ("closing the policy", self._close_policy), ("restoring clocks", self.controller.close),
+                           ("closing the device timeline", self.timeline.close),
+                           ("writing the summary", self._close_summary)):
+            try:
+                step()
+            except Exception:
+                logger.exception("perseus-ext: %s failed", what)
         for hook in self._close_hooks:
             try:
                 hook()

@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from perseus_ext.planning.frontier import Frontier
     from perseus_ext.policies.chase import CarbonReport
     from perseus_ext.runtime.comm import ControlPlane
+    from perseus_ext.runtime.power_limit_mode import PowerLimitSnapshot
+    from perseus_ext.runtime.rank_setup import RankSetup
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +59,6 @@ def _stats(records: list[IterationRecord]) -> dict[str, Any] | None:
         "time_s": statistics.fmean(r.time_s for r in records),
         "energy_j": statistics.fmean(energies) if energies else None,
     }
-
-
-@dataclass(frozen=True)
-class PowerLimitSnapshot:
-    """Power-limit mode at the time of the snapshot: the limit in force (None while profiling),
-    the limits measured, the limit switches and the iteration the limit was chosen at."""
-
-    limit_w: float | None
-    profiling: bool
-    measurements: tuple[dict[str, Any], ...]
-    switches: tuple[dict[str, Any], ...]
-    chosen_at: int | None
 
 
 @dataclass(frozen=True)
@@ -134,6 +124,34 @@ def _silence_summary(report: SilenceReport) -> dict[str, Any]:
         "episodes": [dict(dataclasses.asdict(e), why=e.describe()) for e in report.episodes],
         "hooks_during_cuda_graph_capture": report.hooks_during_capture,
     }
+
+
+def policy_snapshot(setup: RankSetup, power_limit: PowerLimitSnapshot | None, carbon: CarbonReport | None) -> PolicySnapshot:
+    """Which policy this rank set up, with power-limit mode's state and Chase's report."""
+    config, policy = setup.policy_config, setup.policy
+    return PolicySnapshot(
+        mode=str(config.mode) if config else "frontier",
+        type=str(config.type) if config else (policy.name if policy else None),
+        eta=config.eta if config is not None and config.type != "perseus" else None,
+        power_limit_mode=setup.power_limit_mode, power_limit=power_limit, carbon=carbon)
+
+
+def close_summary(comm: ControlPlane, run: RunSnapshot, *, summary_path: str | None, job_id: str,
+                  control_timeout_s: float, control_plane_failed: bool,
+                  interrupted: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The rank's summary at close with the job's figures (every rank: a bounded wait for the
+    others, logged by rank 0); a rank whose control plane failed earlier skips the reductions.
+    `interrupted`: the signal that interrupted the run before the application closed it."""
+    summary = build_summary(run)
+    if interrupted is not None:
+        summary["interrupted"] = interrupted
+    if control_plane_failed:
+        summary["job"], job_error = None, "this rank's control plane failed earlier (its error says why)"
+    else:
+        summary["job"], job_error = gather_job_summary(comm, run, summary, job_id=job_id,
+                                                       control_timeout_s=control_timeout_s)
+    log_summary(summary, summary_path, job_error)
+    return summary
 
 
 def _coverage(run: RunSnapshot, deployed: list[IterationRecord]) -> dict[str, Any]:

@@ -1,0 +1,153 @@
+"""The solving phase as a collaborator of the runtime: from the pipeline's measured profile to the
+frontier every rank of the pipeline deploys.
+
+Its input is the measured profile, or the one saved beside the job (`ProfileStore`: loaded when
+the runtime is built; pipeline 0's measured one is saved there). The pipeline leader solves (in
+a child process while training goes on, or inline), keeps the frontier it solved for each
+schedule (a `reschedule` back to one re-uses it), ships every other rank its own stage's share
+(`shipping.py`) and saves pipeline 0's frontier to `frontier_path`. Every rank polls `collect()`
+once per solving iteration: it returns None until every leader of the job has an outcome (one
+all-reduce), then this rank's `ShippedFrontier`. Leader-only work never raises past
+`collect()`, so no rank skips a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from perseus_ext.measurement.gpu.timeline import SwitchLatency
+from perseus_ext.planning.frontier import Frontier
+from perseus_ext.planning.schedule import PipelineSchedule
+from perseus_ext.runtime.comm import ControlPlane
+from perseus_ext.runtime.config import PerseusConfig
+from perseus_ext.runtime.profile_store import ProfileStore
+from perseus_ext.runtime.records import MeasuredProfile, SolveOutcome, SolveProblem
+from perseus_ext.runtime.shipping import StageFrontier, ship, shipped_bytes
+from perseus_ext.runtime.solver_process import BackgroundSolve, solve
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShippedFrontier:
+    """What one rank deploys: the frontier (the leader's whole one; every other rank's without
+    clocks, with `stage_table` holding its own stage's), or why there is none."""
+
+    frontier: Frontier | None
+    error: str | None
+    measured: MeasuredProfile | None
+    stage_table: np.ndarray | None  # (plans, computations) clocks of this rank's stage; None on the leader
+
+
+class PipelineSolve:
+    """One rank's part of solving its pipeline's frontier (see the module docstring)."""
+
+    def __init__(self, config: PerseusConfig, comm: ControlPlane, latency: SwitchLatency, store: ProfileStore,
+                 schedule: PipelineSchedule, *, stage_constant: bool = False) -> None:
+        """Loads the saved profile for `schedule` (a ConfigError when it does not fit the job).
+        `stage_constant`: plan one clock per stage (whole-iteration mode)."""
+        self.stage_constant = stage_constant
+        self.config = config
+        self.comm = comm
+        self.latency = latency
+        self.store = store
+        self.saved_profile = store.load(schedule)
+        self.outcome: SolveOutcome | StageFrontier | None = None  # the leader's, or this rank's share
+        self._measured: MeasuredProfile | None = None  # the pipeline leader's, kept for re-plans
+        self._solver: BackgroundSolve | None = None
+        self._leader_outcome: SolveOutcome | None = None
+        self._solved: dict[PipelineSchedule, SolveOutcome] = {}  # the leader's frontiers, per schedule
+
+    def start(self, schedule: PipelineSchedule, measured: MeasuredProfile | None) -> None:
+        """Every rank, as the solving phase starts; only the leader (with a profile) solves."""
+        self._measured = measured
+        if not self.comm.is_pipeline_leader:
+            return
+        if measured is None:
+            self._leader_outcome = SolveOutcome(None, "no usable profile", 0.0, False)
+            return
+        try:
+            # Changes within an iteration are issued so that the ramp starts as the previous
+            # computation ends (ClockSequencer): what plans pay per change is about half the
+            # ramp. A change must also save more than the stage draws idle during one ramp.
+            ramp_s = self.latency.transition_s
+            problem = SolveProblem(schedule, measured, self.config.solver, ramp_s / 2,
+                                   switch_cost_j=ramp_s * measured.blocking_power_per_stage_w,
+                                   stage_constant=self.stage_constant)
+            if self.config.solve_in_background:
+                self._solver = BackgroundSolve(problem)
+            else:
+                self._leader_outcome = solve(problem)
+        except Exception as err:  # leader-only work: failing it must not skip a collective
+            logger.exception("perseus-ext: pipeline %d: starting the solve failed", self.comm.pipeline)
+            self._leader_outcome = SolveOutcome(None, f"starting the solve failed: {err!r}", 0.0, False)
+
+    def collect(self) -> ShippedFrontier | None:
+        """Every rank, once per solving iteration: None until every leader has an outcome, then
+        this rank's share (the leader scatters, logs and saves)."""
+        leader = self.comm.is_pipeline_leader
+        if leader and self._leader_outcome is None and self._solver is not None:
+            try:
+                self._leader_outcome = self._solver.result()
+            except Exception as err:  # leader-only work: failing it must not skip a collective
+                self._leader_outcome = SolveOutcome(None, f"reading the solver's result failed: {err!r}", 0.0, True)
+        (all_ready,) = self.comm.all_min([float(self._leader_outcome is not None or not leader)])
+        if not all_ready:
+            return None
+        shipments = ship(self._leader_outcome, self.comm.pipeline_members) if leader else None
+        shipment: StageFrontier = self.comm.scatter_pipeline(shipments)
+        self.outcome = self._leader_outcome if leader else shipment
+        if shipment.compact is None:
+            return ShippedFrontier(None, shipment.error, shipment.measured, None)
+        # The leader keeps the whole frontier; the others get their own stage's clocks only.
+        frontier = self._leader_outcome.frontier if leader else shipment.frontier()
+        if leader:
+            self._report(frontier, shipment, shipments)
+        return ShippedFrontier(frontier, None, shipment.measured, None if leader else shipment.stage_clocks())
+
+    def _report(self, frontier: Frontier, shipment: StageFrontier, shipments: dict[int, StageFrontier]) -> None:
+        how = "in a background process while training went on" if shipment.in_background else "inline"
+        logger.info("perseus-ext: pipeline %d frontier: %d plans, solved in %.1f s %s; the fastest "
+                    "plan saves %.1f%% energy at no slowdown (model); %.3f MB shipped per rank",
+                    self.comm.pipeline, len(frontier.plans), shipment.solve_s, how,
+                    100 * frontier.intrinsic_saving(), max(map(shipped_bytes, shipments.values())) / 1e6)
+        if self.comm.pipeline == 0 and self.config.frontier_path:
+            try:
+                frontier.save(self.config.frontier_path)
+            except OSError as err:
+                logger.error("perseus-ext: cannot save the frontier to %s: %s", self.config.frontier_path, err)
+
+    def reschedule(self, old: PipelineSchedule, new: PipelineSchedule, *, deployed: bool, solving_again: bool) -> None:
+        """A new schedule from the next iteration on: the frontier deployed for `old` is kept,
+        any solve in flight is dropped and, when the pipeline plans (`solving_again`), the
+        frontier for `new` is the one solved before, if any, else solved now."""
+        if deployed and self._leader_outcome is not None:
+            self._solved[old] = self._leader_outcome
+        self.cancel()
+        self._leader_outcome = None
+        if not solving_again:
+            return
+        cached = self._solved.get(new)
+        if cached is None:
+            self.start(new, self._measured)
+        else:
+            self._leader_outcome = dataclasses.replace(cached, solve_s=0.0, in_background=False)
+
+    def forget(self) -> None:
+        """The profile is stale (`PerseusRuntime.reprofile`): drop it, every frontier and the
+        saved profile; the new one is not saved (`profile_path` keeps describing the job as
+        configured)."""
+        self.cancel()
+        self._leader_outcome = self._measured = self.saved_profile = None
+        self._solved.clear()
+        self.store.path = None
+
+    def cancel(self) -> None:
+        """Stop a solve in flight (its child process)."""
+        if self._solver is not None:
+            self._solver.cancel()
+            self._solver = None
