@@ -26,14 +26,15 @@ def _start(checkout: Path, out: Path) -> tuple[subprocess.Popen, float]:
     env = dict(os.environ, PYTHONPATH=str(checkout))
     log = open(out.with_suffix(".out"), "w")
     started = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-m", "perseus_ext", "demo", "--out", str(out)],  # older commits take --out only
-                               cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT)
+    command = [sys.executable, "-m", "perseus_ext", "demo", "--out", str(out)]  # older commits take --out only
+    process = subprocess.Popen(command, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT)
     return process, started
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--reference", default="8ca3278", help="commit whose demo is the reference (default: %(default)s, the last with the 64-iteration demo)")
+    parser.add_argument("--reference", default="8ca3278",
+                        help="commit whose demo is the reference (default: %(default)s, the last 64-iteration demo)")
     parser.add_argument("--runs", type=int, default=1, help="side-by-side pairs (default: %(default)s)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="demo-time-") as scratch:
