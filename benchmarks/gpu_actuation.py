@@ -19,6 +19,9 @@ runtime attaches them. It reports:
 * the same with the host ahead but no controller threads (`quiet`: a stand-in controller that
   only counts requests, no observer): what the worker's and observer's polling of markers
   (interpreter lock, CUDA queries) adds on the training thread;
+* then, host still ahead, no perseus-ext at all: just a plain event record where each of the two
+  hooks would be (`event_records_only_us`): CUDA's price for the hooks' records in exactly their
+  place (the record after the launch is the one that meets a full queue first);
 * how far the host leads the device (launch of a computation -> the device starting it);
 * how late the controller's observer notices the device reaching an iteration start;
 * the clock coverage estimated from the event timestamps and the dry-run's change times, for a
@@ -80,9 +83,10 @@ class TimedTimeline:
 
 def measure_actuation(machine: Machine, gpu: Any, *, layers: int, hidden: int, sequence: int, batch: int,
                       iterations: int, in_step_iterations: int, deadline: float,
-                      quiet_iterations: int = 10) -> dict[str, Any]:
+                      quiet_iterations: int = 10, records_only_iterations: int = 10) -> dict[str, Any]:
     """Run `iterations` with the host ahead, then `quiet_iterations` with the host ahead and no
-    controller threads, then `in_step_iterations` synchronised at their end."""
+    controller threads, `records_only_iterations` with plain event records in the hooks' place,
+    then `in_step_iterations` synchronised at their end."""
     torch = machine.torch
     from perseus_ext.actuation.controller import FrequencyController
     from perseus_ext.actuation.sequencer import ClockSequencer
@@ -100,7 +104,7 @@ def measure_actuation(machine: Machine, gpu: Any, *, layers: int, hidden: int, s
     quiet_sequencer = ClockSequencer(QuietController(), timeline, latency=latency)
     computations = 2 * layers
     plan = tuple(plan_clocks[(k // 2) % 2] for k in range(computations))
-    phases = {name: {"hook": [], "record": [], "bare": [], "traces": []} for name in ("ahead", "quiet", "in_step")}
+    phases = {name: {"hook": [], "record": [], "bare": [], "traces": []} for name in ("ahead", "quiet", "records_only", "in_step")}
     Event = machine.cuda.Event
     bare_events: list[Any] = []  # the bare records' events, dropped at the next iteration start
     start_hook_us: list[float] = []
@@ -131,21 +135,41 @@ def measure_actuation(machine: Machine, gpu: Any, *, layers: int, hidden: int, s
         phase["bare"].append((b1 - b0 + b3 - t3) / 1000.0)
         return result
 
+    def records_only(phase: dict[str, list], _: Any, launches: list[float], launch: Any) -> Any:
+        """One computation between two plain event records where the hooks would be."""
+        t0 = time.perf_counter_ns()
+        first = Event(enable_timing=True)
+        first.record()
+        t1 = time.perf_counter_ns()
+        launches.append(t1 / 1e9)
+        result = launch()
+        t2 = time.perf_counter_ns()
+        second = Event(enable_timing=True)
+        second.record()
+        t3 = time.perf_counter_ns()
+        bare_events.extend((first, second))
+        phase["hook"].append((t1 - t0 + t3 - t2) / 1000.0)
+        return result
+
     durations = None
     iteration = 0
     try:
         quiet_end = iterations + quiet_iterations
-        while iteration < quiet_end + in_step_iterations and time.perf_counter() < deadline:
-            name = "ahead" if iteration < iterations else "quiet" if iteration < quiet_end else "in_step"
+        records_end = quiet_end + records_only_iterations
+        while iteration < records_end + in_step_iterations and time.perf_counter() < deadline:
+            name = ("ahead" if iteration < iterations else "quiet" if iteration < quiet_end
+                    else "records_only" if iteration < records_end else "in_step")
             phase = phases[name]
             if iteration == iterations:  # the real controller's worker and observer fall idle
                 machine.synchronize()
                 controller.flush(10)
             hooks = quiet_sequencer if name == "quiet" else sequencer
             bare_events.clear()
+            hook = records_only if name == "records_only" else hooked
             began = time.perf_counter_ns()
-            start = hooks.start_iteration(iteration, plan, durations)
-            if name != "quiet":
+            if name != "records_only":
+                start = hooks.start_iteration(iteration, plan, durations)
+            if name not in ("quiet", "records_only"):
                 start_hook_us.append((time.perf_counter_ns() - began) / 1000.0)
                 controller.observe(start, iteration)
             launches: list[float] = []
@@ -153,21 +177,22 @@ def measure_actuation(machine: Machine, gpu: Any, *, layers: int, hidden: int, s
             current = data
             for block in blocks:  # forward: one computation per block
                 current = current.detach().requires_grad_(True)
-                out = hooked(phase, hooks, launches, lambda: block(current))
+                out = hook(phase, hooks, launches, lambda: block(current))
                 inputs.append(current)
                 outputs.append(out)
                 current = out
             grad = torch.ones_like(outputs[-1])
             for index in reversed(range(len(outputs))):  # backward: one computation per block
-                grad = hooked(phase, hooks, launches, lambda: backward_through(
+                grad = hook(phase, hooks, launches, lambda: backward_through(
                     machine, blocks[index], outputs[index], inputs[index], grad))
             for block in blocks:
                 block.zero_grad(set_to_none=True)
-            phase["traces"].append((hooks.trace, launches))
+            if name != "records_only":
+                phase["traces"].append((hooks.trace, launches))
             if iteration == 1:  # planned durations from a timed iteration, to issue changes ahead
                 machine.synchronize()
                 durations = tuple(end - begin for begin, end, _ in sequencer.trace.device_spans())
-            if iteration >= quiet_end:
+            if iteration >= records_end:
                 machine.synchronize()  # in step: the launch queue is empty when the next one starts
             iteration += 1
         machine.synchronize()
@@ -182,6 +207,8 @@ def measure_actuation(machine: Machine, gpu: Any, *, layers: int, hidden: int, s
                  f"{sequence}, {str(machine.dtype).replace('torch.', '')}; backward with weight gradients",
     }
     all_spans = []
+    records = phases.pop("records_only")["hook"][2 * computations:]  # the lead builds up again
+    figures["event_records_only_us"] = stats(records)
     for name, phase in phases.items():
         host_lead_ms, compute_ms = [], []
         # the host's lead builds up over the first iterations of a phase whose host runs ahead
@@ -216,6 +243,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--iterations", type=int, default=40, help="iterations with the host ahead")
     parser.add_argument("--quiet-iterations", type=int, default=10, help="iterations ahead without controller threads")
+    parser.add_argument("--records-only-iterations", type=int, default=10,
+                        help="iterations ahead with plain event records in the hooks' place")
     parser.add_argument("--in-step-iterations", type=int, default=10, help="iterations synchronised at their end")
     parser.add_argument("--output", "--json", dest="json", help="also write the figures to this file")
     args = parser.parse_args()
@@ -240,6 +269,7 @@ def main() -> int:
     figures = measure_actuation(Machine(cpu=False), open_gpu("nvml"), layers=args.layers, hidden=args.hidden,
                                 sequence=args.sequence, batch=args.batch, iterations=args.iterations,
                                 in_step_iterations=args.in_step_iterations, quiet_iterations=args.quiet_iterations,
+                                records_only_iterations=args.records_only_iterations,
                                 deadline=time.perf_counter() + 600)
     for key, value in figures.items():
         print(f"{key:<30} {value}")

@@ -396,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=40, help="actuation: iterations with the host ahead")
     parser.add_argument("--quiet-iterations", type=int, default=10,
                         help="actuation: iterations with the host ahead and no controller threads")
+    parser.add_argument("--records-only-iterations", type=int, default=10,
+                        help="actuation: iterations with the host ahead and plain event records in the hooks' place")
     parser.add_argument("--in-step-iterations", type=int, default=10,
                         help="actuation: iterations synchronised at their end (the launch queue never fills)")
     parser.add_argument("--e2e-iterations", type=int, default=30)
@@ -458,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     run_section(report, "actuation", budget, 50, lambda d: measure_actuation(
         machine, gpu, layers=args.layers, hidden=args.hidden, sequence=args.sequence, batch=args.batch,
         iterations=args.iterations, in_step_iterations=args.in_step_iterations,
-        quiet_iterations=args.quiet_iterations, deadline=d))
+        quiet_iterations=args.quiet_iterations, records_only_iterations=args.records_only_iterations, deadline=d))
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as workdir:

@@ -62,7 +62,7 @@ def test_cpu_mode_runs_every_section_and_the_guard_stops_a_live_controller(tmp_p
     out = tmp_path / "check.json"
     process = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--cpu", "--json", str(out),
                               "--budget-s", "150", "--iterations", "12", "--e2e-iterations", "12",
-                              "--quiet-iterations", "4", "--graph-iterations", "4", "--graph-replays", "3"],
+                              "--quiet-iterations", "4", "--records-only-iterations", "3", "--graph-iterations", "4", "--graph-replays", "3"],
                              capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -78,8 +78,9 @@ def test_cpu_mode_runs_every_section_and_the_guard_stops_a_live_controller(tmp_p
     assert sections["energy_counter"]["update_period_ms"]["median"] == pytest.approx(20, abs=5)
     assert sections["event_timing"]["float32_quantum_ms_after_7_days"] == 64.0
     actuation = sections["actuation"]
-    assert actuation["iterations"] == 12 + 4 + 10 and actuation["hook_us"]["n"] == 12 * 8
+    assert actuation["iterations"] == 12 + 4 + 3 + 10 and actuation["hook_us"]["n"] == 12 * 8
     assert actuation["hook_us_in_step"]["n"] == 10 * 8 and actuation["hook_event_records_us"]["n"] == 12 * 8
+    assert actuation["event_records_only_us"]["n"] == (3 - 2) * 8
     assert actuation["hook_us_quiet"]["n"] == (4 - 2) * 8 and actuation["bare_event_records_us"]["n"] == 12 * 8
     assert actuation["hook_event_records_us"]["median"] < actuation["hook_us"]["median"]
     assert actuation["notice_delay_ms"]["n"] == 22 and actuation["estimated_coverage"] is not None
