@@ -509,4 +509,7 @@ def section_cuda_graphs(machine: Machine, gpu: Any, args: Any, deadline: float) 
             machine.synchronize()
         except Exception as err:  # noqa: BLE001 - e.g. after a capture broken on purpose
             figures[name]["synchronize_after"] = repr(err)[:300]
+    failed = [name for name, _, _ in parts if "error" in figures[name]]
+    if failed:  # the section then counts as failed (exit code 1); the other parts' answers stay
+        figures["error"] = f"parts failed: {failed}"
     return figures
