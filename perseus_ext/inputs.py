@@ -14,6 +14,7 @@ memory; a reader states its own (`limit_bytes`) and the key or flag that points 
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -114,6 +115,15 @@ def iter_lines(path: str | os.PathLike[str], *, what: str, fix: str, start_offse
                 raise InputError(path, f"the line is longer than {line_limit_bytes} bytes", fix, line=number)
             yield number, offset, _decode(data, path, what, fix, first_line=number)
             number, offset = number + 1, offset + len(data)
+
+
+def csv_cells(text: str, *, path: str | os.PathLike[str], line: int, fix: str) -> list[str]:
+    """One CSV line's cells (a line is shorter than csv's field limit; a carriage return inside
+    an unquoted cell is a csv.Error, turned into the line's InputError)."""
+    try:
+        return next(csv.reader([text]), [])
+    except csv.Error as err:
+        raise InputError(path, f"not a CSV row ({err})", fix, line=line) from None
 
 
 def _depth(value: Any) -> int:

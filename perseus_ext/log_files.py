@@ -95,6 +95,7 @@ class JobLogs:
     def merged(self, on_sample: dict[int, Callable[[Sample], None]]) -> Iterator[tuple[int, list[Sample]]]:
         """(iteration, every rank's sample) for the iterations every rank recorded, in order;
         each rank's every sample also goes to `on_sample[rank]`."""
+        _allow_open_files(len(self.runs) + 64)  # one open log per rank while merging
         streams = [run.samples() for run in self.runs]
         heads: list[Sample | None] = []
         for run, stream in zip(self.runs, streams):
@@ -113,6 +114,18 @@ class JobLogs:
         for k, run in enumerate(self.runs):  # the rest of the longer runs, for the per-rank figures
             while heads[k] is not None:
                 heads[k] = _next(streams[k], on_sample[run.rank])
+
+
+def _allow_open_files(count: int) -> None:
+    """Raise the soft limit on open files towards `count` (a job of 1,024 ranks passes the
+    usual 1,024); past the hard limit, opening a log fails with an InputError that says so."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < count:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (count if hard == resource.RLIM_INFINITY else min(count, hard), hard))
 
 
 def _next(stream: Iterator[Sample], callback: Callable[[Sample], None]) -> Sample | None:

@@ -102,6 +102,8 @@ def test_scenario_parsing_and_trace(tmp_path):
     ("slowdown\nnan\n", "t.csv:2: slowdown: nan is not a finite number"),
     ("slowdown\n0.5\n", "t.csv:2: slowdown: 0.5 is below 1"),
     ("\n\n", "t.csv: the slowdown trace has no values"),
+    ("slowdown\r\n1.2\r\n", None),  # CRLF
+    ("slowdown\n1.2\r1.3\n", "t.csv:2: not a CSV row"),  # a lone carriage return (found by Hypothesis: _csv.Error)
 ])
 def test_a_bad_trace_is_one_error_naming_its_line(tmp_path, content, expected):
     path = tmp_path / "t.csv"

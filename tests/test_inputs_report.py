@@ -177,3 +177,18 @@ def test_the_report_command_never_shows_a_traceback_for_a_huge_number(tmp_path):
     done = subprocess.run([sys.executable, "-m", "perseus_ext", "report", str(path)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr and "log.jsonl:1:" in done.stderr
+
+
+def test_a_job_of_more_ranks_than_the_open_file_limit_is_reported(tmp_path):
+    """One log per rank stays open while the ranks are merged: 300 ranks under a soft limit
+    of 256 open files (the usual limit is 1,024, below a 1,024-rank job's)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    paths = [write(tmp_path / f"log-{rank}.jsonl", rows(rank, 12)) for rank in range(300)]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        analysis = analyse(read_logs(paths), timeline=False)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(analysis["ranks"]) == 300 and analysis["job"]["iterations"] == 12

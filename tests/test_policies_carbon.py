@@ -89,6 +89,7 @@ def test_csv_trace_iso_timestamps_on_the_wall_clock(tmp_path: Path) -> None:
         ("timestamp,carbon_intensity\n1e300,5\n", "bad.csv:2: timestamp '1e300' is not a time"),
         ("timestamp,carbon_intensity\n0,1e300\n", "bad.csv:2: carbon_intensity: carbon intensity 1e+300 gCO2/kWh is above"),
         ("timestamp,carbon_intensity\n0,5\n1,caf\xe9\n", "bad.csv:3: the carbon trace is not UTF-8 text"),
+        ("timestamp,carbon_intensity\n0,5\r1,6\n", "bad.csv:2: not a CSV row (new-line character seen"),  # was _csv.Error
         ("timestamp,carbon_intensity\n0,5\x00\n", "bad.csv:2: carbon intensity '5\\x00' is not a number"),
         ("timestamp,carbon_intensity\n" + "1" * 70_000 + ",5\n", "bad.csv:2: the line is longer than 65536 bytes"),
     ],

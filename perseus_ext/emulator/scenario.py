@@ -9,7 +9,6 @@ steady straggler, or the share of iterations spent at each slowdown over a run.
 
 from __future__ import annotations
 
-import csv
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -96,7 +95,7 @@ class StragglerScenario:
         """A per-iteration trace: a CSV whose column `slowdown` (or single column) holds T'/T,
         read one line at a time (size and line length bounded, blank lines skipped); a bad
         value is an `InputError` naming the file, the line and the column."""
-        from perseus_ext.inputs import TABLE_LIMIT_BYTES, check_file, finite_number, iter_lines
+        from perseus_ext.inputs import TABLE_LIMIT_BYTES, check_file, csv_cells, finite_number, iter_lines
 
         fix = "give a CSV of per-iteration slowdowns T'/T (a 'slowdown' column, or one number per line)"
         check_file(path, what="slowdown trace", limit_bytes=TABLE_LIMIT_BYTES, fix=fix)
@@ -105,7 +104,7 @@ class StragglerScenario:
         for number, _, text in iter_lines(path, what="slowdown trace", fix=fix):
             if not text.strip():
                 continue
-            row = next(csv.reader([text]), [])
+            row = csv_cells(text, path=path, line=number, fix=fix)
             if column is None:  # the first non-blank line: a header, or already a value
                 header = [cell.strip().lower() for cell in row]
                 column = header.index("slowdown") if "slowdown" in header else 0

@@ -16,7 +16,6 @@ same on every rank and only one process talks to the endpoint.
 from __future__ import annotations
 
 import abc
-import csv
 import http.client
 import json
 import logging
@@ -161,7 +160,7 @@ class CSVCarbonTrace(CarbonSignal):
         """The trace, read one line at a time through the bounded reader (size, line length
         and UTF-8 checked; times and values finite, values within MAX_READING): any problem is
         one CarbonSignalError naming the file, the line and the column."""
-        from perseus_ext.inputs import TABLE_LIMIT_BYTES, InputError, check_file, iter_lines
+        from perseus_ext.inputs import TABLE_LIMIT_BYTES, InputError, check_file, csv_cells, iter_lines
 
         what = f"{quantity.label} trace"
         fix = f"give a CSV with a header 'timestamp,{quantity.columns[0]}' and one reading per line ({quantity.key})"
@@ -172,7 +171,7 @@ class CSVCarbonTrace(CarbonSignal):
             for number, _, text in iter_lines(path, what=what, fix=fix):
                 if not text.strip():
                     continue
-                row = next(csv.reader([text]))  # a line is shorter than csv's field limit: no csv.Error
+                row = csv_cells(text, path=path, line=number, fix=fix)
                 if header is None:
                     header = [name.strip().lower() for name in row]
                     time_col = next((header.index(c) for c in TIME_COLUMNS if c in header), None)
