@@ -22,7 +22,9 @@ import json
 import time
 from pathlib import Path
 
-from perseus_ext.commands.options import add_output_argument
+from perseus_ext.commands.options import add_output_argument, bounded_float, bounded_int
+
+MAX_RANKS = 32  # processes the demo starts on one machine (stages x pipelines)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,13 +34,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_output_argument(parser, help="output folder (default: %(default)s)", old=("--out",), metavar="DIR",
                         default=Path("perseus-demo"))
-    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default: %(default)s)")
-    parser.add_argument("--pipelines", type=int, default=2,
+    parser.add_argument("--stages", type=bounded_int(2, MAX_RANKS), default=2,
+                        help="pipeline stages (default: %(default)s)")
+    parser.add_argument("--pipelines", type=bounded_int(1, MAX_RANKS // 2), default=2,
                         help="data-parallel pipelines; pipeline 1 straggles midway (default: %(default)s)")
-    parser.add_argument("--microbatches", type=int, default=4, help="microbatches per iteration (default: %(default)s)")
-    parser.add_argument("--iterations", type=int, default=48, help="training iterations per run (default: %(default)s)")
-    parser.add_argument("--slowdown", type=float, default=1.2, help="straggler slowdown factor (default: %(default)s)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before the job is killed")
+    parser.add_argument("--microbatches", type=bounded_int(1, 256), default=4,
+                        help="microbatches per iteration (default: %(default)s)")
+    parser.add_argument("--iterations", type=bounded_int(40, 100_000), default=48,
+                        help="training iterations per run, at least 40 to leave room for profiling and a "
+                             "straggler (default: %(default)s)")
+    parser.add_argument("--slowdown", type=bounded_float(1.0, 100.0), default=1.2,
+                        help="straggler slowdown factor (default: %(default)s)")
+    parser.add_argument("--timeout", type=bounded_float(1.0, 7 * 86400.0), default=600.0,
+                        help="seconds before the job is killed")
     parser.set_defaults(func=run)
 
 
@@ -48,10 +56,12 @@ def run(args: argparse.Namespace) -> int:
     from perseus_ext.demo.report import finish_line, launch_line
     from perseus_ext.errors import ConfigError
 
-    if args.stages < 2 or args.pipelines < 1 or args.microbatches < 1:
-        raise ConfigError("--stages must be >= 2, --pipelines and --microbatches >= 1")
-    if args.iterations < 40:
-        raise ConfigError("--iterations must be >= 40 to leave room for profiling and a straggler")
+    from perseus_ext.commands.options import check_writable_dir
+
+    if args.stages * args.pipelines > MAX_RANKS:
+        raise ConfigError(f"--stages {args.stages} x --pipelines {args.pipelines} is {args.stages * args.pipelines} "
+                          f"processes; the demo starts at most {MAX_RANKS} on one machine: lower either")
+    check_writable_dir(Path(args.output), "--output")
     # Forwards of 12-17 ms (backwards twice that), a quarter to a third of the published GPT-3
     # 175B per-stage forward time (~50 ms on an A100): long enough that most of a clock change
     # (25 ms to land) hides in the waits around a computation, short enough that the whole demo
