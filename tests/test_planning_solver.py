@@ -9,7 +9,7 @@ import pytest
 
 from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
-from perseus_ext.planning.exact import brute_force_min_energy, exact_min_energy
+from perseus_ext.planning.exact import brute_force_min_energy, exact_min_energy, exact_solve
 from perseus_ext.planning.profile import OperatingPoints, Profile, load_profile, pareto_indices
 from perseus_ext.planning.schedule import interleaved, one_f_one_b
 from perseus_ext.planning.solver import SolverOptions, solve_frontier
@@ -69,6 +69,19 @@ def test_within_0_3_percent_of_optimal_at_every_deadline(
         ours = frontier.plan_for_deadline(max(deadline, model.replay(choice)[0]))
         worst = max(worst, ours.energy / optimum - 1)
     assert worst <= 0.003, f"{100 * worst:.3f}% above the exact optimum"
+
+
+def test_exact_solve_prints_nothing(raw_a100: Profile, capfd) -> None:
+    """HiGHS's MIP solver wrote lines such as `HighsMipSolverData::transformNewIntegerFeasible
+    Solution tmpSolver.run();` on the terminal (file descriptor 1, under scipy's `milp`); the
+    yardstick must run silently, bounded by a time limit, with its bound."""
+    model = CostModel(one_f_one_b(3, 4), sub_profile(raw_a100, 3, tuple(range(1410, 800, -45))), P_BLOCK_A100)
+    t_min = float(model.replay(model.fastest_choice())[0])
+    for factor in (1.0, 1.05):
+        result = exact_solve(model, t_min * factor, rel_gap=1e-6, time_limit_s=5)
+        assert result.lower_bound <= result.energy * (1 + 1e-9)
+    captured = capfd.readouterr()
+    assert captured.out == "" and captured.err == ""
 
 
 def test_clocks_useful_only_with_slack_reach_the_all_clock_optimum(raw_a100: Profile) -> None:
