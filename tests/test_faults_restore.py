@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from perseus_ext.actuation import controller as controller_module
+from perseus_ext.actuation import restore as restore_module
 from perseus_ext.actuation.controller import FrequencyController
 from perseus_ext.actuation.watchdog import Claims, restore, restore_once
 from perseus_ext.measurement.gpu import SimulatedGPU
@@ -31,10 +31,10 @@ def _state(path: Path) -> dict:
 
 @pytest.fixture
 def fast_retries(monkeypatch):
-    monkeypatch.setattr(controller_module, "RESTORE_BACKOFF_S", 0.0)
-    monkeypatch.setattr(controller_module, "RESTORE_RETRY_S", 0.0)
-    monkeypatch.setattr(controller_module, "WATCHDOG_RETRY_FOR_S", 10.0)
-    monkeypatch.setattr(controller_module, "WATCHDOG_RETRY_INTERVAL_S", 0.1)
+    monkeypatch.setattr(restore_module, "RESTORE_BACKOFF_S", 0.0)
+    monkeypatch.setattr(restore_module, "RESTORE_RETRY_S", 0.0)
+    monkeypatch.setattr(restore_module, "WATCHDOG_RETRY_FOR_S", 10.0)
+    monkeypatch.setattr(restore_module, "WATCHDOG_RETRY_INTERVAL_S", 0.1)
 
 
 # --------------------------------------------------------------------------- failing restores
@@ -43,7 +43,7 @@ def test_a_transient_reset_failure_is_retried(fast_retries, caplog):
     controller = FrequencyController(gpu, watchdog=False)
     controller.set_clock(210)  # communication_clock "min": the worst clock to be stuck at
     controller.flush(5)
-    gpu.inject_fault("reset_locked_sm_clocks", times=controller_module.RESTORE_ATTEMPTS - 1)
+    gpu.inject_fault("reset_locked_sm_clocks", times=restore_module.RESTORE_ATTEMPTS - 1)
     with caplog.at_level(logging.WARNING):
         controller.close()
     assert gpu.locked_clock is None and controller.restore_error is None
@@ -56,7 +56,7 @@ def test_a_failed_restore_is_reported_as_such_and_retried_while_training_goes_on
     controller.set_clock(1410)
     controller.flush(5)
     gpu.inject_fault("set_locked_sm_clocks", times=1)
-    gpu.inject_fault("reset_locked_sm_clocks", times=controller_module.RESTORE_ATTEMPTS)
+    gpu.inject_fault("reset_locked_sm_clocks", times=restore_module.RESTORE_ATTEMPTS)
     with caplog.at_level(logging.WARNING):
         controller.set_clock(1005)  # fails; so do all quick attempts to unlock
         controller.flush(5)
@@ -79,7 +79,7 @@ def test_an_unfinished_restore_is_handed_to_the_watchdog(fast_retries, tmp_path,
     controller.set_clock(1005)
     controller.set_power_limit(300)
     controller.flush(5)
-    watchdog = controller._watchdog.process
+    watchdog = controller.writes.watchdog.process
     gpu.inject_fault("reset_locked_sm_clocks", times=None)  # only in this process
     with caplog.at_level(logging.ERROR):
         controller.close()

@@ -26,7 +26,7 @@ Guarantees:
 * Clocks and power limit are restored on close, normal exit (atexit), exceptions (context
   manager), SIGINT/SIGTERM (handler, then the previous handler runs; a watcher thread restores
   when the main thread is blocked in a collective, see exit_guard.py) and SIGKILL (watchdog).
-* A restore that fails is retried (a few quick attempts, then every RESTORE_RETRY_S while
+* A restore that fails is retried (restore.py: a few quick attempts, then every RESTORE_RETRY_S while
   training goes on); one still unfinished at close is handed to the watchdog, which keeps
   retrying after the job ends, and the log says the GPU is still locked -- never that it runs at
   default clocks. The watchdog is told each clock and power limit this job sets, and only undoes
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import queue
 import threading
 import time
@@ -47,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from perseus_ext.actuation.exit_guard import register, unregister
 from perseus_ext.actuation.issue_delay import IssueDelay
 from perseus_ext.actuation.observer import DeviceObserver, Observation, wait_for_marker
-from perseus_ext.actuation.watchdog import WatchdogLink, start_watchdog
+from perseus_ext.actuation.restore import JOIN_TIMEOUT_S, ClockWrites
 from perseus_ext.background import start_background
 from perseus_ext.measurement.gpu import (
     GPU,
@@ -66,16 +65,9 @@ logger = logging.getLogger(__name__)
 
 DRY_RUN_LOG_LIMIT = 1_000_000  # entries kept in dry_run_log; beyond it only dry_run_count grows
 CHANGE_LOG_LIMIT = 100_000  # timestamped clock changes kept for clock-coverage estimates
-JOIN_TIMEOUT_S = 10.0
-RESTORE_ATTEMPTS = 3  # quick attempts per restore; a transient NVML error rarely outlasts them
-RESTORE_BACKOFF_S = 0.05  # pause after the first failed attempt, doubled after each one
-RESTORE_RETRY_S = 5.0  # while training goes on, how often an unfinished restore is tried again
-WATCHDOG_RETRY_FOR_S = 300.0  # how long the watchdog retries a restore handed over at close
-WATCHDOG_RETRY_INTERVAL_S = 2.0
 OVERTAKE_POLL_S = 0.01  # while a change is held back: how often later ones are checked for being due (a
 # new request wakes the worker at once; each wake takes the GIL from the training thread briefly)
 CALL_TIMES_KEPT = 1000  # durations of the latest set calls kept (live runs)
-POWER_MATCH_W = 0.5  # a power limit read back within this of one this job set is still ours
 
 
 class _Reset:
@@ -166,22 +158,19 @@ class FrequencyController:
         self._closed = False
         self._last_requested: int | None = None
         self._epoch = 0  # bumped by release_silent(): changes queued before are dropped
-        self._applied_clock: int | None = None
-        self._clock_dirty = False  # a lock was attempted since the last successful reset
-        self._initial_power_limit: float | None = None
-        self._power_dirty = False  # a power limit was attempted since the last successful restore
-        self.restore_error: str | None = None  # set while a failed restore is unfinished
-        self._restore_tried_s = 0.0
+        self.writes: ClockWrites | None = None  # the device writes and their restore (restore.py)
         self._closer: int | None = None  # thread that runs close(); a re-entrant call returns
         self._close_done = threading.Event()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stopping = False
         self._worker: threading.Thread | None = None
         self.observer: DeviceObserver | None = None
-        self._watchdog: WatchdogLink | None = None
         self.dry_run = self._decide_dry_run(dry_run)
+        if gpu is not None:
+            self.writes = ClockWrites(gpu, live=not self.dry_run, note_error=self._note_error,
+                                      count_error=self._count_error)
         if not self.dry_run:
-            self._initial_power_limit = self._read_power_limit()
+            self.writes.read_initial_power_limit()
         if self.gpu is not None:
             # Also in dry-run: the worker records changes in device order. The observer is its
             # own thread so a change held back to land on time never delays a measurement.
@@ -190,7 +179,7 @@ class FrequencyController:
             )
             self.observer = DeviceObserver(self.gpu, self._note_error)
         if not self.dry_run and watchdog:
-            self._start_watchdog()
+            self.writes.start_watchdog()
         register(self, handle_signals)
 
     # ----------------------------------------------------------------- setup
@@ -220,38 +209,6 @@ class FrequencyController:
             message,
         )
         return True
-
-    def _read_power_limit(self) -> float | None:
-        assert self.gpu is not None
-        try:
-            return self.gpu.power_limit_w()
-        except GPUError as err:
-            self._note_error("read", err, "could not read the power limit to restore later",
-                             "a power limit set later is restored to the GPU's default")
-            return None
-
-    def _start_watchdog(self) -> None:
-        assert self.gpu is not None
-        spec = self.gpu.restore_spec()
-        if spec is None:
-            logger.debug("%s: no restore spec, no SIGKILL watchdog needed", self.gpu.name)
-            return
-        spec = dict(spec, power_limit_w=self._initial_power_limit, retry_for_s=WATCHDOG_RETRY_FOR_S,
-                    retry_interval_s=WATCHDOG_RETRY_INTERVAL_S, power_match_w=POWER_MATCH_W)
-        try:
-            process = start_watchdog(spec, os.getpid())
-        except OSError as err:
-            self._note_error("watchdog", err, "could not start the clock-restoring watchdog",
-                             "clocks are not restored if this process is killed with SIGKILL")
-            return
-        self._watchdog = WatchdogLink(process, lambda err: self._note_error(
-            "watchdog", err, "lost the clock-restoring watchdog",
-            "clocks are not restored if this process is killed with SIGKILL"))
-
-    def _tell_watchdog(self, message: str) -> None:
-        """One line of the watchdog protocol (watchdog.py)."""
-        if self._watchdog is not None:
-            self._watchdog.tell(message)
 
     # ----------------------------------------------------------------- hook path
     def set_clock(self, mhz: int, at: DeviceMarker | None = None, after_s: float = 0.0,
@@ -334,7 +291,12 @@ class FrequencyController:
     @property
     def current_clock(self) -> int | None:
         """The clock last applied (None: default clocks)."""
-        return self._applied_clock
+        return self.writes.applied_clock if self.writes is not None else None
+
+    @property
+    def restore_error(self) -> str | None:
+        """Why a restore is unfinished (None: nothing of ours is left on the GPU)."""
+        return self.writes.restore_error if self.writes is not None else None
 
     # ----------------------------------------------------------------- worker
     def _work(self) -> None:
@@ -345,7 +307,7 @@ class FrequencyController:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            if self.restore_error is not None and time.monotonic() - self._restore_tried_s >= RESTORE_RETRY_S:
+            if self.writes is not None and self.writes.restore_due():
                 self._restore()  # a GPU left locked after a failure: keep trying while we run
             if self._run_batch(batch):
                 return
@@ -423,17 +385,17 @@ class FrequencyController:
             self.dropped_count += 1
             return False
         mhz = None if target is _RESET else target
-        if mhz == self._applied_clock:
+        if mhz == self.writes.applied_clock:
             return False
         if self.dry_run:  # recorded with its device-ordered time, for coverage estimates
             if self.dry_run_call_s > 0:
                 time.sleep(self.dry_run_call_s)  # busy as long as the set call would keep it
-            self._applied_clock = mhz
+            self.writes.applied_clock = mhz
             self.changes.append(ClockChange(time.perf_counter(), mhz))
             return True
         began = time.perf_counter()
         try:
-            self._unlock() if mhz is None else self._lock(mhz)
+            self.writes.unlock() if mhz is None else self.writes.lock(mhz)
         except Exception as err:  # any device failure must stay out of the training step
             self._fail("set", err, f"could not {'reset' if mhz is None else f'set {mhz} MHz'}")
             return False
@@ -442,43 +404,18 @@ class FrequencyController:
         self.changes.append(ClockChange(time.perf_counter(), mhz))
         return True
 
-    def _lock(self, mhz: int) -> None:
-        """Lock `mhz`, telling the watchdog before (it may land) and after (it did)."""
-        assert self.gpu is not None
-        self._clock_dirty = True
-        self._tell_watchdog(f"lock {mhz}")
-        self.gpu.set_locked_sm_clocks(mhz)
-        self._applied_clock = mhz
-        self._tell_watchdog(f"held {mhz}")
-
-    def _unlock(self) -> None:
-        assert self.gpu is not None
-        self.gpu.reset_locked_sm_clocks()
-        self._applied_clock = None
-        self._clock_dirty = False
-        self._tell_watchdog("released")
-
     def _apply_power_limit(self, watts: float) -> None:
         assert self.gpu is not None
         if self.disabled_reason is not None:
             self.dropped_count += 1
             return
         try:
-            self._power_dirty = True
-            self._tell_watchdog(f"power {watts}")
+            self.writes.power_dirty = True
+            self.writes.tell_watchdog(f"power {watts}")
             self.gpu.set_power_limit_w(watts)
-            self._tell_watchdog(f"power-held {watts}")
+            self.writes.tell_watchdog(f"power-held {watts}")
         except Exception as err:
             self._fail("set", err, f"could not set the power limit to {watts} W")
-
-    def _restore_power_limit(self) -> None:
-        assert self.gpu is not None
-        if self._initial_power_limit is None:
-            self.gpu.reset_power_limit()
-        else:
-            self.gpu.set_power_limit_w(self._initial_power_limit)
-        self._power_dirty = False
-        self._tell_watchdog("power-released")
 
     def _fail(self, kind: str, err: BaseException, what: str) -> None:
         """A device call failed: log once, count, go back to defaults and stop touching the GPU."""
@@ -487,45 +424,11 @@ class FrequencyController:
         self._restore()
 
     def _restore(self) -> bool:
-        """Undo every clock and power limit this job set, each call retried a few times; True
-        when nothing of ours is left on the GPU. Never raises; an unfinished restore is logged
-        (once) as what it is and kept in `restore_error` for close() to hand to the watchdog."""
-        gpu = self.gpu
-        if gpu is None or self.dry_run:
-            return True
-        failures = []
-        if self._clock_dirty or self._applied_clock is not None:
-            err = _retry(self._unlock)
-            if err is not None:
-                failures.append(f"could not reset locked clocks ({err})")
-        if self._power_dirty:
-            err = _retry(self._restore_power_limit)
-            if err is not None:
-                failures.append(f"could not restore the power limit ({err})")
-        self._restore_tried_s = time.monotonic()
-        if not failures:
-            if self.restore_error is not None:
-                logger.warning("perseus-ext: %s: default clocks restored after earlier failures", gpu.name)
-                self.restore_error = None
-            return True
-        first = self.restore_error is None
-        self.restore_error = "; ".join(failures)
-        self.error_count += 1
-        if first:
-            held = (f"locked at {self._applied_clock} MHz" if self._applied_clock is not None
-                    else "possibly locked" if self._clock_dirty else "at a power limit perseus-ext set")
-            logger.error("perseus-ext: %s: restoring default clocks failed after %d attempts: %s. The GPU "
-                         "is still %s; perseus-ext retries every %.0f s while training goes on and %s",
-                         gpu.name, RESTORE_ATTEMPTS, self.restore_error, held, RESTORE_RETRY_S,
-                         self._restore_fallback_text())
-        return False
+        """Undo every clock and power limit this job set (`ClockWrites.restore`); never raises."""
+        return self.writes.restore() if self.writes is not None else True
 
-    def _restore_fallback_text(self) -> str:
-        if self._watchdog is not None:
-            return f"its watchdog (pid {self._watchdog.pid}) keeps retrying for {WATCHDOG_RETRY_FOR_S:.0f} s after the job ends"
-        assert self.gpu is not None
-        return (f"nothing retries after the job ends: reset it with `nvidia-smi -i {self.gpu.uuid} -rgc` "
-                f"(and `-pl <watts>` for the power limit)")
+    def _count_error(self) -> None:
+        self.error_count += 1
 
     def _note_error(self, kind: str, err: BaseException, what: str, outcome: str) -> None:
         self.error_count += 1
@@ -566,14 +469,10 @@ class FrequencyController:
             self._restore()
         if self.observer is not None:
             self.observer.close()
-        self._stop_watchdog(hand_over=self.restore_error is not None, worker_hung=hung)
+        if self.writes is not None:
+            self.writes.stop_watchdog(hand_over=self.restore_error is not None, worker_hung=hung)
         unregister(self)
         self._close_done.set()
-
-    def _stop_watchdog(self, *, hand_over: bool, worker_hung: bool) -> None:
-        watchdog, self._watchdog = self._watchdog, None
-        if watchdog is not None:
-            watchdog.stop(hand_over=hand_over, worker_hung=worker_hung, timeout_s=JOIN_TIMEOUT_S)
 
     def __enter__(self) -> "FrequencyController":
         return self
@@ -630,16 +529,3 @@ def _due_s(item: _ClockAt) -> float | None:
             return by_s
     return due_s
 
-
-def _retry(call: Any) -> BaseException | None:
-    """Run a restoring device call up to RESTORE_ATTEMPTS times; the last error, None on success."""
-    error: BaseException | None = None
-    for attempt in range(RESTORE_ATTEMPTS):
-        try:
-            call()
-            return None
-        except Exception as err:
-            error = err
-            if attempt + 1 < RESTORE_ATTEMPTS:
-                time.sleep(RESTORE_BACKOFF_S * 2 ** attempt)
-    return error
