@@ -19,8 +19,9 @@
 * capture_probe -- `torch.cuda.is_current_stream_capturing()` and perseus-ext's own probe
   (`runtime/capture.py`) inside a capture and outside; and whether a thread polling a CUDA
   event's `query()` during a capture (what perseus-ext's worker and observer do) breaks a capture
-  in CUDA's default "global" mode, and in "thread_local" mode. Run last: a broken capture must not
-  spoil the other answers.
+  in "thread_local" mode, in CUDA's default "global" mode with the poller's own capture mode set
+  as perseus-ext's threads set theirs (`measurement/gpu/capture_mode.py`), and in plain "global"
+  mode (run 2 on an H200: it does). Run last: a broken capture must not spoil the other answers.
 
 `--cpu`: there are no CUDA graphs on a CPU; a stand-in graph (replay runs the captured function
 again, events are reached when recorded) drives the same code so that it cannot rot. Its answers
@@ -437,15 +438,21 @@ def capture_probe(machine: Machine, kit: Any, args: Any, deadline: float) -> dic
         return seen
     # A thread polling CUDA events during the capture, as perseus-ext's worker and observer do.
     results = {}
-    for mode in ("thread_local", "global"):  # global last: a broken capture must come last
+    from perseus_ext.measurement.gpu.capture_mode import ignore_other_threads_captures
+
+    # "global" breaks when another thread queries (run 2); with the poller's own mode set as
+    # perseus-ext's threads set theirs, it must hold. Plain global last: it breaks on purpose.
+    for name, mode in (("thread_local", "thread_local"), ("global_poller_as_perseus", "global"), ("global", "global")):
         if time.perf_counter() > deadline:
             break
         done = torch.cuda.Event()
         done.record()
         torch.cuda.synchronize()
-        stop, polls, errors = threading.Event(), [0], []
+        stop, polls, errors, mode_set = threading.Event(), [0], [], []
 
         def poll() -> None:
+            if name == "global_poller_as_perseus":
+                mode_set.append(ignore_other_threads_captures())
             while not stop.is_set():
                 try:
                     done.query()
@@ -475,8 +482,11 @@ def capture_probe(machine: Machine, kit: Any, args: Any, deadline: float) -> dic
         finally:
             stop.set()
             thread.join(2)
-        outcome.update(queries_during=polls[0], query_errors=len(errors), first_query_error=errors[0][:300] if errors else None)
-        results[mode] = outcome
+        outcome.update(capture_mode=mode, queries_during=polls[0], query_errors=len(errors),
+                       first_query_error=errors[0][:300] if errors else None)
+        if mode_set:
+            outcome["poller_thread_mode_set"] = mode_set[0]
+        results[name] = outcome
     seen["polling_during_capture"] = results
     return seen
 

@@ -56,6 +56,7 @@ from perseus_ext.measurement.gpu import (
     gpu_switch_latency,
     open_gpu,
 )
+from perseus_ext.measurement.gpu.capture_mode import ignore_other_threads_captures
 from perseus_ext.measurement.gpu.common import StrictControlError
 
 if TYPE_CHECKING:
@@ -314,6 +315,7 @@ class FrequencyController:
 
     def _run_batch(self, batch: list[Any]) -> bool:
         """Process queue items in order; True once the worker must end."""
+        ignore_other_threads_captures()  # its marker queries must not break a graph capture
         for index, item in enumerate(batch):
             if item is _STOP:
                 self._restore()

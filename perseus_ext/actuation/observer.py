@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from perseus_ext.background import start_background
+from perseus_ext.measurement.gpu.capture_mode import ignore_other_threads_captures
 
 if TYPE_CHECKING:
     from perseus_ext.measurement.gpu import GPU
@@ -52,7 +53,9 @@ _STOP = _Stop()
 def wait_for_marker(marker: DeviceMarker, stopping: Callable[[], bool],
                     on_error: Callable[[BaseException], None]) -> bool:
     """Block until the device reaches `marker`; False when `stopping()` first. A marker that
-    cannot be waited on (a broken event) counts as reached, after `on_error`."""
+    cannot be waited on (a broken event) counts as reached, after `on_error`. Runs on perseus-ext's
+    own threads, whose queries must not break another thread's CUDA graph capture."""
+    ignore_other_threads_captures()
     while not stopping():
         try:
             if marker.wait(MARKER_POLL_S):
