@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any
 
+from perseus_ext.actuation.clock_control import ClockControl
 from perseus_ext.measurement.gpu.timeline import DeviceMarker, DeviceTimeline, SwitchLatency
 
 TIMELINES_KEPT = 4  # clock plans whose last device timeline is remembered
@@ -79,7 +79,7 @@ class IterationTrace:
 class ClockSequencer:
     """Turns one stage's per-computation plan into marker-ordered controller requests."""
 
-    def __init__(self, controller: Any, timeline: DeviceTimeline, *, communication_clock: int | None = None,
+    def __init__(self, controller: ClockControl, timeline: DeviceTimeline, *, communication_clock: int | None = None,
                  latency: SwitchLatency | None = None) -> None:
         """latency: the GPU's clock-change latency, to issue changes ahead of time (None: apply
         each change when the device ends the previous computation)."""

@@ -25,7 +25,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 FLOAT_BYTES = 8
 CLOSE_WAIT_S = 1.0  # how long `close` waits for a collective still in flight (a straggler check)
@@ -161,7 +161,7 @@ class ControlPlane:
         self.stats[f"{group} payload bytes"] += floats * FLOAT_BYTES
 
     def straggler_exchange(self, own_s: float | None, announced_factor: float,
-                           announced_time_s: float) -> tuple[float | None, float, float, float, float]:
+                           announced_time_s: float) -> ExchangeResult:
         """One straggler check, waited for at once (`StragglerExchange` spreads it over
         iteration boundaries instead)."""
         exchange = StragglerExchange(self, own_s, announced_factor, announced_time_s)
@@ -342,6 +342,18 @@ class Pending:
         return self._values.tolist() if hasattr(self._values, "tolist") else list(self._values)
 
 
+class ExchangeResult(NamedTuple):
+    """What one straggler check tells every rank (seconds of compute per iteration): this
+    pipeline's time (None: no measurement yet), the fastest and the slowest pipeline's, and the
+    largest slowdown announced anywhere, as a factor of the normal time and as a time (0: none)."""
+
+    mine_s: float | None
+    fastest_s: float
+    slowest_s: float
+    announced_factor: float
+    announced_time_s: float
+
+
 class StragglerExchange:
     """One straggler check as two reductions that each run between two iteration boundaries.
 
@@ -363,7 +375,7 @@ class StragglerExchange:
         self._pending = comm.start_max("pipeline", [own, announced_factor, announced_time_s])
         self._pipeline_time: float | None = None
 
-    def advance(self) -> tuple[float | None, float, float, float, float] | None:
+    def advance(self) -> ExchangeResult | None:
         """The next step; the check's result after the second call, None before."""
         if self._pipeline_time is None:
             mine, factor, time_s = self._pending.result()
@@ -373,4 +385,4 @@ class StragglerExchange:
             return None
         job = self._pending.result()
         mine = self._pipeline_time
-        return (None if mine == self.MISSING else mine), -job[1], job[0], job[2], job[3]
+        return ExchangeResult(None if mine == self.MISSING else mine, -job[1], job[0], job[2], job[3])

@@ -23,6 +23,7 @@ import datetime
 import logging
 import math
 import statistics
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from perseus_ext.errors import PerseusError
 from perseus_ext.planning.frontier import Frontier, Plan
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
-from perseus_ext.runtime.comm import ControlPlane, Pending, StragglerExchange
+from perseus_ext.runtime.comm import ControlPlane, ExchangeResult, Pending, StragglerExchange
 from perseus_ext.runtime.config import PerseusConfig
 from perseus_ext.runtime.baseline import BaselineProbes
 from perseus_ext.runtime.phase import Phase
@@ -126,7 +127,7 @@ class PlanDeployment:
         from the first straggler check on."""
         self._agree(iteration, None, factor=1.0, reason="deploy")
 
-    def on_iteration(self, iteration: int, records: list[IterationRecord], announced: tuple[str, float] | None) -> None:
+    def on_iteration(self, iteration: int, records: list[IterationRecord], announced: SlowdownAnnouncement | None) -> None:
         """End of a deployed iteration on every rank: feed records, move the straggler checks in
         flight one step on, start a check when due."""
         fastest = self.frontier.fastest.time
@@ -149,15 +150,14 @@ class PlanDeployment:
             self._agree(iteration, self._deadline, factor=self.tracker.factor,
                         reason=f"{self.policy.name} re-evaluated (period {self.policy.period_s:g} s)")
 
-    def _start_check(self, announced: tuple[str, float] | None) -> None:
+    def _start_check(self, announced: SlowdownAnnouncement | None) -> None:
         own = statistics.median(self._check_times) if self._check_times else None
         self._check_times = []
-        kind, value = announced or ("", 0.0)
-        exchange = StragglerExchange(self.comm, own, value if kind == "factor" else 0.0,
-                                     value if kind == "time" else 0.0)
+        announced = announced or SlowdownAnnouncement()
+        exchange = StragglerExchange(self.comm, own, announced.factor, announced.time_s)
         self._checks.append(_CheckInFlight(self, exchange))
 
-    def _decide(self, exchanged: tuple[float | None, float, float, float, float]) -> tuple[float, str] | None:
+    def _decide(self, exchanged: ExchangeResult) -> tuple[float, str] | None:
         """A check's exchanged times -> (slowdown factor, reason); None keeps the plan (no device
         record yet on this pipeline). Sets the deadline the policy plans for."""
         mine, normal, slowest, factor_announced, time_announced = exchanged
@@ -277,7 +277,16 @@ class _CheckInFlight:
         return True
 
 
-def parse_announcement(factor_or_time: float | datetime.timedelta | None) -> tuple[str, float] | None:
+@dataclass(frozen=True)
+class SlowdownAnnouncement:
+    """A cluster manager's word on the slowest pipeline: a factor of the normal (fastest
+    pipeline's) iteration time, or an absolute iteration time; 0 where not given."""
+
+    factor: float = 0.0
+    time_s: float = 0.0
+
+
+def parse_announcement(factor_or_time: float | datetime.timedelta | None) -> SlowdownAnnouncement | None:
     """A cluster manager's straggler announcement: a factor of the normal iteration time, an
     absolute iteration time, or None to withdraw it."""
     if factor_or_time is None:
@@ -286,8 +295,8 @@ def parse_announcement(factor_or_time: float | datetime.timedelta | None) -> tup
         seconds = factor_or_time.total_seconds()
         if seconds <= 0:
             raise PerseusError(f"announced iteration time must be positive, got {factor_or_time}")
-        return ("time", seconds)
+        return SlowdownAnnouncement(time_s=seconds)
     factor = float(factor_or_time)
     if not math.isfinite(factor) or factor < 1.0:
         raise PerseusError(f"announced slowdown factor must be >= 1.0, got {factor_or_time!r}")
-    return ("factor", factor)
+    return SlowdownAnnouncement(factor=factor)

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from perseus_ext.actuation.clock_control import ClockControl
 from perseus_ext.measurement.gpu import GPU
 from perseus_ext.policies import CarbonLedger, PolicyConfig, PowerLimitOptimizer
 from perseus_ext.policies.chase import CarbonCost
@@ -29,7 +30,7 @@ class ControlledPowerLimits:
     is back and further limits are ignored, while the optimizer keeps joining its all-reduces so
     the other ranks never wait for this one."""
 
-    def __init__(self, gpu: GPU, controller: Any, initial_w: float, settle: Callable[[], None]) -> None:
+    def __init__(self, gpu: GPU, controller: ClockControl, initial_w: float, settle: Callable[[], None]) -> None:
         self.gpu = gpu
         self.controller = controller
         self.initial_w = initial_w
@@ -79,7 +80,7 @@ class PowerLimitMode:
         self.carbon_ledger = CarbonLedger(optimizer.cost) if isinstance(optimizer.cost, CarbonCost) else None
 
     @classmethod
-    def start(cls, gpu: GPU | None, controller: Any, policy_config: PolicyConfig, comm: ControlPlane,
+    def start(cls, gpu: GPU | None, controller: ClockControl, policy_config: PolicyConfig, comm: ControlPlane,
               *, can_take_part: bool, settle: Callable[[], None]) -> "PowerLimitMode | None":
         """End of warm-up, on every rank: all ranks start the optimizer, or none does."""
         initial_w = None

@@ -14,8 +14,8 @@ import dataclasses
 import logging
 import statistics
 from collections.abc import Callable
-from typing import Any
 
+from perseus_ext.actuation.clock_control import ClockControl
 from perseus_ext.errors import PerseusError
 from perseus_ext.measurement.gpu.timeline import DeviceMarker, DeviceTimeline
 from perseus_ext.measurement.windows import EnergyMeter, MeasurementError
@@ -35,7 +35,7 @@ FLUSH_TIMEOUT_S = 5.0
 class ProfilingRun:
     """One stage's profiling: candidate clocks, synchronised timing, counter reads."""
 
-    def __init__(self, profiler: StageProfiler, setup: RankSetup, controller: Any, timeline: DeviceTimeline) -> None:
+    def __init__(self, profiler: StageProfiler, setup: RankSetup, controller: ClockControl, timeline: DeviceTimeline) -> None:
         self.profiler = profiler
         self.setup = setup
         self.controller = controller
@@ -49,7 +49,7 @@ class ProfilingRun:
         self._end_marker: DeviceMarker | None = None
 
     @classmethod
-    def create(cls, config: PerseusConfig, stage: int, setup: RankSetup, controller: Any,
+    def create(cls, config: PerseusConfig, stage: int, setup: RankSetup, controller: ClockControl,
                timeline: DeviceTimeline, schedule: PipelineSchedule | None = None) -> "ProfilingRun":
         """schedule: tells which computations take a local input (no pipeline wait before
         them), so waits are never counted as framework overhead."""

@@ -18,8 +18,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
+from perseus_ext.actuation.clock_control import ClockControl
 from perseus_ext.actuation.sequencer import IterationTrace
 from perseus_ext.measurement.coverage import estimate_coverage
 from perseus_ext.measurement.gpu.timeline import DeviceMarker, SwitchLatency
@@ -44,7 +45,7 @@ class _Pending:
 class RunRecorder:
     """Pending iterations in, finished `IterationRecord`s out, in iteration order."""
 
-    def __init__(self, controller: Any, *, rank: int, pipeline: int, stage: int, latency: SwitchLatency,
+    def __init__(self, controller: ClockControl, *, rank: int, pipeline: int, stage: int, latency: SwitchLatency,
                  log_path: str | None, log_interval: int, job_id: str | None = None,
                  on_record: Callable[[IterationRecord], None] | None = None,
                  saving: Callable[[], Comparison | None] | None = None) -> None:

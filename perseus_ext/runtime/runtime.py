@@ -37,7 +37,7 @@ from perseus_ext.runtime.baseline import BaselineProbes
 from perseus_ext.runtime.capture import capture_probe
 from perseus_ext.runtime.comm import ControlPlane, check_pipeline_rank
 from perseus_ext.runtime.config import PerseusConfig
-from perseus_ext.runtime.deployment import PlanDeployment, parse_announcement
+from perseus_ext.runtime.deployment import PlanDeployment, SlowdownAnnouncement, parse_announcement
 from perseus_ext.runtime.emissions import EmissionsAccount
 from perseus_ext.runtime.phase import Phase
 from perseus_ext.runtime.power_limit_mode import PowerLimitMode
@@ -163,7 +163,7 @@ class PerseusRuntime:
         self.deployment: PlanDeployment | None = None
         self.power_limit: PowerLimitMode | None = None
         self._phase_iterations = 0
-        self._announced: tuple[str, float] | None = None
+        self._announced: SlowdownAnnouncement | None = None
         self._setting = IterationSetting(-1, self.phase)
         self._compute_ended = False
         self._closed = False
