@@ -17,7 +17,7 @@ from perseus_ext.actuation.controller import FrequencyController
 from perseus_ext.measurement.gpu import SimulatedGPU
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.runtime import PerseusRuntime
-from perseus_ext.runtime import runtime as runtime_module
+from perseus_ext.runtime import hook_watch as hook_watch_module
 from perseus_ext.runtime.capture import capture_probe
 from perseus_ext.runtime.phase import Phase
 
@@ -134,7 +134,7 @@ def test_capture_probe_is_false_without_cuda():
 
 def test_hooks_during_a_cuda_graph_capture_fall_back_and_record_nothing(monkeypatch, caplog):
     capturing = {"on": False}
-    monkeypatch.setattr(runtime_module, "capture_probe", lambda: lambda: capturing["on"])
+    monkeypatch.setattr(hook_watch_module, "capture_probe", lambda: lambda: capturing["on"])
     gpu = sim_gpu()
     runtime = PerseusRuntime(make_config(warmup_iterations=0), schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=gpu)
     train(runtime, 2)  # profiling: a candidate clock is locked

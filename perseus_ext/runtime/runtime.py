@@ -29,16 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 from perseus_ext.actuation.exit_guard import forget_interrupt, on_interrupt
 from perseus_ext.actuation.sequencer import ClockSequencer
-from perseus_ext.actuation.silence import SilenceGuard, SilentEpisode
 from perseus_ext.errors import PerseusError
 from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
 from perseus_ext.runtime.baseline import BaselineProbes
-from perseus_ext.runtime.capture import capture_probe
 from perseus_ext.runtime.comm import ControlPlane, check_pipeline_rank
 from perseus_ext.runtime.config import PerseusConfig
 from perseus_ext.runtime.deployment import PlanDeployment, SlowdownAnnouncement, parse_announcement
 from perseus_ext.runtime.emissions import EmissionsAccount
+from perseus_ext.runtime.hook_watch import HookWatch
 from perseus_ext.runtime.phase import Phase
 from perseus_ext.runtime.power_limit_mode import PowerLimitMode
 from perseus_ext.runtime.profile_store import ProfileStore
@@ -50,7 +49,6 @@ from perseus_ext.runtime.pipeline_solve import PipelineSolve
 from perseus_ext.runtime.records import IterationSetting, MeasuredProfile
 from perseus_ext.runtime.summary import (
     RunSnapshot,
-    SilenceReport,
     build_summary,
     close_summary,
     policy_snapshot,
@@ -64,10 +62,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 5.0
-CAPTURE_REASON = ("a perseus-ext hook ran while a CUDA stream was capturing a CUDA graph: the graph's replays "
-                  "run without hooks, so no planned clock can follow them (megatron-core's full-iteration "
-                  "graph is supported through its replay, docs/megatron.md; per-layer graphs capture outside "
-                  "the hooks)")
 RECORD_WAIT_S = 5.0  # power-limit mode: longest wait for the previous iteration's device record
 
 
@@ -81,8 +75,7 @@ def _hook(method: Callable[..., None]) -> Callable[..., None]:
     def hook(self: PerseusRuntime, *args: Any, **kwargs: Any) -> None:
         if self._closed:
             return
-        self.silence.iteration_started() if starts_iteration else self.silence.heartbeat()
-        if self._capture_noticed():
+        if self.hooks.entered(starts_iteration=starts_iteration):
             return
         try:
             method(self, *args, **kwargs)
@@ -140,9 +133,9 @@ class PerseusRuntime:
                                         communication_clock=self.setup.communication_clock,
                                         latency=self.setup.latency)
         # Hooks that fall silent (a CUDA graph replay, an unhooked schedule) never leave a clock held.
-        self.silence = SilenceGuard(lambda: self.controller.current_clock, self._hooks_fell_silent)
-        self._capturing = capture_probe()
-        self.captured_hooks = 0  # hooks that ran during a CUDA graph capture (and did nothing)
+        # Hooks that fall silent never leave a clock held; hooks during a CUDA graph capture do nothing.
+        self.hooks = HookWatch(lambda: self.controller.current_clock, lambda episode: self.controller.release_silent(),
+                               self.fall_back)
         self.solve = PipelineSolve(config, self.comm, self.setup.latency,
                                    ProfileStore.for_job(config, self.comm.gpus_per_stage, self.gpu), schedule,
                                    stage_constant=whole_iterations)
@@ -243,9 +236,9 @@ class PerseusRuntime:
         """Record the iteration's end on the device and advance the lifecycle (collectives)."""
         if self._closed:
             return
-        self.silence.heartbeat()
+        self.hooks.silence.heartbeat()
         try:
-            if not self._capture_noticed():  # captured: nothing ran on the device, nothing to record
+            if not self.hooks.capture_noticed():  # captured: nothing ran on the device, nothing to record
                 self._record_end()
         except Exception as err:
             self.fall_back("iteration_end failed", err)
@@ -337,6 +330,8 @@ class PerseusRuntime:
     saved_profile = property(lambda self: self.solve.saved_profile, doc="The profile saved beside the job, if any.")
     solve_outcome = property(lambda self: self.solve.outcome,
                              doc="The pipeline leader's solve outcome, or this rank's share of it (None before).")
+    silence = property(lambda self: self.hooks.silence)
+    captured_hooks = property(lambda self: self.hooks.captured_hooks)
     profiling_iterations = property(lambda self: self.profiling.iterations if self.profiling is not None else 0)
     candidate_clocks = property(lambda self: self.setup.candidate_clocks)
 
@@ -459,20 +454,6 @@ class PerseusRuntime:
             self.pacer.compute(self.iteration, computation, planned)
         self.sequencer.computation_finished()
 
-    # ------------------------------------------------------------------ hooks that cannot steer
-    def _capture_noticed(self) -> bool:
-        """True while a CUDA graph is being captured: the hook then does nothing on the device
-        (a marker recorded now would belong to the graph). The first one falls back."""
-        if not self._capturing():
-            return False
-        self.captured_hooks += 1
-        self.fall_back(CAPTURE_REASON)
-        return True
-
-    def _hooks_fell_silent(self, episode: SilentEpisode) -> None:
-        """The silence guard's thread: a clock was held with no hook for longer than its bound."""
-        self.controller.release_silent()
-
     # ------------------------------------------------------------------ fallback and end
     def fall_back(self, reason: str, error: BaseException | None = None) -> None:
         """Stop steering clocks (and the power limit) on this rank for good; it still joins
@@ -524,8 +505,7 @@ class PerseusRuntime:
             plan_switches=tuple(deployment.switches) if deployment else (),
             controller_errors=self.controller.error_count,
             set_call_s=tuple(self.controller.set_call_s), assumed_call_s=self.controller.dry_run_call_s,
-            silent_hooks=SilenceReport(self.silence.bound_s, self.silence.expected_iteration_s,
-                                       tuple(self.silence.episodes), self.captured_hooks),
+            silent_hooks=self.hooks.report(),
             frontier=deployment.frontier if deployment else None, zeusd=self._zeusd_report(),
             policy=policy_snapshot(self.setup, power_limit, getattr(self.emissions.ledger, "report", None)))
 
@@ -557,7 +537,7 @@ class PerseusRuntime:
         self._closed = True
         forget_interrupt(self)
         self.solve.cancel()
-        self.silence.close()
+        self.hooks.close()
         for what, step in (("recording the last iterations", lambda: self.recorder.close(FLUSH_TIMEOUT_S)),
                            ("closing the policy", self._close_policy), ("restoring clocks", self.controller.close),
                            ("closing the device timeline", self.timeline.close),
