@@ -124,7 +124,11 @@ def test_bad_numbers_are_usage_errors(argv, message, tiny_profile, capsys) -> No
 def test_oversized_pipeline_fails_before_solving(command, no_solve, capsys) -> None:
     argv = [command, "--profile", "gpt3-175b-a100_sxm", "--microbatches", "1024"]
     assert main(argv) == 2
-    assert "8 stages x 1024 microbatches x 1 model chunks is 16,384 computations" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    stages, chunks = ("--stages", "--virtual-stages") if command == "frontier" else ("--pp", "--chunks")
+    # The refusal names the flags that set the size and the largest --microbatches that fits.
+    assert f"{stages} 8 x --microbatches 1024 x {chunks} 1 is 16,384 computations" in error
+    assert f"lower --microbatches (at most 768 here) or {chunks}" in error
 
 
 @pytest.mark.parametrize(
