@@ -451,7 +451,7 @@ def with_run_batch_size(args: tuple, kwargs: dict, settings: Any) -> tuple[tuple
     ds_args = kwargs.get("args", args[0] if args else None)
     model = kwargs.get("model", args[1] if len(args) > 1 else None)
     data_parallel, num_gpus = _data_parallel_layout(model, kwargs.get("mpu"), kwargs)
-    for candidate in settings.policy.batch_size["batch_sizes"]:
+    for candidate in settings.policy.batch_size_settings.batch_sizes:
         batch_keys_for(config, candidate, data_parallel)
     prepared = choose_batch_size(settings, num_gpus=num_gpus,
                                  local_rank=max(int(os.environ.get("LOCAL_RANK", "0")), 0))

@@ -254,9 +254,9 @@ def apply_run_batch_size(args: argparse.Namespace, config: Any) -> Any:
     policy = getattr(config, "policy", None)
     if config is None or policy is None or policy.batch_size is None:
         return None
-    options = policy.batch_size
+    options = policy.batch_size_settings
     where = "perseus.policy.batch_size"
-    sizes, default = sorted(options["batch_sizes"]), options["default_batch_size"]
+    sizes, default = sorted(options.batch_sizes), options.default_batch_size
     if getattr(args, "rampup_batch_size", None):
         raise ConfigError(f"--rampup-batch-size conflicts with {where}: the store picks one global batch size per "
                           f"run; drop --rampup-batch-size or the batch_size section")

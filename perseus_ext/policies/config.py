@@ -9,7 +9,9 @@ power limit when `max_power_w` is not given) or the network (the carbon source i
 checked when the runtime builds the policy.
 
 The `carbon`, `power_limit` and `batch_size` sub-sections stay the dicts the user wrote (typed
-as TypedDicts: only the keys given, defaults below), so a config round-trips unchanged.
+as TypedDicts: only the keys given), so a config round-trips unchanged; the factories read them
+through frozen settings with every default applied (`power_limit_settings`,
+`batch_size_settings`), never with `.get(key, DEFAULT)` of their own.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import math
 import re
 import time
 import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar
@@ -329,6 +332,32 @@ _BATCH_SIZE_EXAMPLE = {"store": "state/bso.db", "job_id": "gpt3-nightly", "batch
                        "default_batch_size": 32}
 
 
+@dataclass(frozen=True)
+class PowerLimitSettings:
+    """`power_limit` with its defaults applied: what the power-limit optimizer is built with."""
+
+    warmup_iters: int = DEFAULT_WARMUP_ITERS
+    profile_iters: int = DEFAULT_PROFILE_ITERS
+    step_w: float = DEFAULT_STEP_W
+    limits_w: tuple[float, ...] | None = None  # None: from the max limit down by step_w
+
+
+@dataclass(frozen=True)
+class BatchSizeSettings:
+    """`batch_size` with its defaults applied (`db` read as `store`): what the batch-size
+    optimizer and the recurring job are built with."""
+
+    store: str
+    job_id: str
+    batch_sizes: tuple[int, ...]
+    default_batch_size: int
+    beta: float = DEFAULT_BETA
+    pruning_rounds: int = DEFAULT_PRUNING_ROUNDS
+    seed: int | None = None
+    lease_s: float = DEFAULT_LEASE_S
+    network_timeout_s: float = DEFAULT_NETWORK_TIMEOUT_S
+
+
 class PolicyConfig(Section):
     """The validated `perseus.policy` section."""
 
@@ -514,17 +543,36 @@ class PolicyConfig(Section):
             cost = self.build_cost(gpu_max, clock)
             if cost is None:
                 raise ConfigError(f"{PREFIX}.mode 'power_limit' needs {PREFIX}.type 'zeus' or 'chase'")
-        options = self.power_limit
-        limits_w = options.get("limits_w")
+        options = self.power_limit_settings
         return PowerLimitOptimizer(
             gpu,
             cost,
-            warmup_iters=options.get("warmup_iters", DEFAULT_WARMUP_ITERS),
-            profile_iters=options.get("profile_iters", DEFAULT_PROFILE_ITERS),
-            step_w=options.get("step_w", DEFAULT_STEP_W),
-            limits_w=None if limits_w is None else list(limits_w),
+            warmup_iters=options.warmup_iters,
+            profile_iters=options.profile_iters,
+            step_w=options.step_w,
+            limits_w=None if options.limits_w is None else list(options.limits_w),
             all_reduce=all_reduce,
         )
+
+    @property
+    def power_limit_settings(self) -> PowerLimitSettings:
+        """The `power_limit` section (the keys given) with every default applied."""
+        options = dict(self.power_limit)
+        if options.get("limits_w") is not None:
+            options["limits_w"] = tuple(options["limits_w"])
+        return PowerLimitSettings(**options)
+
+    @property
+    def batch_size_settings(self) -> BatchSizeSettings | None:
+        """The `batch_size` section with every default applied; None without one."""
+        options = self.batch_size
+        if options is None:
+            return None
+        return BatchSizeSettings(
+            store=options.get("store", options.get("db")), job_id=options["job_id"],
+            batch_sizes=tuple(options["batch_sizes"]), default_batch_size=options["default_batch_size"],
+            **{key: options[key] for key in ("beta", "pruning_rounds", "seed", "lease_s") if key in options},
+            **({"network_timeout_s": options["timeout_s"]} if "timeout_s" in options else {}))
 
     # ------------------------------------------------------------------ batch size
     @property
@@ -537,45 +585,28 @@ class PolicyConfig(Section):
 
     def build_batch_size_optimizer(self, gpu_max_power_w: float | None = None) -> BatchSizeOptimizer | None:
         """None unless a `batch_size` section is configured."""
-        options = self.batch_size
+        options = self.batch_size_settings
         if options is None:
             return None
         return BatchSizeOptimizer(
-            options.get("store", options.get("db")),
-            options["job_id"],
-            options["batch_sizes"],
-            options["default_batch_size"],
-            eta=self.eta,
-            max_power_w=self._max_power(gpu_max_power_w, f"{PREFIX}.batch_size"),
-            beta=options.get("beta", DEFAULT_BETA),
-            pruning_rounds=options.get("pruning_rounds", DEFAULT_PRUNING_ROUNDS),
-            seed=options.get("seed"),
-            lease_s=options.get("lease_s", DEFAULT_LEASE_S),
-            network_timeout_s=options.get("timeout_s", DEFAULT_NETWORK_TIMEOUT_S),
+            options.store, options.job_id, list(options.batch_sizes), options.default_batch_size, eta=self.eta,
+            max_power_w=self._max_power(gpu_max_power_w, f"{PREFIX}.batch_size"), beta=options.beta,
+            pruning_rounds=options.pruning_rounds, seed=options.seed, lease_s=options.lease_s,
+            network_timeout_s=options.network_timeout_s,
         )
 
     def start_recurring_job(
         self, *, num_gpus: int, gpu_max_power_w: float | None = None, clock: Callable[[], float] = time.monotonic
     ) -> RecurringJob:
         """Ask the store for this run's batch size (rank 0, before the engine is built)."""
-        options = self.batch_size
+        options = self.batch_size_settings
         if options is None:
             raise ConfigError(f"{PREFIX}.batch_size is not configured")
         return RecurringJob.start(
-            options.get("store", options.get("db")),
-            options["job_id"],
-            options["batch_sizes"],
-            options["default_batch_size"],
-            max_power_w=self._max_power(gpu_max_power_w, f"{PREFIX}.batch_size"),
-            num_gpus=num_gpus,
-            target=self.target_metric,
-            eta=self.eta,
-            beta=options.get("beta", DEFAULT_BETA),
-            pruning_rounds=options.get("pruning_rounds", DEFAULT_PRUNING_ROUNDS),
-            seed=options.get("seed"),
-            lease_s=options.get("lease_s", DEFAULT_LEASE_S),
-            network_timeout_s=options.get("timeout_s", DEFAULT_NETWORK_TIMEOUT_S),
-            clock=clock,
+            options.store, options.job_id, list(options.batch_sizes), options.default_batch_size,
+            max_power_w=self._max_power(gpu_max_power_w, f"{PREFIX}.batch_size"), num_gpus=num_gpus,
+            target=self.target_metric, eta=self.eta, beta=options.beta, pruning_rounds=options.pruning_rounds,
+            seed=options.seed, lease_s=options.lease_s, network_timeout_s=options.network_timeout_s, clock=clock,
         )
 
 
