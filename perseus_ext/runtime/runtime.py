@@ -44,16 +44,11 @@ from perseus_ext.runtime.profile_store import ProfileStore
 from perseus_ext.runtime.profiling import ProfilingRun
 from perseus_ext.runtime.rank_setup import RankSetup, describe_gpu
 from perseus_ext.runtime.recorder import RunRecorder
+from perseus_ext.runtime.run_report import RunReport
 from perseus_ext.runtime.recurring import JobCoordinator, PreparedRun
 from perseus_ext.runtime.pipeline_solve import PipelineSolve
 from perseus_ext.runtime.records import IterationSetting, MeasuredProfile
-from perseus_ext.runtime.summary import (
-    RunSnapshot,
-    build_summary,
-    close_summary,
-    policy_snapshot,
-    write_interrupted_summary,
-)
+from perseus_ext.runtime.summary import RunSnapshot, policy_snapshot
 from perseus_ext.measurement.gpu import GPU
 
 if TYPE_CHECKING:
@@ -160,9 +155,7 @@ class PerseusRuntime:
         self._setting = IterationSetting(-1, self.phase)
         self._compute_ended = False
         self._closed = False
-        self._summary: dict[str, Any] | None = None
-        self._close_hooks: list[Callable[[], None]] = []
-        self._interrupted: dict[str, Any] | None = None  # the signal that interrupted the run
+        self.report = RunReport(self.snapshot, config.summary_path)
         on_interrupt(self)  # SIGINT/SIGTERM: the summary is written after the clocks are restored
         # Lines every rank would repeat: rank 0's at INFO, the others' at DEBUG.
         logger.log(logging.INFO if self.comm.rank == 0 else logging.DEBUG,
@@ -476,18 +469,13 @@ class PerseusRuntime:
         """SIGINT/SIGTERM (the exit guard restored the clocks first): write this rank's summary
         now and say that the run was interrupted and whether the clocks were restored. No
         collective: the other ranks are being stopped too. Never raises."""
-        if self._closed or self._interrupted is not None:
-            return
-        self._interrupted = {"signal": signal_name, "at_iteration": self.iteration, "phase": self.phase.value,
-                             "clocks_restored": clocks_restored}
-        self._summary = write_interrupted_summary(self.snapshot, self._interrupted, self.config.summary_path)
+        if not self._closed:
+            self.report.interrupt(signal_name, self.iteration, self.phase.value, clocks_restored)
 
     def summary(self) -> dict[str, Any]:
         """Per-rank results: measured default-clock vs deployed iterations, the frontier's model
         figures, profiling cost, clock coverage and plan switches."""
-        if self._summary is not None:
-            return self._summary
-        return build_summary(self.snapshot())
+        return self.report.summary()
 
     def snapshot(self) -> RunSnapshot:
         """This rank's run as the summary reads it (typed, detached from the collaborators)."""
@@ -517,7 +505,7 @@ class PerseusRuntime:
     def on_close(self, hook: Callable[[], None]) -> None:
         """Run `hook` at close, after the last device records and the summary (metrics writers
         flush their last iterations there)."""
-        self._close_hooks.append(hook)
+        self.report.on_close(hook)
 
     def _close_policy(self) -> None:
         if self.policy is not None:
@@ -526,9 +514,8 @@ class PerseusRuntime:
             self.power_limit.close()
 
     def _close_summary(self) -> None:
-        self._summary = close_summary(self.comm, self.snapshot(), summary_path=self.config.summary_path,
-                                      job_id=self.job_id, control_timeout_s=self.config.control_timeout_s,
-                                      control_plane_failed=self.control_plane_failed, interrupted=self._interrupted)
+        self.report.write_at_close(self.comm, job_id=self.job_id, control_timeout_s=self.config.control_timeout_s,
+                                   control_plane_failed=self.control_plane_failed)
 
     def close(self) -> None:
         """Restore default clocks and report; idempotent, never raises."""
@@ -546,11 +533,7 @@ class PerseusRuntime:
                 step()
             except Exception:
                 logger.exception("perseus-ext: %s failed", what)
-        for hook in self._close_hooks:
-            try:
-                hook()
-            except Exception:
-                logger.exception("perseus-ext: a close hook failed")
+        self.report.run_close_hooks()
         if self.job is not None:
             self.job.close()  # reports the batch-size run (rank 0); never raises
         if not self.control_plane_failed:  # a failed group may still hold a collective
