@@ -227,7 +227,7 @@ def test_install_hooks_megatron_core_schedules_and_close_restores_them():
 
 
 def test_patch_surfaces_name_every_release_and_refuse_older_ones():
-    from perseus_ext.adapters.megatron import PATCH_SURFACES, patch_surface
+    from perseus_ext.adapters.megatron_surface import PATCH_SURFACES, patch_surface
 
     assert sorted(PATCH_SURFACES) == [(0, 16), (0, 17), (0, 18), (0, 19)]
     assert "backward_step_multimodule" not in patch_surface("0.16.1").names

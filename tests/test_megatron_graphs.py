@@ -108,9 +108,9 @@ def test_installed_megatron_core_transformer_config_is_read_too():
     from megatron.core.transformer.enums import CudaGraphScope
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from perseus_ext.adapters.megatron import _installed_version, release_of
+    from perseus_ext.adapters.megatron_surface import installed_version, release_of
 
-    release = release_of(_installed_version())
+    release = release_of(installed_version())
 
     def config(**values):
         return TransformerConfig(num_layers=2, hidden_size=8, num_attention_heads=2, **values)

@@ -61,7 +61,17 @@ from perseus_ext.adapters.megatron_args import (
     chain_extra_args,
     config_from_args,
 )
-from perseus_ext.adapters.megatron_graphs import COMBINED_1F1B_FLAG, GraphMode, MegatronExecution, detect
+from perseus_ext.adapters.megatron_graphs import GraphMode, MegatronExecution, default_clock_reason, detect
+from perseus_ext.adapters.megatron_surface import (
+    NO_PIPELINING,
+    PATCH_SURFACES,
+    SCHEDULES_MODULE,
+    WITH_INTERLEAVING,
+    PatchSurface,
+    installed_version,
+    patch_surface,
+    release_of,
+)
 from perseus_ext.errors import ConfigError
 from perseus_ext.planning.schedule import (
     Computation,
@@ -75,80 +85,8 @@ log = logging.getLogger("perseus_ext.megatron")
 __all__ = ["MegatronPerseus", "PATCH_SURFACES", "add_perseus_args", "chain_extra_args",
            "config_from_args", "install"]
 
-_SCHEDULES_MODULE = "megatron.core.pipeline_parallel.schedules"
 _FULL_GRAPH_MODULE = "megatron.core.full_cuda_graph"  # FullCudaGraphWrapper (full-iteration graphs)
 _GRAPH_CALL = "FullCudaGraphWrapper.__call__"
-_NO_PIPELINING = "forward_backward_no_pipelining"
-_WITHOUT_INTERLEAVING = "forward_backward_pipelining_without_interleaving"
-_WITH_INTERLEAVING = "forward_backward_pipelining_with_interleaving"
-
-
-@dataclasses.dataclass(frozen=True)
-class PatchSurface:
-    """What `install()` replaces in megatron-core's schedules module for one release line."""
-
-    schedules: tuple[str, ...]  # one call = one training iteration (or one evaluation)
-    forward_steps: tuple[str, ...]
-    backward_steps: tuple[str, ...]
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.schedules + self.forward_steps + self.backward_steps
-
-
-_SCHEDULES = (_NO_PIPELINING, _WITHOUT_INTERLEAVING, _WITH_INTERLEAVING)
-_SURFACE_0_16 = PatchSurface(_SCHEDULES, ("forward_step",), ("backward_step",))
-# 0.17 added backward_step_multimodule (multi-module models; it does not call backward_step).
-_SURFACE_0_17 = PatchSurface(_SCHEDULES, ("forward_step",), ("backward_step", "backward_step_multimodule"))
-PATCH_SURFACES: dict[tuple[int, int], PatchSurface] = {
-    (0, 16): _SURFACE_0_16, (0, 17): _SURFACE_0_17, (0, 18): _SURFACE_0_17, (0, 19): _SURFACE_0_17,
-}
-
-
-def patch_surface(version: str) -> PatchSurface:
-    """The surface of a megatron-core version string; ConfigError for releases before 0.16.
-    A newer release gets the newest known surface (checked name by name when patching)."""
-    major_minor = release_of(version)
-    known = sorted(PATCH_SURFACES)
-    if major_minor in PATCH_SURFACES:
-        return PATCH_SURFACES[major_minor]
-    if major_minor < known[0]:
-        raise ConfigError(f"perseus: megatron-core {version} is older than the releases perseus-ext "
-                          f"hooks (0.16 to 0.19); upgrade megatron-core")
-    log.warning("perseus: megatron-core %s is newer than the releases perseus-ext was checked "
-                "against (0.16 to 0.19); hooking the 0.19 functions", version)
-    return PATCH_SURFACES[known[-1]]
-
-
-def release_of(version: str) -> tuple[int, int]:
-    """(major, minor) of a megatron-core version string."""
-    try:
-        return tuple(int(part) for part in version.split(".")[:2])  # type: ignore[return-value]
-    except ValueError:
-        raise ConfigError(f"perseus: cannot read the megatron-core version {version!r}") from None
-
-
-def default_clock_reason(execution: MegatronExecution) -> str | None:
-    """Why a job in this execution mode runs at default clocks (mode observe), None when its
-    hooks can steer clocks."""
-    if execution.combined_1f1b:
-        return (f"perseus: {COMBINED_1F1B_FLAG} makes megatron-core train with its combined_1f1b schedule, "
-                f"whose combined_forward_backward_step runs one microbatch's forward together with "
-                f"another's backward (their expert all-to-alls overlapped) and calls neither forward_step "
-                f"nor backward_step: no per-computation clock can follow it. perseus-ext measures this job "
-                f"at default clocks (mode observe); drop {COMBINED_1F1B_FLAG} to let it plan clocks")
-    return None
-
-
-def _installed_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("megatron-core")
-    except PackageNotFoundError:  # a source checkout on the path
-        from megatron.core import package_info
-
-        return package_info.__version__
 
 
 def _model_config(model: Any) -> Any:
@@ -271,13 +209,13 @@ class MegatronPerseus:
     # ---- installation ------------------------------------------------------------------
 
     def _patch(self) -> None:
-        module = importlib.import_module(_SCHEDULES_MODULE)
-        version = _installed_version()
+        module = importlib.import_module(SCHEDULES_MODULE)
+        version = installed_version()
         surface = patch_surface(version)
         missing = [name for name in surface.names if not callable(getattr(module, name, None))]
         if missing:
             raise ConfigError(f"perseus: megatron-core {version} has no {', '.join(missing)} in "
-                              f"{_SCHEDULES_MODULE}; perseus-ext hooks megatron-core 0.16 to 0.19")
+                              f"{SCHEDULES_MODULE}; perseus-ext hooks megatron-core 0.16 to 0.19")
         wrappers = {name: self._wrap_schedule(getattr(module, name)) for name in surface.schedules}
         wrappers.update({name: self._wrap_step(getattr(module, name), Kind.FORWARD)
                          for name in surface.forward_steps})
@@ -289,7 +227,7 @@ class MegatronPerseus:
         self.surface = surface
 
     def _unpatch(self) -> None:
-        module = importlib.import_module(_SCHEDULES_MODULE)
+        module = importlib.import_module(SCHEDULES_MODULE)
         graph_call = self._originals.pop(_GRAPH_CALL, None)
         if graph_call is not None:
             importlib.import_module(_FULL_GRAPH_MODULE).FullCudaGraphWrapper.__call__ = graph_call
@@ -311,7 +249,7 @@ class MegatronPerseus:
         or the model's TransformerConfig at the first iteration) and adapt the config: modes
         whose hooks cannot steer clocks run at default clocks with one warning that names the
         flag. A source that shows nothing special keeps what an earlier one said."""
-        execution = detect(source, release_of(_installed_version()))
+        execution = detect(source, release_of(installed_version()))
         special = execution.graph_mode is not GraphMode.NONE or execution.combined_1f1b
         if self.execution is not None and (not special or execution == self.execution):
             return
@@ -492,12 +430,12 @@ class MegatronPerseus:
             raise ConfigError("perseus: megatron-core's schedule was called without an integer "
                               "num_microbatches; pass it by keyword as megatron-core documents")
         name = original.__name__
-        group = _microbatch_group_size(models[0]) if name == _WITH_INTERLEAVING else None
+        group = _microbatch_group_size(models[0]) if name == WITH_INTERLEAVING else None
         key = (name, num_microbatches, len(models), group)
         schedule = self._schedules.get(key)
         if schedule is None:
-            num_stages = 1 if name == _NO_PIPELINING else self._pp_group(bound).size()
-            if name == _WITH_INTERLEAVING:
+            num_stages = 1 if name == NO_PIPELINING else self._pp_group(bound).size()
+            if name == WITH_INTERLEAVING:
                 schedule = interleaved(num_stages, num_microbatches, len(models), group)
             else:
                 schedule = build_schedule("1f1b", num_stages, num_microbatches)

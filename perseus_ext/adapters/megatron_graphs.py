@@ -106,3 +106,15 @@ def detect(source: Any, version: tuple[int, int]) -> MegatronExecution:
     else:
         mode, flags = GraphMode.NONE, None
     return MegatronExecution(mode, flags, combined)
+
+
+def default_clock_reason(execution: MegatronExecution) -> str | None:
+    """Why a job in this execution mode runs at default clocks (mode observe), None when its
+    hooks can steer clocks."""
+    if execution.combined_1f1b:
+        return (f"perseus: {COMBINED_1F1B_FLAG} makes megatron-core train with its combined_1f1b schedule, "
+                f"whose combined_forward_backward_step runs one microbatch's forward together with "
+                f"another's backward (their expert all-to-alls overlapped) and calls neither forward_step "
+                f"nor backward_step: no per-computation clock can follow it. perseus-ext measures this job "
+                f"at default clocks (mode observe); drop {COMBINED_1F1B_FLAG} to let it plan clocks")
+    return None
