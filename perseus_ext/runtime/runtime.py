@@ -7,11 +7,10 @@ With `policy.mode: "power_limit"` warm-up is followed by the power-limit phase i
 
 Adapters call, on every rank: `iteration_start()`, `before_computation()` / `after_computation()`
 around every forward and backward, optionally `mark_compute_end()` right before the gradient
-all-reduce, and `iteration_end()`. The runtime is a phase machine over collaborators:
-`RankSetup` (device, clocks, policy), `ClockSequencer` (clocks ordered by device markers),
-`ComputationPacer` (simulated work, nothing on real GPUs), `RunRecorder` (device-side records),
-`ProfilingRun`, `PipelineSolve` (the frontier, solved and shipped), `PlanDeployment` and
-`PowerLimitMode`; the summary is built from a typed `RunSnapshot`. Deployed iterations never synchronise the
+all-reduce, and `iteration_end()`. The runtime is a phase machine over collaborators that
+`RankParts` (wiring.py) builds: `RankSetup`, `ClockSequencer` (clocks ordered by device markers),
+`ComputationPacer`, `RunRecorder`, `ProfilingRun`, `PipelineSolve`, `PlanDeployment`,
+`PowerLimitMode` (whole-iteration mode: `whole_iteration.py`). Deployed iterations never synchronise the
 host with the device. Phase changes are decided from collective results only, so every rank
 changes phase at the same iteration. Nothing raises into the training step: a failure logs its
 traceback once and the rank falls back to default clocks while still taking part in the
@@ -23,36 +22,26 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
-import secrets
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from perseus_ext.actuation.exit_guard import forget_interrupt, on_interrupt
-from perseus_ext.actuation.sequencer import ClockSequencer
 from perseus_ext.errors import PerseusError
 from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
-from perseus_ext.runtime.baseline import BaselineProbes
-from perseus_ext.runtime.comm import ControlPlane, check_pipeline_rank
 from perseus_ext.runtime.config import PerseusConfig
 from perseus_ext.runtime.deployment import PlanDeployment, SlowdownAnnouncement, parse_announcement
-from perseus_ext.runtime.emissions import EmissionsAccount
-from perseus_ext.runtime.hook_watch import HookWatch
 from perseus_ext.runtime.phase import Phase
 from perseus_ext.runtime.power_limit_mode import PowerLimitMode
-from perseus_ext.runtime.profile_store import ProfileStore
 from perseus_ext.runtime.profiling import ProfilingRun
-from perseus_ext.runtime.rank_setup import RankSetup, describe_gpu
-from perseus_ext.runtime.recorder import RunRecorder
+from perseus_ext.runtime.rank_setup import describe_gpu
 from perseus_ext.runtime.run_report import RunReport
-from perseus_ext.runtime.recurring import JobCoordinator, PreparedRun
-from perseus_ext.runtime.pipeline_solve import PipelineSolve
+from perseus_ext.runtime import whole_iteration
+from perseus_ext.runtime.recurring import PreparedRun
 from perseus_ext.runtime.records import IterationSetting, MeasuredProfile
-from perseus_ext.runtime.summary import RunSnapshot, policy_snapshot
+from perseus_ext.runtime.summary import RunSnapshot
+from perseus_ext.runtime.wiring import RankParts
 from perseus_ext.measurement.gpu import GPU
-
-if TYPE_CHECKING:
-    from perseus_ext.measurement.gpu.zeusd import ZeusdReport
 
 logger = logging.getLogger(__name__)
 
@@ -96,73 +85,32 @@ class PerseusRuntime:
         whole_iterations: bool = False,
         prepared_run: PreparedRun | None = None,
     ) -> None:
-        """whole_iterations: the adapter reports iterations only, each run as one unit the hooks
-        cannot look into (a full-iteration CUDA graph replay): every iteration is one span on the
-        device at one clock per stage, set before it and released after it, so plans are
-        stage-constant (`planning/stage_constant.py`) and solved from a saved profile
-        (`profile_path`), since computations cannot be profiled one by one. `prepared_run`: this
-        run's batch size from the store (`choose_batch_size`, called by the adapter before the
-        engine was built); required with `policy.batch_size`."""
-        if not 0 <= stage < schedule.num_stages:
-            raise PerseusError(f"stage {stage} is outside the schedule's 0..{schedule.num_stages - 1}")
-        check_pipeline_rank(pp_group, stage)
-        if config.simulated_workload is not None:
-            config.simulated_workload.check_stages(schedule.num_stages)
-        self.config = config
-        self.whole_iterations = whole_iterations
-        self.local_rank = local_rank
-        self.schedule = schedule
-        self.stage = stage
-        self.order: tuple[Computation, ...] = schedule.orders[stage]
-        self.setup = RankSetup.prepare(config, gpu=gpu, policy=policy, local_rank=local_rank)
-        self.gpu = self.setup.gpu
-        self.policy = self.setup.policy
-        self.controller = self.setup.controller(config, stage)
-        self.comm = ControlPlane(stage=stage, dp_group=dp_group, timeout_s=config.control_timeout_s)
-        self.job_id = self.comm.broadcast_job(secrets.token_hex(8))  # the same on every rank
-        # a simulated device's wait for another rank is bounded like every collective
-        self.timeline = self.setup.timeline(self.job_id, self.comm.rank, peer_timeout_s=config.control_timeout_s)
-        self.pacer = self.setup.pacer(config, self.timeline, schedule, stage=stage,
-                                      pipeline=self.comm.pipeline, num_pipelines=self.comm.num_pipelines)
-        self.sequencer = ClockSequencer(self.controller, self.timeline,
-                                        communication_clock=self.setup.communication_clock,
-                                        latency=self.setup.latency)
-        # Hooks that fall silent (a CUDA graph replay, an unhooked schedule) never leave a clock held.
-        # Hooks that fall silent never leave a clock held; hooks during a CUDA graph capture do nothing.
-        self.hooks = HookWatch(lambda: self.controller.current_clock, lambda episode: self.controller.release_silent(),
-                               self.fall_back)
-        self.solve = PipelineSolve(config, self.comm, self.setup.latency,
-                                   ProfileStore.for_job(config, self.comm.gpus_per_stage, self.gpu), schedule,
-                                   stage_constant=whole_iterations)
-        self.emissions = EmissionsAccount(self.policy)
-        self.probes = BaselineProbes(config.baseline_fraction, config.straggler_check_interval)
-        self.recorder = RunRecorder(self.controller, rank=self.comm.rank, pipeline=self.comm.pipeline,
-                                    stage=stage, latency=self.setup.latency, log_path=config.log_path,
-                                    log_interval=config.log_interval, job_id=self.job_id,
-                                    on_record=self.emissions.on_record,
-                                    saving=self.probes.estimate)
-        # The job-wide exchange (batch-size run, early stop, shared signal); None when unused.
-        self.job = JobCoordinator.create(config, self.comm, self.gpu, self.policy, prepared_run)
+        """whole_iterations: each iteration is one unit the hooks cannot look into, a full-iteration
+        CUDA graph replay (`whole_iteration.py`). `prepared_run`: this run's batch size from the store
+        (`choose_batch_size`, called by the adapter before the engine was built); required with
+        `policy.batch_size`."""
+        self.parts = parts = RankParts.build(config, schedule, stage, dp_group=dp_group, pp_group=pp_group, gpu=gpu,
+                                policy=policy, local_rank=local_rank, whole_iterations=whole_iterations,
+                                prepared_run=prepared_run, fall_back=self.fall_back)
+        self.config, self.whole_iterations, self.local_rank = config, whole_iterations, local_rank
+        self.schedule, self.stage, self.order = schedule, stage, schedule.orders[stage]
+        self.setup, self.gpu, self.policy = parts.setup, parts.setup.gpu, parts.setup.policy
+        self.controller, self.comm, self.job_id = parts.controller, parts.comm, parts.job_id
+        self.timeline, self.pacer, self.sequencer = parts.timeline, parts.pacer, parts.sequencer
+        self.hooks, self.solve, self.emissions = parts.hooks, parts.solve, parts.emissions
+        self.probes, self.recorder, self.job = parts.probes, parts.recorder, parts.job
         self.phase = Phase.WARMUP if config.mode == "optimize" else Phase.OBSERVING
-        self.iteration = 0
         self.fallback_reason: str | None = None
-        self.control_plane_failed = False  # a lifecycle collective failed: this rank joins no more
+        self.iteration, self.control_plane_failed = 0, False  # failed: this rank joins no more collectives
         self.profiling: ProfilingRun | None = None
         self.deployment: PlanDeployment | None = None
         self.power_limit: PowerLimitMode | None = None
-        self._phase_iterations = 0
         self._announced: SlowdownAnnouncement | None = None
         self._setting = IterationSetting(-1, self.phase)
-        self._compute_ended = False
-        self._closed = False
+        self._phase_iterations, self._compute_ended, self._closed = 0, False, False
         self.report = RunReport(self.snapshot, config.summary_path)
         on_interrupt(self)  # SIGINT/SIGTERM: the summary is written after the clocks are restored
-        # Lines every rank would repeat: rank 0's at INFO, the others' at DEBUG.
-        logger.log(logging.INFO if self.comm.rank == 0 else logging.DEBUG,
-                   "perseus-ext: stage %d/%d pipeline %d ready on %s (%s); %d candidate clocks; %d ranks",
-                   stage, schedule.num_stages, self.comm.pipeline, describe_gpu(self.gpu),
-                   "dry-run" if self.controller.dry_run else "live", len(self.setup.candidate_clocks),
-                   self.comm.num_pipelines * schedule.num_stages)
+        parts.announce_ready(stage, schedule)
 
     # ------------------------------------------------------------------ hooks
     @_hook
@@ -174,14 +122,11 @@ class PerseusRuntime:
             self.profiling.start_iteration()
         clocks = durations = None
         if setting.plan is not None:
-            clocks = self.deployment.stage_clocks(self.stage)
-            if not self.whole_iterations:
-                durations = self.deployment.stage_durations(self.stage)
-            elif len(set(clocks)) != 1:  # a stage-constant plan: its one clock for the whole iteration
-                raise PerseusError(f"whole-iteration mode deploys stage-constant plans; stage "
-                                   f"{self.stage} was given {sorted(set(clocks))} MHz")
+            if self.whole_iterations:  # a stage-constant plan: its one clock for the whole iteration
+                clocks = whole_iteration.stage_clock(self.deployment, self.stage)
             else:
-                clocks = tuple(clocks[:1])
+                clocks = self.deployment.stage_clocks(self.stage)
+                durations = self.deployment.stage_durations(self.stage)
         elif setting.profiled_clock_mhz is not None:
             clocks = (setting.profiled_clock_mhz,) * len(self.order)
         start = self.sequencer.start_iteration(self.iteration, clocks, durations)
@@ -377,11 +322,7 @@ class PerseusRuntime:
             logger.info("perseus-ext: using saved profile %s; skipping profiling", self.config.profile_path)
             self._start_solve(self.solve.saved_profile if self.comm.is_pipeline_leader else None)
         elif self.whole_iterations:
-            logger.warning("perseus-ext: each iteration runs as one full-iteration CUDA graph replay, whose "
-                           "computations cannot be profiled one by one, and there is no saved profile "
-                           "(perseus.profile_path): staying at default clocks. Run the job once without the "
-                           "full-iteration graph with profile_path set (it saves the profile there), then "
-                           "again with it")
+            whole_iteration.warn_nothing_to_solve_from()
             self._set_phase(Phase.OBSERVING)
         elif can_set_clocks and none_fell_back:
             self.profiling = ProfilingRun.create(self.config, self.stage, self.setup, self.controller,
@@ -426,26 +367,16 @@ class PerseusRuntime:
     def _record_end(self) -> None:
         """The iteration's end marker and the checks that it ran as planned."""
         if self.whole_iterations:
-            self._whole_iteration_ran()
+            whole_iteration.replay_launched(self.iteration, self.order, self.pacer, self.sequencer)
         self.mark_compute_end()
         self.recorder.end(self.iteration, self.timeline.record_marker(), self.sequencer.trace)
         disabled = self.controller.disabled_reason
         if self.fallback_reason is None and disabled is not None:
             self.fall_back(f"GPU clock control failed ({disabled})")
-        spans = 1 if self.whole_iterations else len(self.order)
+        spans = whole_iteration.SPANS_PER_ITERATION if self.whole_iterations else len(self.order)
         if self.fallback_reason is None and self.sequencer.position != spans:
             self.fall_back(f"the iteration ran {self.sequencer.position} computations on stage "
                            f"{self.stage}, the schedule has {spans}")
-
-    def _whole_iteration_ran(self) -> None:
-        """The iteration (a graph replay) has been launched: its work is on the device (a
-        simulated device gets it from the pacer now, computation by computation, with its
-        pipeline dependencies); the stage's clock is released after it."""
-        planned = self.sequencer.planned_clock()
-        for computation in self.order:
-            self.pacer.receive(self.iteration, computation)
-            self.pacer.compute(self.iteration, computation, planned)
-        self.sequencer.computation_finished()
 
     # ------------------------------------------------------------------ fallback and end
     def fall_back(self, reason: str, error: BaseException | None = None) -> None:
@@ -479,28 +410,8 @@ class PerseusRuntime:
 
     def snapshot(self) -> RunSnapshot:
         """This rank's run as the summary reads it (typed, detached from the collaborators)."""
-        profiling, deployment = self.profiling, self.deployment
-        power_limit = self.power_limit.snapshot() if self.power_limit is not None else None
-        return RunSnapshot(
-            rank=self.comm.rank, pipeline=self.comm.pipeline, stage=self.stage,
-            gpu_name=self.gpu.name if self.gpu is not None else None, mode=str(self.config.mode),
-            dry_run=self.controller.dry_run, fallback_reason=self.fallback_reason, phase=self.phase,
-            history=tuple(self.recorder.history), baseline_fraction=self.config.baseline_fraction,
-            profiling_iterations=profiling.iterations if profiling else 0,
-            profiled_clocks=tuple(profiling.profiler.profiled_clocks) if profiling else (),
-            profile_overhead_s=profiling.overhead_s if profiling else 0.0,
-            exact_coverage=self.timeline.exact_coverage(), switch_latency_s=self.setup.latency.effective_s,
-            plan_switches=tuple(deployment.switches) if deployment else (),
-            controller_errors=self.controller.error_count,
-            set_call_s=tuple(self.controller.set_call_s), assumed_call_s=self.controller.dry_run_call_s,
-            silent_hooks=self.hooks.report(),
-            frontier=deployment.frontier if deployment else None, zeusd=self._zeusd_report(),
-            policy=policy_snapshot(self.setup, power_limit, getattr(self.emissions.ledger, "report", None)))
-
-    def _zeusd_report(self) -> ZeusdReport | None:
-        from perseus_ext.measurement.gpu.zeusd import ZeusdGPU  # here: httpx only where zeusd is used
-
-        return self.gpu.report() if isinstance(self.gpu, ZeusdGPU) else None
+        return self.parts.snapshot(self.stage, self.config, self.phase, self.fallback_reason, self.profiling,
+                                   self.deployment, self.power_limit)
 
     def on_close(self, hook: Callable[[], None]) -> None:
         """Run `hook` at close, after the last device records and the summary (metrics writers
@@ -513,10 +424,6 @@ class PerseusRuntime:
         if self.power_limit is not None:
             self.power_limit.close()
 
-    def _close_summary(self) -> None:
-        self.report.write_at_close(self.comm, job_id=self.job_id, control_timeout_s=self.config.control_timeout_s,
-                                   control_plane_failed=self.control_plane_failed)
-
     def close(self) -> None:
         """Restore default clocks and report; idempotent, never raises."""
         if self._closed:
@@ -528,7 +435,9 @@ class PerseusRuntime:
         for what, step in (("recording the last iterations", lambda: self.recorder.close(FLUSH_TIMEOUT_S)),
                            ("closing the policy", self._close_policy), ("restoring clocks", self.controller.close),
                            ("closing the device timeline", self.timeline.close),
-                           ("writing the summary", self._close_summary)):
+                           ("writing the summary", lambda: self.report.write_at_close(
+                               self.comm, job_id=self.job_id, control_timeout_s=self.config.control_timeout_s,
+                               control_plane_failed=self.control_plane_failed))):
             try:
                 step()
             except Exception:
