@@ -20,7 +20,8 @@ from pydantic import TypeAdapter
 
 from perseus_ext.errors import ConfigError, SolverError
 from perseus_ext.planning.solver import SolverOptions
-from perseus_ext.policies.config import CarbonSourceKind, PolicyConfig, PolicyMode, PolicyType
+from perseus_ext.policies.config import PolicyConfig
+from perseus_ext.policies.section import CarbonSourceKind, PolicyMode, PolicyType
 from perseus_ext.runtime.config import (
     SOLVER_BOUNDS,
     Mode,

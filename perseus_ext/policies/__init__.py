@@ -2,7 +2,8 @@
 cost (on the frontier or as a global power limit), and Zeus' batch-size optimizer.
 
 `build_policy(section)` turns the `perseus.policy` config section into a policy; keys are
-documented in docs/policies.md and in `perseus_ext.policies.config`.
+documented in docs/policies.md and in `perseus_ext.policies.section` (the schema); the
+factories are `perseus_ext.policies.config.PolicyConfig`'s.
 """
 
 from perseus_ext.policies.base import (
