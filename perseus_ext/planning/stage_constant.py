@@ -3,8 +3,7 @@
 A full-iteration CUDA graph replays every computation of an iteration without a single Python
 hook, so the only clock changes that can still follow the plan are the ones made between two
 replays: each stage runs its whole iteration at one clock. This module solves the frontier of
-such plans on the same cost model as `solver.py` -- the profile's useful clocks
-(`Profile.useful_clocks`), the same `CostModel` replay (latency-aware; a stage-constant plan has
+such plans on the same cost model as `solver.py` -- the same `CostModel` replay (latency-aware; a stage-constant plan has
 no change inside an iteration, so none is charged), blocking power for every idle stage -- and
 returns an ordinary `Frontier`, so the straggler policy (`Frontier.plan_for_deadline`) and the
 wait-aware extension (plans Pareto-optimal in energy - blocking power x stages x time past the
@@ -12,16 +11,21 @@ minimum-energy plan, `Frontier.extension_start`) work on it unchanged. Every pla
 constant along each row of `Plan.frequencies`.
 
 Method. A stage may only run clocks measured for every one of its computations (forward and
-backward of every model chunk on that GPU). The plan space is small (K clocks per stage, S
+backward of every model chunk on that GPU); every such clock is a candidate, since whether a
+clock is worth running is a property of the whole stage, not of one computation's table
+(`Profile.useful_clocks` judges per computation, which is right for per-computation plans). The plan space is small (K clocks per stage, S
 stages) but K^S is not, so the search is a greedy descent plus local search, batched like the
 per-computation solver's passes:
 
-1. *Greedy chain.* From every stage at its fastest clock, repeatedly slow one stage by one clock:
+1. *Seeds.* A greedy chain and every global clock.
+   *Greedy chain.* From every stage at its fastest clock, repeatedly slow one stage by one clock:
    a move that costs no time and saves energy first, else the move with the least energy per
    second of iteration time (which may be an increase), until every stage is at its slowest
    clock. This spans T_min to the all-slowest plan.
+   *Global clocks.* Every stage at the same clock, for each clock they all have.
 2. *Local search.* Every plan on the current (time, energy) and (time, energy - P S time)
-   Pareto sets moves any one stage to any of its clocks, and any two stages one clock each way;
+   Pareto sets moves any one stage to any of its clocks, any two stages one clock each (either
+   direction), and every stage one clock together;
    every neighbour is replayed and kept if it improves either set; repeated until no round
    adds a Pareto plan.
 
@@ -45,8 +49,8 @@ from perseus_ext.planning.wait_aware import distinct_plans, pareto_plans
 logger = logging.getLogger(__name__)
 
 _REPLAY_CELLS = 400_000  # nodes x plans per batched replay (as solver.py)
-_SEARCH_ROUNDS = 8
-_SEARCH_PLANS = 48  # Pareto plans per set whose neighbours one round replays
+_SEARCH_ROUNDS = 10  # at most; the search stops when a round adds no Pareto plan
+_SEARCH_PLANS = 32  # Pareto plans per set whose neighbours one round replays
 
 
 class StageConstantModel:
@@ -68,7 +72,7 @@ class StageConstantModel:
                 common = measured if common is None else common & measured
             if not common:
                 raise SolverError(
-                    f"stage {stage} has no clock measured (and useful) for every one of its computations: "
+                    f"stage {stage} has no clock measured for every one of its computations: "
                     f"a stage-constant plan needs one; profile the same clocks for its forward and backward")
             clocks = np.array(sorted(common, reverse=True), dtype=np.int64)
             self.clocks.append(clocks)
@@ -102,8 +106,9 @@ class StageConstantModel:
 class _Pool:
     """Distinct stage-constant plans (as clock-index columns) with their replays."""
 
-    def __init__(self, space: StageConstantModel) -> None:
+    def __init__(self, space: StageConstantModel, floor_s: float) -> None:
         self.space = space
+        self.floor_s = floor_s  # plans faster than this (the all-max-clock time) are left out
         self.levels = np.zeros((space.num_stages, 0), dtype=np.int64)
         self.times = np.zeros(0)
         self.energies = np.zeros(0)
@@ -130,7 +135,7 @@ class _Pool:
         """Columns Pareto-optimal in (time, energy - slope x time), by time."""
         order = np.lexsort((self.energies - slope * self.times, np.round(self.times, 12)))
         kept, best = [], np.inf
-        for k in order:
+        for k in order[self.times[order] >= self.floor_s]:
             cost = self.energies[k] - slope * self.times[k]
             if cost < best - 1e-9:
                 kept.append(k)
@@ -162,11 +167,23 @@ def _greedy_chain(space: StageConstantModel) -> np.ndarray:
     return np.stack(chain, axis=1)
 
 
+def _uniform_seeds(space: StageConstantModel) -> np.ndarray:
+    """Every stage at the same clock, for each clock all stages have (Zeus-style global clocks:
+    the stage-constant frontier must never be worse than one of them)."""
+    shared = set(space.clocks[0].tolist()).intersection(*(c.tolist() for c in space.clocks[1:]))
+    columns = [[int(np.flatnonzero(clocks == f)[0]) for clocks in space.clocks] for f in sorted(shared, reverse=True)]
+    return np.array(columns, dtype=np.int64).T if columns else np.zeros((space.num_stages, 0), dtype=np.int64)
+
+
 def _neighbours(space: StageConstantModel, levels: np.ndarray) -> np.ndarray:
-    """Every plan one stage away (any clock) or two stages one clock away each, of each column."""
+    """Every plan one stage away (any clock), two stages one clock away each (either direction),
+    and every stage one clock slower or faster, of each column."""
     out = []
     stages = space.num_stages
+    top = space.num_clocks - 1
     for column in levels.T:
+        for step in (1, -1):
+            out.append(np.clip(column + step, 0, top))
         for s in range(stages):
             for k in range(space.num_clocks[s]):
                 if k != column[s]:
@@ -175,7 +192,7 @@ def _neighbours(space: StageConstantModel, levels: np.ndarray) -> np.ndarray:
                     out.append(moved)
         for a in range(stages):
             for b in range(a + 1, stages):
-                for da, db in ((1, -1), (-1, 1)):
+                for da, db in ((1, -1), (-1, 1), (1, 1), (-1, -1)):
                     moved = column.copy()
                     moved[a] += da
                     moved[b] += db
@@ -200,12 +217,21 @@ def solve_stage_constant(
 ) -> Frontier:
     """The frontier of stage-constant plans (module docstring); `wait_aware` appends the plans
     for iterations held to a longer deadline, as `solve_frontier(..., wait_aware=True)` does."""
-    model = CostModel(schedule, profile.useful_clocks(blocking_power), blocking_power, switch_latency_s)
+    # Every measured clock: usefulness is a property of the whole stage here. A clock that one
+    # computation's table drops (another clock of that computation is no slower and no costlier
+    # in e - P t) can still be the stage's best one clock, and dropping it per computation left
+    # stages with a handful of common clocks (GPT-3 on A40: one global clock beat the frontier).
+    model = CostModel(schedule, profile, blocking_power, switch_latency_s)
     space = StageConstantModel(model)
     slope = schedule.num_stages * blocking_power
     slopes = (0.0, slope) if wait_aware else (0.0,)
-    pool = _Pool(space)
+    baseline = model.to_plan(model.fastest_choice())
+    # Noise can make a mix of clocks faster than every stage at its max clock, at more energy:
+    # the frontier starts at the all-max-clock time, as the per-computation one does (its
+    # fastest plan is the intrinsic-bloat plan).
+    pool = _Pool(space, baseline.time * (1 - 1e-12))
     pool.add(_greedy_chain(space))
+    pool.add(_uniform_seeds(space))
     for _ in range(_SEARCH_ROUNDS):
         front = np.unique(np.concatenate([_sample(pool.pareto(s), _SEARCH_PLANS) for s in slopes]))
         before = {tuple(pool.pareto(s)) for s in slopes}
@@ -221,7 +247,7 @@ def solve_stage_constant(
         chosen = {id(p) for p in ordinary}
         extension = [p for p in pareto_plans(candidates, slope) if id(p) not in chosen]  # by time
     frontier = Frontier(schedule.describe(), blocking_power, tuple(ordinary) + tuple(extension),
-                        model.to_plan(model.fastest_choice()),
+                        baseline,
                         extension_start=len(ordinary) if extension else None)
     logger.info("stage-constant frontier: %d plans (+%d wait-aware), T %.4f..%.4f s, %d plans replayed",
                 len(ordinary), len(extension), ordinary[0].time, frontier.plans[-1].time, len(pool.times))
