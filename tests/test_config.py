@@ -466,3 +466,27 @@ def test_any_json_is_a_config_or_one_config_error(section):
         peak_bytes = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
     assert peak_bytes < 16 * 2**20
+
+
+def test_carbon_and_budget_settings_apply_every_default():
+    from perseus_ext.policies.power_budget import BudgetScope
+    from perseus_ext.policies.section import (
+        DEFAULT_URL_FIELD, DEFAULT_URL_TIMEOUT_S, BudgetSettings, SignalSourceSettings, TraceAlignment,
+    )
+
+    carbon = PolicyConfig.parse({"type": "chase", "carbon": {"url": "https://grid.example/ci"}}).carbon_settings
+    assert carbon.source.kind is CarbonSourceKind.URL and carbon.source.location == "https://grid.example/ci"
+    assert carbon.source.field == DEFAULT_URL_FIELD and carbon.source.timeout_s == DEFAULT_URL_TIMEOUT_S
+    assert (carbon.max_carbon, carbon.forecast_horizon_s) == (None, None)
+    csv = PolicyConfig.parse({"type": "chase", "carbon": {"csv": "ci.csv", "max_carbon": 500}}).carbon_settings
+    assert csv.source == SignalSourceSettings(CarbonSourceKind.CSV, "ci.csv", align=TraceAlignment.START,
+                                              field=DEFAULT_URL_FIELD)
+    assert csv.max_carbon == 500
+    fixed = PolicyConfig.parse({"type": "power_budget", "budget": {"watts": 300}}).budget_settings
+    assert fixed == BudgetSettings(300, None, BudgetScope.GPU)
+    polled = PolicyConfig.parse({"type": "power_budget",
+                                 "budget": {"url": "https://dc.example/budget", "scope": "job"}}).budget_settings
+    assert polled.watts is None and polled.scope is BudgetScope.JOB
+    assert polled.source.kind is CarbonSourceKind.URL and polled.source.field is None  # no carbon default
+    assert PolicyConfig.parse({"type": "zeus"}).carbon_settings is None
+    assert PolicyConfig.parse({"type": "zeus"}).budget_settings is None

@@ -18,7 +18,6 @@ from perseus_ext.policies.base import OperatingPointPolicy, StragglerPolicy
 from perseus_ext.policies.batch_size import BatchSizeOptimizer
 from perseus_ext.policies.carbon import (
     CARBON,
-    DEFAULT_MAX_RESPONSE_BYTES,
     CallbackCarbonSignal,
     CarbonSignal,
     CSVCarbonTrace,
@@ -27,18 +26,15 @@ from perseus_ext.policies.carbon import (
 )
 from perseus_ext.policies.chase import CarbonCost, ChasePolicy
 from perseus_ext.policies.cost import EnergyTimeCost, ZeusCost
-from perseus_ext.policies.power_budget import POWER_BUDGET, BudgetScope, PowerBudget, PowerBudgetPolicy
+from perseus_ext.policies.power_budget import POWER_BUDGET, PowerBudget, PowerBudgetPolicy
 from perseus_ext.policies.power_limit import AllReduceSum, PowerLimitGPU, PowerLimitOptimizer
 from perseus_ext.policies.recurring_job import RecurringJob, TargetMetric
 from perseus_ext.policies.section import (
-    DEFAULT_URL_FIELD,
-    DEFAULT_URL_TIMEOUT_S,
     PREFIX,
+    BudgetSettings,
     CarbonSourceKind,
     PolicySection,
     PolicyType,
-    TraceAlignment,
-    carbon_source_kind,
     resolve_callable,
 )
 from perseus_ext.policies.zeus import ZeusPolicy
@@ -61,33 +57,28 @@ class PolicyConfig(PolicySection):
         """The `carbon` (or `budget`) section's signal; an HTTP source starts polling at once,
         so build it on one rank per job and feed the others (`ExternalSignal`)."""
         where = f"{PREFIX}.{key}"
-        section: Mapping[str, Any] = getattr(self, key) or {}
         quantity: SignalQuantity = CARBON if key == "carbon" else POWER_BUDGET
-        max_carbon = section.get("max_carbon")
-        kind = carbon_source_kind(section)
-        if kind is CarbonSourceKind.CSV:
-            return CSVCarbonTrace(section["csv"], align=section.get("align", TraceAlignment.START),
-                                  quantity=quantity)
-        if kind is CarbonSourceKind.URL:
-            return HTTPCarbonSignal(
-                section["url"],
-                field=section.get("field", DEFAULT_URL_FIELD if key == "carbon" else None),
-                timeout_s=section.get("timeout_s", DEFAULT_URL_TIMEOUT_S),
-                refresh_s=self.period_s,
-                headers=section.get("headers", {}),
-                max_intensity=max_carbon,
-                quantity=quantity,
-                max_response_bytes=section.get("max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES),
-            )
-        if kind is CarbonSourceKind.CALLBACK:
-            forecast = section.get("forecast_callback")
-            return CallbackCarbonSignal(
-                resolve_callable(section["callback"], f"{where}.callback"),
-                None if forecast is None else resolve_callable(forecast, f"{where}.forecast_callback"),
-                max_intensity=max_carbon,
-                quantity=quantity,
-            )
-        raise ConfigError(f"{where} names no signal source (csv, url or callback)")
+        carbon, budget = self.carbon_settings, self.budget_settings
+        if key == "carbon":
+            source, max_carbon = (carbon.source, carbon.max_carbon) if carbon is not None else (None, None)
+        else:
+            source, max_carbon = (budget.source if budget is not None else None), None
+        if source is None:
+            raise ConfigError(f"{where} names no signal source (csv, url or callback)")
+        if source.kind is CarbonSourceKind.CSV:
+            return CSVCarbonTrace(source.location, align=source.align, quantity=quantity)
+        if source.kind is CarbonSourceKind.URL:
+            return HTTPCarbonSignal(source.location, field=source.field, timeout_s=source.timeout_s,
+                                    refresh_s=self.period_s, headers=dict(source.headers),
+                                    max_intensity=max_carbon, quantity=quantity,
+                                    max_response_bytes=source.max_response_bytes)
+        forecast = source.forecast_callback
+        return CallbackCarbonSignal(
+            resolve_callable(source.location, f"{where}.callback"),
+            None if forecast is None else resolve_callable(forecast, f"{where}.forecast_callback"),
+            max_intensity=max_carbon,
+            quantity=quantity,
+        )
 
     def build_cost(
         self, gpu_max_power_w: float | None = None, clock: Callable[[], float] = time.time
@@ -99,24 +90,23 @@ class PolicyConfig(PolicySection):
         max_power = self._max_power(gpu_max_power_w)
         if self.type is PolicyType.ZEUS:
             return ZeusCost(self.eta, max_power)
-        carbon: Mapping[str, Any] = self.carbon or {}
+        carbon = self.carbon_settings
         return CarbonCost(
             self.eta,
             max_power,
             self.build_signal(),
-            max_carbon=carbon.get("max_carbon"),
+            max_carbon=carbon.max_carbon if carbon is not None else None,
             period_s=self.period_s,
-            forecast_horizon_s=carbon.get("forecast_horizon_s"),
+            forecast_horizon_s=carbon.forecast_horizon_s if carbon is not None else None,
             clock=clock,
         )
 
     def build_budget(self, num_gpus: int = 1, clock: Callable[[], float] = time.time) -> PowerBudget:
         """The power budget of type power_budget; `num_gpus` (the job's) converts a job-wide
         budget to the average GPU's."""
-        budget: Mapping[str, Any] = self.budget or {}
-        source = budget["watts"] if "watts" in budget else self.build_signal("budget")
-        return PowerBudget(source, scope=BudgetScope(budget.get("scope", BudgetScope.GPU)),
-                           num_gpus=num_gpus, period_s=self.period_s, clock=clock)
+        budget = self.budget_settings or BudgetSettings(None, None)
+        source = budget.watts if budget.watts is not None else self.build_signal("budget")
+        return PowerBudget(source, scope=budget.scope, num_gpus=num_gpus, period_s=self.period_s, clock=clock)
 
     def build_policy(
         self, gpu_max_power_w: float | None = None, clock: Callable[[], float] = time.time

@@ -9,10 +9,11 @@ its candidates) must fail there, naming `perseus.policy.<key>`. What needs the G
 power limit when `max_power_w` is not given) or the network (the carbon source itself) is
 checked when the runtime builds the policy (config.py).
 
-The `carbon`, `power_limit` and `batch_size` sub-sections stay the dicts the user wrote (typed
-as TypedDicts: only the keys given), so a config round-trips unchanged; the factories (config.py) read them
-through frozen settings with every default applied (`power_limit_settings`,
-`batch_size_settings`), never with `.get(key, DEFAULT)` of their own.
+The `carbon`, `budget`, `power_limit` and `batch_size` sub-sections stay the dicts the user
+wrote (typed as TypedDicts: only the keys given), so a config round-trips unchanged; the
+factories (config.py) read them through frozen settings with every default applied
+(`carbon_settings`, `budget_settings`, `power_limit_settings`, `batch_size_settings`),
+never with `.get(key, DEFAULT)` of their own.
 """
 
 from __future__ import annotations
@@ -319,6 +320,50 @@ _BATCH_SIZE_EXAMPLE = {"store": "state/bso.db", "job_id": "gpt3-nightly", "batch
 
 
 @dataclass(frozen=True)
+class SignalSourceSettings:
+    """One signal source of `carbon` or `budget` (exactly one of csv, url, callback) with its
+    defaults applied: what the carbon or budget signal is built with."""
+
+    kind: CarbonSourceKind
+    location: str  # the CSV path, the URL or the callback's import path
+    align: TraceAlignment = TraceAlignment.START  # csv
+    field: str | None = None  # url: the default depends on the quantity (carbon: DEFAULT_URL_FIELD)
+    timeout_s: float = DEFAULT_URL_TIMEOUT_S  # url
+    headers: tuple[tuple[str, str], ...] = ()  # url
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES  # url
+    forecast_callback: str | None = None  # callback
+
+    @classmethod
+    def of(cls, section: Mapping[str, Any], default_field: str | None) -> SignalSourceSettings | None:
+        """The source a validated `carbon` or `budget` sub-section names; None for fixed watts."""
+        kind = carbon_source_kind(section)
+        if kind is None:
+            return None
+        given = {key: section[key] for key in ("align", "timeout_s", "max_response_bytes", "forecast_callback")
+                 if key in section}
+        return cls(kind, section[kind.value], field=section.get("field", default_field),
+                   headers=tuple(section.get("headers", {}).items()), **given)
+
+
+@dataclass(frozen=True)
+class CarbonSettings:
+    """`carbon` with its defaults applied: what Chase's cost and its signal are built with."""
+
+    source: SignalSourceSettings
+    max_carbon: float | None = None  # None: a CSV trace's maximum, else the highest seen
+    forecast_horizon_s: float | None = None  # None: decide on the current intensity
+
+
+@dataclass(frozen=True)
+class BudgetSettings:
+    """`budget` with its defaults applied: fixed watts or a signal source, and its scope."""
+
+    watts: float | None  # None: read from `source`
+    source: SignalSourceSettings | None
+    scope: BudgetScope = BudgetScope.GPU
+
+
+@dataclass(frozen=True)
 class PowerLimitSettings:
     """`power_limit` with its defaults applied: what the power-limit optimizer is built with."""
 
@@ -430,6 +475,23 @@ class PolicySection(Section):
     @property
     def carbon_source(self) -> CarbonSourceKind | None:
         return None if self.carbon is None else carbon_source_kind(self.carbon)
+
+    @property
+    def carbon_settings(self) -> CarbonSettings | None:
+        """The `carbon` section with every default applied; None without one."""
+        if self.carbon is None:
+            return None
+        source = SignalSourceSettings.of(self.carbon, DEFAULT_URL_FIELD)
+        assert source is not None  # the schema requires exactly one source
+        return CarbonSettings(source, self.carbon.get("max_carbon"), self.carbon.get("forecast_horizon_s"))
+
+    @property
+    def budget_settings(self) -> BudgetSettings | None:
+        """The `budget` section with every default applied; None without one."""
+        if self.budget is None:
+            return None
+        return BudgetSettings(self.budget.get("watts"), SignalSourceSettings.of(self.budget, None),
+                              BudgetScope(self.budget.get("scope", BudgetScope.GPU)))
 
     @property
     def power_limit_settings(self) -> PowerLimitSettings:
