@@ -35,7 +35,7 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from unittest import mock
 
@@ -181,7 +181,12 @@ class FakeModelChunk(torch.nn.Module):
     """One model chunk of one rank: what megatron's schedules need from a model, no more."""
 
     def __init__(
-        self, config: TransformerConfig, rank: int, chunk_id: int, steps: list[Step]
+        self,
+        config: TransformerConfig,
+        rank: int,
+        chunk_id: int,
+        steps: list[Step],
+        compute: torch.nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -192,6 +197,7 @@ class FakeModelChunk(torch.nn.Module):
         self.virtual_stage = chunk_id * num_stages + rank  # megatron's chunk-major layout
         self.is_last_virtual_stage = self.virtual_stage == num_stages * num_chunks - 1
         self.steps = steps
+        self.compute = compute  # optional real work on the stage input (e.g. a compiled module)
         self.input_tensor: list[torch.Tensor | None] = [None]
 
     def set_input_tensor(self, input_tensor: list[torch.Tensor | None]) -> None:
@@ -209,6 +215,8 @@ def _forward_step(data_iterator: Iterator[int], model: FakeModelChunk):
         consumed = _decode(received)
         stage_input = received
     model.steps.append(Step("forward", microbatch, model.chunk_id, consumed))
+    if model.compute is not None:  # its backward runs when _TracedStage hands back the input grad
+        stage_input = model.compute(stage_input)
     output = _TracedStage.apply(stage_input, model, microbatch)
 
     def loss_func(output_tensor: torch.Tensor):
@@ -229,12 +237,18 @@ def run_megatron_schedule(
     num_chunks: int = 1,
     microbatch_group_size: int | None = None,
     timeout_s: float = 60.0,
+    config_options: dict | None = None,
+    stage_module: Callable[[int], torch.nn.Module] | None = None,
 ) -> list[list[Step]]:
     """Steps of every pipeline rank, in the order megatron-core's real schedule ran them.
 
     `num_chunks` > 1 selects the interleaved (virtual pipeline) schedule;
     `microbatch_group_size` is megatron's `microbatch_group_size_per_vp_stage` (default:
     pipeline size). Errors megatron raises for unsupported sizes propagate unchanged.
+    `config_options` are further TransformerConfig fields (e.g. CUDA-graph options the schedule
+    reads); `stage_module(virtual_stage)` is a module each forward applies to its stage input
+    (real work, e.g. a compiled block, whose backward runs in megatron's backward_step). Rank r
+    runs in a thread named `pp-rank-{r}` (`rank_of_current_thread()`).
     """
     if num_microbatches >= CODE_BASE:
         raise ValueError(f"num_microbatches must be < {CODE_BASE} to fit the tensor codes")
@@ -248,6 +262,7 @@ def run_megatron_schedule(
             virtual_pipeline_model_parallel_size=num_chunks if num_chunks > 1 else None,
             microbatch_group_size_per_vp_stage=microbatch_group_size,
             pipeline_dtype=torch.float32,
+            **(config_options or {}),
         )
     schedule = schedules.get_forward_backward_func(
         pp_size=num_stages, vp_size=config.virtual_pipeline_model_parallel_size
@@ -258,7 +273,13 @@ def run_megatron_schedule(
     def run_rank(rank: int) -> None:
         outcome = outcomes[rank]
         try:
-            chunks = [FakeModelChunk(config, rank, c, outcome.steps) for c in range(num_chunks)]
+            chunks = [
+                FakeModelChunk(
+                    config, rank, c, outcome.steps,
+                    stage_module(c * num_stages + rank) if stage_module is not None else None,
+                )
+                for c in range(num_chunks)
+            ]
             pg_collection = ProcessGroupCollection()
             for name in ("tp", "cp", "dp_cp"):
                 setattr(pg_collection, name, FakeGroup(0, 1))
@@ -303,4 +324,19 @@ def run_megatron_schedule(
     return [o.steps for o in outcomes]
 
 
-__all__ = ["FakeGroup", "Step", "ThreadP2PCommunicator", "run_megatron_schedule"]
+def rank_of_current_thread() -> int:
+    """The pipeline rank whose schedule this thread runs (inside `run_megatron_schedule`)."""
+    name = threading.current_thread().name
+    if not name.startswith("pp-rank-"):
+        raise RuntimeError(f"thread {name!r} runs no pipeline rank of run_megatron_schedule")
+    return int(name.removeprefix("pp-rank-"))
+
+
+def cuda_factories_on_cpu() -> TorchFunctionMode:
+    """The torch-function mode every rank thread runs in (warm a compiled module up under it, so
+    its guards hold in the rank threads)."""
+    return _CudaFactoriesOnCpu()
+
+
+__all__ = ["FakeGroup", "Step", "ThreadP2PCommunicator", "cuda_factories_on_cpu", "rank_of_current_thread",
+           "run_megatron_schedule"]
