@@ -3,7 +3,6 @@ between jobs, and SIGTERM while the main thread is blocked in a collective."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -17,8 +16,9 @@ import pytest
 
 from perseus_ext.actuation import restore as restore_module
 from perseus_ext.actuation.controller import FrequencyController
-from perseus_ext.actuation.watchdog import Claims, restore, restore_once
-from perseus_ext.measurement.gpu import SimulatedGPU
+from perseus_ext.actuation.watchdog import Claims, WatchdogOrders, restore, restore_once
+from perseus_ext.errors import ConfigError
+from perseus_ext.measurement.gpu import NVMLRestoreSpec, SimRestoreSpec, SimulatedGPU, ZeusdRestoreSpec
 from perseus_ext.measurement.gpu.simulated import read_state_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,8 +90,8 @@ def test_an_unfinished_restore_is_handed_to_the_watchdog(fast_retries, tmp_path,
 
 
 # --------------------------------------------------------------------------- ownership
-def _spec(state: Path, **extra) -> dict:
-    return {"backend": "sim", "preset": "a100_sxm", "state_file": str(state), "power_limit_w": 450.0, **extra}
+def _spec(state: Path, **extra) -> WatchdogOrders:
+    return WatchdogOrders(target=SimRestoreSpec(preset="a100_sxm", state_file=str(state)), power_limit_w=450.0, **extra)
 
 
 def _lock_as_another_job(state: Path, mhz: int, watts: float | None = None) -> None:
@@ -133,7 +133,7 @@ def test_the_watchdog_retries_and_checks_ownership_before_every_attempt(tmp_path
     state.write_text("{broken")
     watchdog = subprocess.Popen(
         [sys.executable, "-m", "perseus_ext.actuation.watchdog",
-         json.dumps(_spec(state, retry_for_s=20, retry_interval_s=0.1)), str(os.getpid())],
+         _spec(state, retry_for_s=20, retry_interval_s=0.1).to_json(), str(os.getpid())],
         stdin=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
     )
     watchdog.stdin.write(b"lock 1005\nheld 1005\nrestore\n")
@@ -202,3 +202,42 @@ def test_sigterm_while_blocked_in_a_collective_restores_clocks_and_ends_the_proc
         for process in ranks:
             process.kill()
             process.wait()
+
+
+# --------------------------------------------------------------------------- the orders across the boundary
+@pytest.mark.parametrize("target", [
+    SimRestoreSpec(preset="a100_sxm", state_file="/tmp/gpu.json"),
+    NVMLRestoreSpec(uuid="GPU-bbbb"),
+    ZeusdRestoreSpec(gpu_id=1, reader=NVMLRestoreSpec(uuid="GPU-bbbb"), socket_path="/run/zeusd.sock"),
+    ZeusdRestoreSpec(gpu_id=0, reader=SimRestoreSpec(preset="h100", state_file="/tmp/g.json"), host_port="127.0.0.1:4938"),
+])
+def test_the_watchdog_orders_cross_the_process_boundary_as_the_same_typed_object(target):
+    orders = WatchdogOrders(target=target, power_limit_w=None, retry_for_s=300.0, retry_interval_s=2.0)
+    back = WatchdogOrders.from_json(orders.to_json())
+    assert back == orders and type(back.target) is type(target)
+
+
+@pytest.mark.parametrize("text, named", [
+    ('{"target": {"backend": "sim", "preset": "a100_sxm"}, "power_limit_w": null}', "target.sim.state_file"),
+    ('{"target": {"backend": "rocm", "uuid": "x"}, "power_limit_w": null}', "target"),
+    ('{"target": {"backend": "nvml", "uuid": "GPU-a"}, "power_limit_w": "450"}', "power_limit_w"),
+    ('{"target": {"backend": "nvml", "uuid": "GPU-a"}, "power_limit_w": null, "retry_interval_s": 0}',
+     "retry_interval_s"),
+    ('{"target": {"backend": "zeusd", "gpu_id": 0, "reader": {"backend": "nvml", "uuid": "GPU-a"}}, '
+     '"power_limit_w": null}', "exactly one"),
+    ('{"target": {"backend": "nvml", "uuid": "GPU-a", "token": "secret"}, "power_limit_w": null}', "token"),
+    ("{broken", "(whole)"),
+])
+def test_bad_watchdog_orders_are_a_clear_error_naming_the_field(text, named):
+    with pytest.raises(ConfigError, match="bad watchdog orders") as caught:
+        WatchdogOrders.from_json(text)
+    assert named in str(caught.value)
+
+
+@pytest.mark.parametrize("argv", [['{"target": {"backend": "sim"}}', "123"], ["{broken", "123"],
+                                  [_spec(Path("/tmp/x.json")).to_json(), "not-a-pid"], []])
+def test_the_watchdog_process_refuses_bad_orders_in_one_line_without_a_traceback(argv):
+    done = subprocess.run([sys.executable, "-m", "perseus_ext.actuation.watchdog", *argv],
+                          stdin=subprocess.DEVNULL, capture_output=True, env=ENV, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.decode().startswith("perseus-ext watchdog: ") and b"Traceback" not in done.stderr

@@ -15,6 +15,7 @@ from perseus_ext.measurement.gpu import (
     GPUNotSupportedError,
     GPUPermissionError,
     GPUUnavailableError,
+    NVMLRestoreSpec,
     open_gpu,
 )
 from perseus_ext.measurement.gpu.nvml import NVMLGPU, has_clock_privilege
@@ -261,7 +262,7 @@ def test_queries_convert_units_and_list_clocks_at_max_memory_clock(nvml):
     assert gpu.power_limit_range_w() == (100.0, 400.0)
     first = gpu.energy_mj()
     assert gpu.energy_mj() - first == 25_000
-    assert gpu.restore_spec() == {"backend": "nvml", "uuid": gpu.uuid}
+    assert gpu.restore_spec() == NVMLRestoreSpec(uuid=gpu.uuid)
 
 
 def test_set_and_reset_clocks_and_power_limit(nvml):
@@ -371,17 +372,17 @@ def test_read_failure_loses_the_window_energy_not_the_step(nvml):
 
 
 def test_watchdog_restore_on_nvml(nvml):
-    from perseus_ext.actuation.watchdog import Claims, restore
+    from perseus_ext.actuation.watchdog import Claims, WatchdogOrders, restore
 
     device = nvml.devices[1]
     device.locked, device.power_limit_mw = (1005, 1005), 250_000
     claims = Claims(clocks={1005}, power_limits={250.0})  # what the trainer reported it set
-    finished, notes = restore({"backend": "nvml", "uuid": device.uuid, "power_limit_w": 350.0}, claims)
+    target = NVMLRestoreSpec(uuid=device.uuid)
+    finished, notes = restore(WatchdogOrders(target=target, power_limit_w=350.0), claims)
     assert finished and device.locked is None and device.power_limit_mw == 350_000
     nvml.fail["nvmlDeviceResetGpuLockedClocks"] = NO_PERMISSION
     device.locked = (1005, 1005)
-    finished, notes = restore({"backend": "nvml", "uuid": device.uuid, "power_limit_w": None},
-                              Claims(clocks={1005}))
+    finished, notes = restore(WatchdogOrders(target=target, power_limit_w=None), Claims(clocks={1005}))
     assert not finished and any("SYS_ADMIN" in note for note in notes)
 
 

@@ -14,6 +14,7 @@ from perseus_ext.measurement.gpu import (
     GPUPermissionError,
     GPUNotSupportedError,
     PRESETS,
+    SimRestoreSpec,
     SimulatedGPU,
     SwitchLatency,
     open_gpu,
@@ -189,7 +190,7 @@ def test_state_file_survives_the_process(tmp_path):
     assert read_state_file(state)["locked_sm_clock"] == 1500
     again = SimulatedGPU("h100", pace=False, state_file=state)
     assert again.locked_clock == 1500 and again.power_limit_w() == 500
-    assert again.restore_spec() == {"backend": "sim", "preset": "h100", "state_file": str(state)}
+    assert again.restore_spec() == SimRestoreSpec(preset="h100", state_file=str(state))
     with pytest.raises(GPUError, match="holds the state of a 'h100' GPU"):
         SimulatedGPU("a40", state_file=state)
 

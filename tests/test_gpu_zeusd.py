@@ -18,7 +18,13 @@ import pytest
 
 from perseus_ext.actuation.controller import FrequencyController
 from perseus_ext.errors import ConfigError
-from perseus_ext.measurement.gpu import SimulatedGPU, gpu_switch_latency, open_gpu
+from perseus_ext.measurement.gpu import (
+    NVMLRestoreSpec,
+    SimulatedGPU,
+    ZeusdRestoreSpec,
+    gpu_switch_latency,
+    open_gpu,
+)
 from perseus_ext.measurement.gpu.common import StrictControlError
 from perseus_ext.measurement.gpu.zeusd import ZeusdGPU
 from perseus_ext.measurement.gpu.zeusd_client import ZeusdAuthError, ZeusdClient, ZeusdEndpoint, ZeusdError
@@ -319,7 +325,9 @@ def test_nvml_gpu_is_found_among_zeusds_gpus_by_pci_bus_id(zeusd, monkeypatch):
     assert [w.query["gpu_ids"] for w in zeusd.writes()] == ["1", "1"]
     assert devices[0].calls == []  # NVML itself was never asked to change anything
     assert gpu.energy_mj() > 0  # reads stay on NVML
-    assert gpu.restore_spec()["reader"] == {"backend": "nvml", "uuid": "GPU-bbbb"}
+    assert gpu.restore_spec() == ZeusdRestoreSpec(gpu_id=1, reader=NVMLRestoreSpec(uuid="GPU-bbbb"),
+                                                  socket_path=zeusd.env.get("ZEUSD_SOCK_PATH"),
+                                                  host_port=zeusd.env.get("ZEUSD_HOST_PORT"))
 
 
 def test_doctor_says_which_path_can_set_clocks_and_why(zeusd, tmp_path, monkeypatch, capsys):

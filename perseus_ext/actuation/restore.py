@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from perseus_ext.actuation.watchdog import WatchdogLink, start_watchdog
+from perseus_ext.actuation.watchdog import WatchdogLink, WatchdogOrders, start_watchdog
 from perseus_ext.measurement.gpu import GPU, GPUError
 
 logger = logging.getLogger(__name__)
@@ -69,10 +69,10 @@ class ClockWrites:
         if spec is None:
             logger.debug("%s: no restore spec, no SIGKILL watchdog needed", self.gpu.name)
             return
-        spec = dict(spec, power_limit_w=self.initial_power_limit, retry_for_s=WATCHDOG_RETRY_FOR_S,
-                    retry_interval_s=WATCHDOG_RETRY_INTERVAL_S, power_match_w=POWER_MATCH_W)
+        orders = WatchdogOrders(target=spec, power_limit_w=self.initial_power_limit, retry_for_s=WATCHDOG_RETRY_FOR_S,
+                                retry_interval_s=WATCHDOG_RETRY_INTERVAL_S, power_match_w=POWER_MATCH_W)
         try:
-            process = start_watchdog(spec, os.getpid())
+            process = start_watchdog(orders, os.getpid())
         except OSError as err:
             self._note_error("watchdog", err, "could not start the clock-restoring watchdog",
                              "clocks are not restored if this process is killed with SIGKILL")

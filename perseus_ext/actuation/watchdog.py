@@ -17,12 +17,13 @@ then undoes only what this job set and the GPU *still holds* -- a lock or power 
 made since is left alone -- retrying a failing call for `retry_for_s`. It ignores SIGINT/SIGTERM
 so a Ctrl-C or job-wide SIGTERM cannot kill it before the trainer is gone.
 
-Usage (internal): python -m perseus_ext.actuation.watchdog '<restore spec json>' <trainer pid>
+Usage (internal): python -m perseus_ext.actuation.watchdog '<WatchdogOrders json>' <trainer pid>
+The orders cross the process boundary as `WatchdogOrders.to_json()` and are validated back with
+`WatchdogOrders.from_json()`: a bad argument is one clear line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import select
@@ -34,10 +35,42 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from perseus_ext.errors import ConfigError
+from perseus_ext.measurement.gpu.restore_spec import RestoreSpec
+
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often the parent pid is re-checked (pipe may be inherited by forked children)
 UNKNOWN = object()  # the backend cannot read back the locked clock
+BAD_ORDERS_EXIT = 2
+
+
+class WatchdogOrders(BaseModel):
+    """Everything the watchdog needs: the GPU to re-open and how to restore it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    target: RestoreSpec
+    power_limit_w: float | None = Field(allow_inf_nan=False)  # restore to this; None: the GPU's default
+    retry_for_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    retry_interval_s: float = Field(default=1.0, gt=0, allow_inf_nan=False)
+    power_match_w: float = Field(default=0.5, ge=0, allow_inf_nan=False)  # a limit this close is ours
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_json(cls, text: str) -> WatchdogOrders:
+        """The orders `to_json` wrote, or a ConfigError naming each bad field."""
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as err:
+            problems = "; ".join(
+                f"{'.'.join(str(part) for part in e['loc']) or '(whole)'}: {e['msg']}"
+                for e in err.errors(include_url=False))
+            raise ConfigError(f"bad watchdog orders ({problems}); they are written by "
+                              f"WatchdogOrders.to_json() in the trainer, not by hand") from None
 
 
 @dataclass
@@ -91,13 +124,13 @@ def wait_for_trainer(stdin_fd: int, trainer_pid: int, claims: Claims | None = No
             return "died"  # trainer died while a forked child still holds the pipe open
 
 
-def restore_once(spec: dict[str, Any], claims: Claims) -> tuple[bool, list[str]]:
-    """One attempt to undo `claims` on the GPU `spec` names: (finished, notes). Finished means
+def restore_once(orders: WatchdogOrders, claims: Claims) -> tuple[bool, list[str]]:
+    """One attempt to undo `claims` on the GPU `orders` names: (finished, notes). Finished means
     nothing of ours is left (restored, already default, or since taken over by another job)."""
     from perseus_ext.measurement.gpu import GPUNotSupportedError, open_restore_target
 
     try:
-        gpu = open_restore_target(spec)
+        gpu = open_restore_target(orders.target)
     except Exception as err:
         return False, [f"could not open the GPU: {err}"]
     notes: list[str] = []
@@ -119,15 +152,14 @@ def restore_once(spec: dict[str, Any], claims: Claims) -> tuple[bool, list[str]]
                 notes.append("reset locked clocks")
         if claims.power_limits:
             current_w = gpu.power_limit_w()
-            match_w = float(spec.get("power_match_w", 0.5))
-            if not any(abs(current_w - ours) <= match_w for ours in claims.power_limits):
+            if not any(abs(current_w - ours) <= orders.power_match_w for ours in claims.power_limits):
                 notes.append(f"left the power limit of {current_w:g} W alone: another job set it")
-            elif spec.get("power_limit_w") is None:
+            elif orders.power_limit_w is None:
                 gpu.reset_power_limit()
                 notes.append("reset the power limit")
             else:
-                gpu.set_power_limit_w(spec["power_limit_w"])
-                notes.append(f"restored the power limit to {spec['power_limit_w']:g} W")
+                gpu.set_power_limit_w(orders.power_limit_w)
+                notes.append(f"restored the power limit to {orders.power_limit_w:g} W")
             claims.power_limits = set()
     except Exception as err:
         finished = False
@@ -137,26 +169,26 @@ def restore_once(spec: dict[str, Any], claims: Claims) -> tuple[bool, list[str]]
     return finished, notes
 
 
-def restore(spec: dict[str, Any], claims: Claims) -> tuple[bool, list[str]]:
+def restore(orders: WatchdogOrders, claims: Claims) -> tuple[bool, list[str]]:
     """Retry `restore_once` every `retry_interval_s` for up to `retry_for_s` seconds."""
-    deadline = time.monotonic() + float(spec.get("retry_for_s", 0.0))
+    deadline = time.monotonic() + orders.retry_for_s
     notes: list[str] = []
     while True:
-        finished, attempt_notes = restore_once(spec, claims)
+        finished, attempt_notes = restore_once(orders, claims)
         notes += attempt_notes
         if finished or time.monotonic() >= deadline:
             return finished, notes
-        time.sleep(float(spec.get("retry_interval_s", 1.0)))
+        time.sleep(orders.retry_interval_s)
 
 
-def start_watchdog(spec: dict[str, Any], trainer_pid: int) -> subprocess.Popen[bytes]:
+def start_watchdog(orders: WatchdogOrders, trainer_pid: int) -> subprocess.Popen[bytes]:
     """Start the watchdog of `trainer_pid` with the trainer's report pipe on its stdin; in its
     own session, so a Ctrl-C or job-wide signal to the job cannot kill it before the trainer."""
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)  # the watchdog imports this very copy of perseus_ext
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     return subprocess.Popen(
-        [sys.executable, "-m", "perseus_ext.actuation.watchdog", json.dumps(spec), str(trainer_pid)],
+        [sys.executable, "-m", "perseus_ext.actuation.watchdog", orders.to_json(), str(trainer_pid)],
         stdin=subprocess.PIPE, start_new_session=True, env=env,
     )
 
@@ -206,25 +238,27 @@ class WatchdogLink:
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    spec = json.loads(argv[0])
-    trainer_pid = int(argv[1])
+    try:
+        if len(argv) != 2:
+            raise ConfigError(f"expected 2 arguments (orders JSON, trainer pid), got {len(argv)}")
+        orders = WatchdogOrders.from_json(argv[0])
+        if not argv[1].isdigit():
+            raise ConfigError(f"trainer pid {argv[1]!r} is not a process id")
+        trainer_pid = int(argv[1])
+    except ConfigError as err:
+        print(f"perseus-ext watchdog: {err}", file=sys.stderr)
+        return BAD_ORDERS_EXIT
     claims = Claims()
     ending = wait_for_trainer(sys.stdin.fileno(), trainer_pid, claims)
     if ending == "clean" or claims.empty:
         return 0
-    finished, notes = restore(spec, claims)
-    where = spec.get("uuid") or spec.get("state_file") or _zeusd_target(spec)
+    finished, notes = restore(orders, claims)
+    where = orders.target.describe()
     why = "died" if ending == "died" else "could not restore its GPU"
     summary = "; ".join(dict.fromkeys(notes)) or "nothing to do"
     print(f"perseus-ext watchdog: trainer {trainer_pid} {why}; on {where}: {summary}"
           + ("" if finished else " -- GIVING UP, the GPU may still be locked"), file=sys.stderr)
     return 0 if finished else 1
-
-
-def _zeusd_target(spec: dict[str, Any]) -> str:
-    reader = spec.get("reader") or {}
-    return (f"GPU {spec.get('gpu_id')} of zeusd at {spec.get('socket_path') or spec.get('host_port')} "
-            f"({reader.get('uuid') or reader.get('state_file')})")
 
 
 if __name__ == "__main__":

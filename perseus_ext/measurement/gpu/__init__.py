@@ -22,6 +22,7 @@ from perseus_ext.measurement.gpu.common import (
     PERMISSION_HELP,
     SIMULATED_HINT,
 )
+from perseus_ext.measurement.gpu.restore_spec import NVMLRestoreSpec, RestoreSpec, SimRestoreSpec, ZeusdRestoreSpec
 from perseus_ext.measurement.gpu.sim_board import DEFAULT_TRANSFER_S
 from perseus_ext.measurement.gpu.sim_presets import PRESETS, Preset
 from perseus_ext.measurement.gpu.simulated import SimulatedGPU
@@ -46,12 +47,16 @@ __all__ = [
     "GPUPermissionError",
     "GPUUnavailableError",
     "HostOnlyTimeline",
+    "NVMLRestoreSpec",
     "PERMISSION_HELP",
     "PRESETS",
     "SIMULATED_HINT",
     "Preset",
+    "RestoreSpec",
+    "SimRestoreSpec",
     "SimulatedGPU",
     "SwitchLatency",
+    "ZeusdRestoreSpec",
     "check_gpu_spec",
     "gpu_switch_latency",
     "open_gpu",
@@ -250,24 +255,19 @@ def parse_rank_list(text: str, field: str = "ranks") -> set[int] | None:
     return ranks
 
 
-def open_restore_target(restore_spec: dict[str, Any]) -> GPU:
+def open_restore_target(restore_spec: RestoreSpec) -> GPU:
     """Re-open a GPU from `GPU.restore_spec()` (used by the watchdog process)."""
-    backend = restore_spec.get("backend")
-    if backend == "sim":
-        return SimulatedGPU(
-            restore_spec["preset"], state_file=restore_spec["state_file"], pace=False
-        )
-    if backend == "nvml":
+    if isinstance(restore_spec, SimRestoreSpec):
+        return SimulatedGPU(restore_spec.preset, state_file=restore_spec.state_file, pace=False)
+    if isinstance(restore_spec, NVMLRestoreSpec):
         from perseus_ext.measurement.gpu.nvml import NVMLGPU
 
-        return NVMLGPU.from_uuid(restore_spec["uuid"])
-    if backend == "zeusd":
-        from perseus_ext.measurement.gpu.zeusd import ZeusdGPU
-        from perseus_ext.measurement.gpu.zeusd_client import ZeusdEndpoint
+        return NVMLGPU.from_uuid(restore_spec.uuid)
+    from perseus_ext.measurement.gpu.zeusd import ZeusdGPU
+    from perseus_ext.measurement.gpu.zeusd_client import ZeusdEndpoint
 
-        endpoint = ZeusdEndpoint(restore_spec.get("socket_path"), restore_spec.get("host_port"))
-        return ZeusdGPU(open_restore_target(restore_spec["reader"]), endpoint, gpu_id=int(restore_spec["gpu_id"]))
-    raise GPUError(f"restore spec {restore_spec!r} names no known backend ('sim', 'nvml' or 'zeusd')")
+    endpoint = ZeusdEndpoint(restore_spec.socket_path, restore_spec.host_port)
+    return ZeusdGPU(open_restore_target(restore_spec.reader), endpoint, gpu_id=restore_spec.gpu_id)
 
 
 def _parse_option(spec: str, key: str, raw: str, kind: type) -> Any:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from perseus_ext.errors import ConfigError, PerseusError
+from perseus_ext.measurement.gpu.restore_spec import RestoreSpec
 
 SIMULATED_HINT = (
     "to run without a GPU use the simulated backend, e.g. PERSEUS_GPU=sim:a100_sxm "
@@ -145,7 +145,7 @@ class GPU(abc.ABC):
         """Another process (zeusd, on this process's behalf) has just changed this GPU's clock or
         power limit. Hardware needs nothing; a simulated GPU re-reads its persisted state."""
 
-    def restore_spec(self) -> dict[str, Any] | None:
+    def restore_spec(self) -> RestoreSpec | None:
         """How another process can re-open this GPU to restore its clocks (the SIGKILL watchdog).
 
         None means no other process can reach this device's state, so no watchdog is needed.

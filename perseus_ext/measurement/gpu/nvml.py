@@ -24,6 +24,7 @@ from perseus_ext.measurement.gpu.common import (
     check_clock,
     normalise_pci_bus_id,
 )
+from perseus_ext.measurement.gpu.restore_spec import NVMLRestoreSpec
 
 logger = logging.getLogger(__name__)
 
@@ -192,8 +193,8 @@ class NVMLGPU(GPU):
         index = int(self._call("read the NVML index", nvml.nvmlDeviceGetIndex, self._handle))
         return DeviceAddress(normalise_pci_bus_id(bus_id), index)
 
-    def restore_spec(self) -> dict[str, Any] | None:
-        return {"backend": "nvml", "uuid": self.uuid}
+    def restore_spec(self) -> NVMLRestoreSpec:
+        return NVMLRestoreSpec(uuid=self.uuid)
 
     def close(self) -> None:
         try:

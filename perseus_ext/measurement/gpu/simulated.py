@@ -39,6 +39,7 @@ from perseus_ext.measurement.gpu.common import (
     PERMISSION_HELP,
     check_clock,
 )
+from perseus_ext.measurement.gpu.restore_spec import SimRestoreSpec
 from perseus_ext.measurement.gpu.sim_board import DEFAULT_TRANSFER_S, Board
 from perseus_ext.measurement.gpu.sim_device import SimDevice, SimulatedTimeline
 from perseus_ext.measurement.gpu.sim_presets import PRESETS, Preset, find_preset
@@ -304,10 +305,10 @@ class SimulatedGPU(GPU):
                 self._power_limit_w = power_limit_w
                 self.device.set_power_cap(self._power_cap_mhz())
 
-    def restore_spec(self) -> dict[str, Any] | None:
+    def restore_spec(self) -> SimRestoreSpec | None:
         if self.state_file is None:
             return None  # the state dies with this process: nothing to restore from outside
-        return {"backend": "sim", "preset": self.preset.key, "state_file": str(self.state_file)}
+        return SimRestoreSpec(preset=self.preset.key, state_file=str(self.state_file))
 
     def _power_cap_mhz(self) -> int:
         return self.preset.throttled_clock(self.preset.max_clock_mhz, self._power_limit_w)

@@ -20,9 +20,9 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
 
 from perseus_ext.measurement.gpu.common import GPU, GPUError, DeviceAddress, check_clock, normalise_pci_bus_id
+from perseus_ext.measurement.gpu.restore_spec import NVMLRestoreSpec, SimRestoreSpec, ZeusdRestoreSpec
 from perseus_ext.measurement.gpu.zeusd_client import (
     CONTROL_SCOPE,
     ENV_TOKEN,
@@ -163,13 +163,14 @@ class ZeusdGPU(GPU):
         self.reader.wait(seconds)
 
     # ----------------------------------------------------------------- lifecycle
-    def restore_spec(self) -> dict[str, Any] | None:
+    def restore_spec(self) -> ZeusdRestoreSpec | None:
         """The watchdog restores through the same daemon; its token comes from the inherited
         ZEUSD_TOKEN, never from this spec (a command line anyone on the node can read)."""
         reader_spec = self.reader.restore_spec()
-        if self.gpu_id is None or reader_spec is None:
-            return None
-        return {"backend": "zeusd", "gpu_id": self.gpu_id, "reader": reader_spec, **self.endpoint.to_spec()}
+        if self.gpu_id is None or not isinstance(reader_spec, (SimRestoreSpec, NVMLRestoreSpec)):
+            return None  # no reader another process can re-open (a daemon never reads through a daemon)
+        return ZeusdRestoreSpec(gpu_id=self.gpu_id, reader=reader_spec, socket_path=self.endpoint.socket_path,
+                                host_port=self.endpoint.host_port)
 
     def report(self) -> ZeusdReport:
         """The zeusd path's figures for the run summary."""

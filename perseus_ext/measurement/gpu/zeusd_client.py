@@ -112,9 +112,6 @@ class ZeusdEndpoint:
     def base_url(self) -> str:
         return "http://zeusd" if self.socket_path is not None else f"http://{self.host_port}"
 
-    def to_spec(self) -> dict[str, str]:
-        return {"socket_path": self.socket_path} if self.socket_path else {"host_port": str(self.host_port)}
-
 
 @dataclass(frozen=True)
 class ZeusdGpuInfo:
