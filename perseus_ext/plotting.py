@@ -120,8 +120,8 @@ def plot_frontier(
     ax.set_ylabel(f"energy per iteration ({unit})")
     schedule = frontier.schedule
     ax.set_title(title or (
-        f"Iteration time–energy frontier: {schedule.get('kind', '?')}, "
-        f"{schedule.get('stages', '?')} stages, {schedule.get('microbatches', '?')} microbatches"
+        f"Iteration time–energy frontier: {schedule.kind.value}, "
+        f"{schedule.stages} stages, {schedule.microbatches} microbatches"
     ))
     ax.grid(True, alpha=0.3)
     ax.margins(x=0.04, y=0.08)

@@ -59,7 +59,7 @@ def test_plans_round_trip_through_choices_and_json(tmp_path) -> None:
             expected = model.frequencies[model.dag.index[computation], choice[model.dag.index[computation]]]
             assert plan.for_stage(stage)[k] == expected
     assert np.array_equal(model.choice_of(plan), choice)
-    frontier = Frontier(model.schedule.describe(), 5.0, (plan,), plan)
+    frontier = Frontier(model.schedule.summary(), 5.0, (plan,), plan)
     frontier.save(tmp_path / "f.json")
     loaded = Frontier.load(tmp_path / "f.json")
     assert np.array_equal(loaded.plans[0].frequencies, plan.frequencies)

@@ -63,3 +63,25 @@ def test_one_stage_and_some_plans(frontier: Frontier) -> None:
         Frontier.from_compact(compact)
     whole = len(pickle.dumps(frontier.to_compact()))
     assert len(pickle.dumps(frontier.to_compact(stages=[2]))) < whole
+
+
+def test_the_schedule_round_trips_typed_and_a_bad_one_names_its_field(frontier: Frontier, tmp_path) -> None:
+    from perseus_ext.inputs import InputError
+    from perseus_ext.planning.schedule import ScheduleKind, ScheduleSummary
+
+    path = tmp_path / "f.json"
+    frontier.save(path)
+    expected = ScheduleSummary(ScheduleKind.ONE_F_ONE_B, stages=4, microbatches=8, virtual_stages=1)
+    assert frontier.schedule == expected and Frontier.load(path).schedule == expected
+    assert json.loads(path.read_text())["schedule"] == {"kind": "1f1b", "stages": 4, "microbatches": 8,
+                                                        "virtual_stages": 1}
+    assert Frontier.from_compact(frontier.to_compact()).schedule == expected
+    for schedule, field in (({"kind": "zigzag", "stages": 4, "microbatches": 8}, "schedule"),
+                            ({"kind": "1f1b", "stages": 0, "microbatches": 8}, "schedule.stages"),
+                            ({"kind": "1f1b", "stages": 4}, "schedule"),
+                            ({"kind": "1f1b", "stages": 4, "microbatches": 8, "extra": 1}, "schedule")):
+        data = json.loads(path.read_text())
+        data["schedule"] = schedule
+        path.write_text(json.dumps(data))
+        with pytest.raises(InputError, match=field):
+            Frontier.load(path)

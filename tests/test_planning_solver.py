@@ -11,7 +11,7 @@ from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.exact import brute_force_min_energy, exact_min_energy, exact_solve
 from perseus_ext.planning.profile import OperatingPoints, Profile, load_profile, pareto_indices
-from perseus_ext.planning.schedule import interleaved, one_f_one_b
+from perseus_ext.planning.schedule import ScheduleKind, ScheduleSummary, interleaved, one_f_one_b
 from perseus_ext.planning.solver import SolverOptions, solve_frontier
 
 PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
@@ -155,7 +155,7 @@ def test_interleaved_frontier_meets_its_schedule(raw_a100: Profile) -> None:
     profile = sub_profile(raw_a100, 4, tuple(range(1410, 1000, -60)))
     schedule = interleaved(4, 8, 2)
     frontier = solve_frontier(schedule, profile, P_BLOCK_A100)
-    assert frontier.schedule == {"kind": "interleaved", "stages": 4, "microbatches": 8, "virtual_stages": 2}
+    assert frontier.schedule == ScheduleSummary(ScheduleKind.INTERLEAVED, stages=4, microbatches=8, virtual_stages=2)
     assert frontier.fastest.frequencies.shape == (4, 32)
     assert frontier.intrinsic_saving() > 0.05
 

@@ -39,7 +39,7 @@ def frontier(model):
             kept.append(plans[j])
             best = energies[j]
     baseline = model.to_plan(model.fastest_choice())
-    return Frontier(model.schedule.describe(), model.blocking_power, tuple(kept), baseline)
+    return Frontier(model.schedule.summary(), model.blocking_power, tuple(kept), baseline)
 
 
 def _is_png(path: Path) -> bool:

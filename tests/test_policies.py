@@ -13,6 +13,7 @@ import pytest
 
 from perseus_ext.errors import ConfigError
 from perseus_ext.planning.frontier import Frontier, Plan
+from perseus_ext.planning.schedule import ScheduleKind, ScheduleSummary
 from perseus_ext.policies import (
     ChasePolicy,
     CostWeights,
@@ -32,7 +33,7 @@ def make_frontier(
         Plan(t, e, tuple((1000 - i,) for _ in range(stages))) for i, (t, e) in enumerate(points)
     )
     baseline = Plan(points[0][0], points[0][1] + 100.0, tuple((1410,) for _ in range(stages)))
-    return Frontier({"stages": stages}, blocking_power, plans, baseline)
+    return Frontier(ScheduleSummary(ScheduleKind.ONE_F_ONE_B, stages, 1), blocking_power, plans, baseline)
 
 
 # A (10 s, 1000 J) -> B saves 100 J/s -> C saves 50 J/s -> D saves 13 J/s (min energy).

@@ -11,7 +11,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from perseus_ext.errors import SolverError
+from perseus_ext.errors import ScheduleError, SolverError
+from perseus_ext.planning.schedule import ScheduleSummary
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,7 +64,7 @@ class Frontier:
     power x stages x time). `ordinary_plans`, `min_energy` and `plan_for_deadline` ignore them.
     """
 
-    schedule: dict
+    schedule: ScheduleSummary
     blocking_power: float
     plans: tuple[Plan, ...]
     baseline: Plan
@@ -110,7 +111,7 @@ class Frontier:
 
     def to_dict(self) -> dict:
         return {
-            "schedule": self.schedule,
+            "schedule": self.schedule.to_dict(),
             "blocking_power": self.blocking_power,
             "baseline": self.baseline.to_dict(),
             "plans": [p.to_dict() for p in self.plans],
@@ -124,7 +125,7 @@ class Frontier:
     def from_dict(cls, data: dict) -> "Frontier":
         start = data.get("extension_start")
         return cls(
-            schedule=dict(data["schedule"]),
+            schedule=ScheduleSummary.from_dict(data["schedule"]),
             blocking_power=float(data["blocking_power"]),
             plans=tuple(Plan.from_dict(p) for p in data["plans"]),
             baseline=Plan.from_dict(data["baseline"]),
@@ -139,7 +140,7 @@ class Frontier:
             Path(path).write_text(json.dumps(self.to_dict()))
             return
         data = {
-            "schedule": self.schedule,
+            "schedule": self.schedule.to_dict(),
             "blocking_power": self.blocking_power,
             "baseline": _plan_json(self.baseline),
             "plans": [_plan_json(p) for p in self.plans],
@@ -168,8 +169,9 @@ class Frontier:
         baseline = _plan(_field(data, "baseline", path), path, "baseline")
         if baseline.energy <= 0:
             raise _bad(path, "baseline.energy", f"must be positive, got {baseline.energy:g}")
-        return cls(schedule=schedule, blocking_power=_number(data, "blocking_power", path, ""),
-                   plans=tuple(_plan(plan, path, f"plans[{k}]") for k, plan in enumerate(plans)),
+        blocking_power = _number(data, "blocking_power", path, "")
+        checked = tuple(_plan(plan, path, f"plans[{k}]") for k, plan in enumerate(plans))
+        return cls(schedule=_schedule(schedule, path), blocking_power=blocking_power, plans=checked,
                    baseline=baseline, extension_start=start)
 
     def to_compact(
@@ -226,7 +228,7 @@ class Frontier:
         table.flags.writeable = False
         baseline = np.stack([stages[s]["baseline"] for s in range(len(stages))]).astype(np.int32)
         return cls(
-            schedule=dict(data["schedule"]),
+            schedule=data["schedule"],
             blocking_power=float(data["blocking_power"]),
             plans=tuple(
                 Plan(float(t), float(e), table[j])
@@ -279,6 +281,18 @@ def _number(data: dict, key: str, path: str | Path, prefix: str) -> float:
     from perseus_ext.inputs import json_number
 
     return float(json_number(_field(data, key, path, prefix), path=path, field=prefix + key, fix=FRONTIER_FIX))
+
+
+def _schedule(data: dict, path: str | Path) -> ScheduleSummary:
+    """A frontier file's schedule: its kind and positive integer sizes."""
+    for key in ("stages", "microbatches", "virtual_stages"):
+        value = data.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
+            raise _bad(path, "schedule." + key, f"must be a positive integer, got {value!r}")
+    try:
+        return ScheduleSummary.from_dict(data)
+    except ScheduleError as err:
+        raise _bad(path, "schedule", str(err)) from None
 
 
 def _plan(data: object, path: str | Path, where: str) -> Plan:

@@ -77,14 +77,47 @@ class PipelineSchedule:
             kind = Kind.BACKWARD
         return Computation(v % self.num_stages, v // self.num_stages, c.microbatch, kind)
 
+    def summary(self) -> ScheduleSummary:
+        """What a frontier was solved for (`Frontier.schedule`), without the orders."""
+        return ScheduleSummary(self.kind, self.num_stages, self.num_microbatches, self.num_chunks)
+
     def describe(self) -> dict:
         """JSON-friendly summary (used in frontier files and logs)."""
-        return {
-            "kind": self.kind.value,
-            "stages": self.num_stages,
-            "microbatches": self.num_microbatches,
-            "virtual_stages": self.num_chunks,
-        }
+        return self.summary().to_dict()
+
+
+@dataclass(frozen=True)
+class ScheduleSummary:
+    """The schedule a frontier was solved for: its kind and sizes, as frontier files hold them
+    (`{"kind", "stages", "microbatches", "virtual_stages"}`)."""
+
+    kind: ScheduleKind
+    stages: int
+    microbatches: int
+    virtual_stages: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ScheduleKind(self.kind))
+        _check_positive(stages=self.stages, microbatches=self.microbatches, virtual_stages=self.virtual_stages)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind.value, "stages": self.stages, "microbatches": self.microbatches,
+                "virtual_stages": self.virtual_stages}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ScheduleSummary:
+        """The summary `to_dict` wrote; a `ScheduleError` (a `ValueError`) names a bad field."""
+        unknown = set(data) - {"kind", "stages", "microbatches", "virtual_stages"}
+        if unknown:
+            raise ScheduleError(f"unknown schedule field(s) {sorted(unknown)}")
+        missing = {"kind", "stages", "microbatches"} - set(data)
+        if missing:
+            raise ScheduleError(f"schedule field(s) {sorted(missing)} missing")
+        try:
+            kind = ScheduleKind(data["kind"])
+        except (ValueError, TypeError):
+            raise ScheduleError(f"kind must be one of {[k.value for k in ScheduleKind]}, got {data['kind']!r}") from None
+        return cls(kind, data["stages"], data["microbatches"], data.get("virtual_stages", 1))
 
 
 def _check_positive(**values: int) -> None:

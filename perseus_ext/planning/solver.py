@@ -216,7 +216,7 @@ class FrontierSolver:
                 keep = np.r_[keep, extension]
         plans = tuple(model.make_plans(pool.choices[:, keep], pool.times[keep], pool.energies[keep]))
         frontier = Frontier(
-            model.schedule.describe(), model.blocking_power, plans, model.to_plan(fastest), extension_start,
+            model.schedule.summary(), model.blocking_power, plans, model.to_plan(fastest), extension_start,
         )
         ordinary = frontier.ordinary_plans
         logger.info(

@@ -246,7 +246,7 @@ def solve_stage_constant(
     if wait_aware:
         chosen = {id(p) for p in ordinary}
         extension = [p for p in pareto_plans(candidates, slope) if id(p) not in chosen]  # by time
-    frontier = Frontier(schedule.describe(), blocking_power, tuple(ordinary) + tuple(extension),
+    frontier = Frontier(schedule.summary(), blocking_power, tuple(ordinary) + tuple(extension),
                         baseline,
                         extension_start=len(ordinary) if extension else None)
     logger.info("stage-constant frontier: %d plans (+%d wait-aware), T %.4f..%.4f s, %d plans replayed",

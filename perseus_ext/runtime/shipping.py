@@ -37,7 +37,7 @@ class StageFrontier:
         no_clocks = np.zeros((data["num_stages"], 0), dtype=np.int32)
         no_clocks.flags.writeable = False
         return Frontier(
-            schedule=dict(data["schedule"]), blocking_power=float(data["blocking_power"]),
+            schedule=data["schedule"], blocking_power=float(data["blocking_power"]),
             plans=tuple(Plan(float(t), float(e), no_clocks) for t, e in zip(data["times"], data["energies"])),
             baseline=Plan(float(data["baseline"][0]), float(data["baseline"][1]), no_clocks),
             extension_start=data.get("extension_start"),
