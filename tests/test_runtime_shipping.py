@@ -25,19 +25,23 @@ def test_each_rank_gets_its_stage_and_every_plans_figures():
     whole = len(pickle.dumps(outcome))
     for member in members:
         shipment = shipments[member.rank]
-        clocks = shipment.stage_clocks()
+        table = shipment.table
+        clocks = table.table()
         expected = np.stack([plan.frequencies[member.stage] for plan in frontier.plans])
         assert np.array_equal(clocks, expected)
-        light = shipment.frontier()
+        assert table.stage == member.stage and table.clocks(3) == tuple(frontier.plans[3].frequencies[member.stage])
+        light = table.frontier()
         assert [p.time for p in light.plans] == [p.time for p in frontier.plans]
         assert [p.energy for p in light.plans] == [p.energy for p in frontier.plans]
         assert light.fastest.time == frontier.fastest.time and light.baseline.energy == frontier.baseline.energy
         assert light.extension_start == frontier.extension_start and light.min_energy.time == frontier.min_energy.time
         assert len(light.fastest.frequencies) == 8  # policies count stages by it
         assert shipped_bytes(shipment) < whole / 4
+        again = pickle.loads(pickle.dumps(table))  # decoded once, still shipped change-encoded
+        assert again.clocks(3) == table.clocks(3) and again.stage == table.stage
     print(f"whole outcome {whole / 1e6:.3f} MB, one rank {shipped_bytes(shipments[0]) / 1e6:.3f} MB")
 
 
 def test_a_missing_frontier_ships_its_error():
     shipments = ship(SolveOutcome(None, "no usable profile", 0.0, False), [Member(0, 0, 0), Member(1, 0, 1)])
-    assert all(s.compact is None and s.error == "no usable profile" for s in shipments.values())
+    assert all(s.table is None and s.error == "no usable profile" for s in shipments.values())

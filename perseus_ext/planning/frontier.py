@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -214,6 +215,10 @@ class Frontier:
             "extension_start": _selected_extension_start(self.extension_start, chosen),
         }
 
+    def stage_table(self, stage: int) -> StagePlanTable:
+        """Stage `stage`'s plan table (every plan's figures, this stage's clocks)."""
+        return StagePlanTable(stage, len(self.baseline.frequencies), self.to_compact(stages=[stage]))
+
     @classmethod
     def from_compact(cls, data: dict) -> "Frontier":
         """The frontier `to_compact` shipped, when it holds every stage."""
@@ -236,6 +241,61 @@ class Frontier:
             ),
             baseline=Plan(float(data["baseline"][0]), float(data["baseline"][1]), baseline),
             extension_start=data.get("extension_start"),
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class StagePlanTable:
+    """One stage's share of a frontier, the same type on the pipeline leader and on every other
+    rank: every plan's time and energy (what policies choose by), the extension start, and this
+    stage's clocks, kept as changes from plan to plan (`Frontier.to_compact`) and read with
+    `clocks(index)`. The leader builds its own with `Frontier.stage_table`; `runtime/shipping.py`
+    sends each other rank its own.
+    """
+
+    stage: int
+    num_stages: int
+    compact: dict  # Frontier.to_compact(stages=[stage]): typed arrays, no "num_stages" key
+
+    @property
+    def times(self) -> np.ndarray:
+        return self.compact["times"]
+
+    @property
+    def energies(self) -> np.ndarray:
+        return self.compact["energies"]
+
+    @property
+    def extension_start(self) -> int | None:
+        return self.compact["extension_start"]
+
+    def clocks(self, index: int) -> tuple[int, ...]:
+        """This stage's clocks under plan `index`, in its execution order."""
+        return tuple(int(c) for c in self._table[index])
+
+    def __getstate__(self) -> dict:
+        """Pickled as shipped: the change-encoded clocks, never the decoded table."""
+        return {"stage": self.stage, "num_stages": self.num_stages, "compact": self.compact}
+
+    @cached_property
+    def _table(self) -> np.ndarray:
+        return compact_stage_clocks(self.compact, self.stage)
+
+    def table(self) -> np.ndarray:
+        """(plans, computations) clocks of this stage."""
+        return self._table
+
+    def frontier(self) -> Frontier:
+        """Every plan's time and energy with no clocks (a (stages, 0) table: policies count
+        stages by it), for a rank that holds no other stage's clocks."""
+        data = self.compact
+        no_clocks = np.zeros((self.num_stages, 0), dtype=np.int32)
+        no_clocks.flags.writeable = False
+        return Frontier(
+            schedule=data["schedule"], blocking_power=float(data["blocking_power"]),
+            plans=tuple(Plan(float(t), float(e), no_clocks) for t, e in zip(self.times, self.energies)),
+            baseline=Plan(float(data["baseline"][0]), float(data["baseline"][1]), no_clocks),
+            extension_start=self.extension_start,
         )
 
 

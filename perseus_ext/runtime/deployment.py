@@ -25,10 +25,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
-import numpy as np
-
 from perseus_ext.errors import PerseusError
-from perseus_ext.planning.frontier import Frontier, Plan
+from perseus_ext.planning.frontier import Frontier, Plan, StagePlanTable
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
 from perseus_ext.runtime.comm import ControlPlane, ExchangeResult, Pending, StragglerExchange
@@ -49,11 +47,11 @@ class PlanDeployment:
 
     def __init__(self, frontier: Frontier, policy: OperatingPointPolicy, config: PerseusConfig,
                  comm: ControlPlane, schedule: PipelineSchedule, measured: MeasuredProfile | None,
-                 stage_table: np.ndarray | None = None) -> None:
-        """stage_table: (plans, computations) clocks of this rank's stage when `frontier` carries
-        no clocks (ranks other than the pipeline leader receive only their own stage's)."""
+                 table: StagePlanTable) -> None:
+        """frontier: what the policy chooses from (the leader's whole one, the others' without
+        clocks); table: this rank's stage plan table, the clocks it runs on every rank alike."""
         self.frontier = frontier
-        self.stage_table = stage_table
+        self.table = table
         self.schedule = schedule
         self.measured = measured
         self.policy = policy
@@ -80,14 +78,15 @@ class PlanDeployment:
         return self.frontier.plans[self.index]
 
     def stage_clocks(self, stage: int, index: int | None = None) -> tuple[int, ...]:
-        """The clocks of `stage` in its execution order, of the deployed plan or of plan `index`
-        (cached per plan)."""
+        """The clocks of `stage` (this rank's: its plan table's) in its execution order, of the
+        deployed plan or of plan `index` (cached per plan)."""
+        if stage != self.table.stage:
+            raise IndexError(f"this rank holds stage {self.table.stage}'s clocks, not stage {stage}'s")
         index = self.index if index is None else index
         key = (index, stage)
         clocks = self._clock_cache.get(key)
         if clocks is None:
-            row = self.stage_table[index] if self.stage_table is not None else self.frontier.plans[index].frequencies[stage]
-            clocks = self._clock_cache[key] = tuple(int(c) for c in row)
+            clocks = self._clock_cache[key] = self.table.clocks(index)
         return clocks
 
     def stage_durations(self, stage: int) -> tuple[float, ...] | None:

@@ -17,10 +17,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-import numpy as np
-
 from perseus_ext.measurement.gpu.timeline import SwitchLatency
-from perseus_ext.planning.frontier import Frontier
+from perseus_ext.planning.frontier import Frontier, StagePlanTable
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.runtime.comm import ControlPlane
 from perseus_ext.runtime.config import PerseusConfig
@@ -34,13 +32,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ShippedFrontier:
-    """What one rank deploys: the frontier (the leader's whole one; every other rank's without
-    clocks, with `stage_table` holding its own stage's), or why there is none."""
+    """What one rank deploys: the frontier its policy chooses from (the leader's whole one; every
+    other rank's without clocks) and, on every rank alike, its stage's plan table (the clocks it
+    runs), or why there is none."""
 
     frontier: Frontier | None
     error: str | None
     measured: MeasuredProfile | None
-    stage_table: np.ndarray | None  # (plans, computations) clocks of this rank's stage; None on the leader
+    table: StagePlanTable | None  # this rank's stage: every plan's figures and clocks(index)
 
 
 class PipelineSolve:
@@ -101,13 +100,13 @@ class PipelineSolve:
         shipments = ship(self._leader_outcome, self.comm.pipeline_members) if leader else None
         shipment: StageFrontier = self.comm.scatter_pipeline(shipments)
         self.outcome = self._leader_outcome if leader else shipment
-        if shipment.compact is None:
+        if shipment.table is None:
             return ShippedFrontier(None, shipment.error, shipment.measured, None)
         # The leader keeps the whole frontier; the others get their own stage's clocks only.
-        frontier = self._leader_outcome.frontier if leader else shipment.frontier()
+        frontier = self._leader_outcome.frontier if leader else shipment.table.frontier()
         if leader:
             self._report(frontier, shipment, shipments)
-        return ShippedFrontier(frontier, None, shipment.measured, None if leader else shipment.stage_clocks())
+        return ShippedFrontier(frontier, None, shipment.measured, shipment.table)
 
     def _report(self, frontier: Frontier, shipment: StageFrontier, shipments: dict[int, StageFrontier]) -> None:
         how = "in a background process while training went on" if shipment.in_background else "inline"

@@ -356,7 +356,7 @@ class PerseusRuntime:
             self._set_phase(Phase.OBSERVING)
             return
         self.deployment = PlanDeployment(shipped.frontier, self.policy, self.config, self.comm, self.schedule,
-                                         shipped.measured, shipped.stage_table)
+                                         shipped.measured, shipped.table)
         self.deployment.deploy(self.iteration)
         self._set_phase(Phase.DEPLOYED)
 
