@@ -25,19 +25,17 @@ from typing import Any
 from megatron.core.pipeline_parallel import schedules
 
 from megatron_shims import rank_of_current_thread
-from runtime_helpers import make_config, sim_gpu
+from runtime_helpers import STAGE_BACKWARD_S, STAGE_FORWARD_S, make_config, sim_gpu, stage_profile
 
 from perseus_ext.adapters.megatron import MegatronPerseus
 from perseus_ext.adapters.megatron_surface import installed_version, patch_surface
 from perseus_ext.monitoring import IterationMetrics
-from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import Kind, build_schedule
 from perseus_ext.runtime import PerseusRuntime
 from perseus_ext.runtime.comm import Member
 from perseus_ext.runtime.rank_setup import RankSetup
 
-FORWARD_S = (0.004, 0.006)  # per stage: stage 1 is the busier one, stage 0 has slack
-BACKWARD_S = (0.008, 0.012)
+FORWARD_S, BACKWARD_S = STAGE_FORWARD_S, STAGE_BACKWARD_S
 
 
 @dataclass
@@ -48,23 +46,11 @@ class HookedRank:
     events: list = field(default_factory=list)
 
 
-def stage_profile(path: Path, stages: int) -> str:
-    """A profile of the simulated GPU's own model for `stages` stages (every 6th clock)."""
-    gpu = sim_gpu()
-    rows = [{"stage": stage, "instruction": kind, "frequency": clock,
-             "time": gpu.expected(seconds[stage], clock)[0], "energy": gpu.expected(seconds[stage], clock)[1]}
-            for stage in range(stages)
-            for kind, seconds in (("forward", FORWARD_S), ("backward", BACKWARD_S))
-            for clock in gpu.supported_sm_clocks()[::6]]
-    Profile.from_rows(rows).save(path)
-    return str(path)
-
-
 def hooked_ranks(tmp_path: Path, num_stages: int, num_microbatches: int, model_config: Any = None) -> list[HookedRank]:
     """One MegatronPerseus + runtime per rank, deploying from a saved profile. `model_config`
     (megatron's TransformerConfig, e.g. with CUDA-graph options) is adopted as the adapter does at
     the first iteration."""
-    profile = stage_profile(tmp_path / "profile.csv", num_stages)
+    profile = stage_profile(tmp_path / "profile.csv", sim_gpu(), num_stages)
     config = make_config(profile_path=profile, blocking_power_w=sim_gpu().preset.idle_power_w,
                          baseline_fraction=0.0, simulated_workload={
                              "forward_seconds": list(FORWARD_S[:num_stages]),

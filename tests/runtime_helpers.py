@@ -138,3 +138,21 @@ def model_profile(path: Path, gpu, forward_s: float, backward_s: float) -> str:
             for clock in gpu.supported_sm_clocks()[::6]]
     Profile.from_rows(rows).save(path)
     return str(path)
+
+
+# Stage durations at the max clock of the hooked-schedule tests (megatron_hooked, full-iteration graphs).
+STAGE_FORWARD_S = (0.004, 0.006)  # per stage: stage 1 is the busier one, stage 0 has slack
+STAGE_BACKWARD_S = (0.008, 0.012)
+
+
+def stage_profile(path: Path, gpu, stages: int) -> str:
+    """A profile of the simulated GPU's own model for `stages` stages (every 6th clock)."""
+    from perseus_ext.planning.profile import Profile
+
+    rows = [{"stage": stage, "instruction": kind, "frequency": clock,
+             "time": gpu.expected(seconds[stage], clock)[0], "energy": gpu.expected(seconds[stage], clock)[1]}
+            for stage in range(stages)
+            for kind, seconds in (("forward", STAGE_FORWARD_S), ("backward", STAGE_BACKWARD_S))
+            for clock in gpu.supported_sm_clocks()[::6]]
+    Profile.from_rows(rows).save(path)
+    return str(path)

@@ -17,29 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from runtime_helpers import make_config, run_gloo_job, sim_gpu  # noqa: E402
+from runtime_helpers import STAGE_BACKWARD_S, STAGE_FORWARD_S, make_config, run_gloo_job, sim_gpu, stage_profile  # noqa: E402
 
-from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.planning.stage_constant import is_stage_constant
 from perseus_ext.runtime import PerseusRuntime
 from perseus_ext.runtime.phase import Phase
 
-FORWARD_S = (0.004, 0.006)  # per stage: stage 1 is the busier one, stage 0 has slack
-BACKWARD_S = (0.008, 0.012)
+FORWARD_S, BACKWARD_S = STAGE_FORWARD_S, STAGE_BACKWARD_S
 STRAGGLER_SLOWDOWN = 1.25
 WORKER_TIMEOUT_S = 240
-
-
-def stage_profile(path: Path, gpu, stages: int) -> str:
-    """A profile of the simulated GPU's own model for `stages` stages (every 6th clock)."""
-    rows = [{"stage": stage, "instruction": kind, "frequency": clock,
-             "time": gpu.expected(seconds[stage], clock)[0], "energy": gpu.expected(seconds[stage], clock)[1]}
-            for stage in range(stages)
-            for kind, seconds in (("forward", FORWARD_S), ("backward", BACKWARD_S))
-            for clock in gpu.supported_sm_clocks()[::6]]
-    Profile.from_rows(rows).save(path)
-    return str(path)
 
 
 def replay(runtime: PerseusRuntime, iterations: int) -> None:
