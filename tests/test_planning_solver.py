@@ -334,19 +334,24 @@ def test_the_walk_s_one_thread_highs_leaves_a_caller_s_highs_alone() -> None:
 def test_lp_anchors_lie_on_grid_deadlines(raw_a100: Profile, monkeypatch) -> None:
     """Each LP anchor but the last (where the grid ends) is one of the solver's grid deadlines,
     so that deadline rounds the LP's own optimum, not a blend of two anchors' optima."""
-    from perseus_ext.planning import solver
+    from perseus_ext.planning import first_pass, relaxation
 
-    seen = []
-    real = solver.interpolate
+    seen, kept = [], []
+    real, real_result = first_pass.interpolate, relaxation.AnchorWalk.result
 
     def spy(anchors: np.ndarray, durations: np.ndarray, deadlines: np.ndarray) -> np.ndarray:
-        seen.append((anchors.copy(), deadlines.copy()))
+        seen.append(deadlines.copy())
         return real(anchors, durations, deadlines)
 
-    monkeypatch.setattr(solver, "interpolate", spy)
+    def result(walk):
+        kept.append(real_result(walk)[0])
+        return real_result(walk)
+
+    monkeypatch.setattr(first_pass, "interpolate", spy)
+    monkeypatch.setattr(relaxation.AnchorWalk, "result", result)
     solve_frontier(one_f_one_b(4, 8), sub_profile(raw_a100, 4, (1410, 1290, 1170, 1050, 930)), P_BLOCK_A100)
-    anchors = seen[0][0]
-    grid = np.concatenate([deadlines for _, deadlines in seen])
+    anchors = kept[0]
+    grid = np.sort(np.concatenate(seen))
     assert len(anchors) > 20 and np.all(np.diff(anchors) > 0)
     assert np.isin(anchors[:-1], grid).all()  # exactly equal, not merely close
     assert anchors[-1] <= grid[-1]
@@ -358,6 +363,7 @@ def test_passes_split_over_two_threads_give_the_same_candidates_and_raise_the_he
     import threading
 
     from perseus_ext.planning import solver
+    from perseus_ext.planning.first_pass import first_pass_block
 
     profile = load_profile(A100)
     model = CostModel(one_f_one_b(8, 12), profile, P_BLOCK_A100)
@@ -369,11 +375,11 @@ def test_passes_split_over_two_threads_give_the_same_candidates_and_raise_the_he
 
     def work(lo: int, hi: int):
         threads.add(threading.get_ident())
-        return solver._first_pass_block(model, relaxed[:, lo:hi], deadlines[lo:hi], lo)
+        return first_pass_block(model, relaxed[:, lo:hi], deadlines[lo:hi], lo)
 
     split = solver._in_two(work, columns)
     assert len(threads) == 2
-    for got, want in zip(split, solver._first_pass_block(model, relaxed, deadlines, 0), strict=True):
+    for got, want in zip(split, first_pass_block(model, relaxed, deadlines, 0), strict=True):
         for a, b in zip(got, want, strict=True):
             np.testing.assert_array_equal(a, b)
 
@@ -384,6 +390,58 @@ def test_passes_split_over_two_threads_give_the_same_candidates_and_raise_the_he
 
     with pytest.raises(SolverError, match="second half failed"):
         solver._in_two(failing, columns)
+
+
+def test_the_walk_s_threads_round_blocks_as_their_anchors_arrive(raw_a100: Profile, monkeypatch) -> None:
+    """Each end of the LP walk rounds grid blocks once it has solved its anchors (`FirstPass`):
+    blocks are taken by both ends, and the candidates are exactly those of rounding the whole
+    grid at once after the walk; an error in a block reaches the solving thread."""
+    import threading
+    import time
+
+    from perseus_ext.planning import first_pass, relaxation
+
+    model = CostModel(one_f_one_b(4, 8), sub_profile(raw_a100, 4, (1410, 1290, 1170, 1050, 930)), P_BLOCK_A100)
+    t_min = float(model.dag.makespan(model.times[:, 0]))
+    t_slowest = float(model.dag.makespan(model.times[np.arange(model.num_nodes), model.num_options - 1]))
+    step = (t_slowest - t_min) / 900
+
+    def grid_of(walk):
+        return t_min + step * np.arange(int(np.ceil((walk.deadlines[-1] - t_min) / step)) + 1)
+
+    monkeypatch.setattr(first_pass, "BLOCK_COLUMNS", 40)
+    taken_by: dict[int, set[int]] = {}
+    real_block = first_pass.first_pass_block
+
+    def block(model, relaxed, deadlines, first):
+        taken_by.setdefault(threading.get_ident(), set()).add(first)
+        time.sleep(0.03)  # longer than the two ends' finishing times differ: both take blocks
+        return real_block(model, relaxed, deadlines, first)
+
+    monkeypatch.setattr(first_pass, "first_pass_block", block)
+    rounding = first_pass.FirstPass(model, grid_of)
+    walk = relaxation.AnchorWalk(model, 64, t_min, t_slowest, lambda t: step, then=rounding.take_blocks)
+    anchors, durations = walk.result()
+    walk.close()
+    assert len(taken_by) == 2 and sum(map(len, taken_by.values())) == -(-len(rounding.grid) // 40)
+    whole = real_block(model, relaxation.interpolate(anchors, durations, rounding.grid), rounding.grid, 0)
+    got = rounding.candidates()
+    for kind, want in enumerate(whole):
+        for part, expected in zip((np.concatenate([g[part] for g in got[kind :: len(whole)]], axis=-1) for part in range(3)), want, strict=True):
+            np.testing.assert_array_equal(part, expected)
+
+    def failing(model, relaxed, deadlines, first):
+        if first >= 200:
+            raise SolverError("block failed")
+        return real_block(model, relaxed, deadlines, first)
+
+    monkeypatch.setattr(first_pass, "first_pass_block", failing)
+    rounding = first_pass.FirstPass(model, grid_of)
+    walk = relaxation.AnchorWalk(model, 64, t_min, t_slowest, lambda t: step, then=rounding.take_blocks)
+    with pytest.raises(SolverError, match="block failed"):
+        walk.result()
+    walk.close()
+    assert not [t for t in threading.enumerate() if t.name == "frontier-lp-walk"]
 
 
 def test_one_search_per_dag_level_matches_a_search_per_table() -> None:

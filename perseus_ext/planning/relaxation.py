@@ -199,6 +199,10 @@ class AnchorWalk:
     an anchor must not depend on thread timing, because a degenerate LP has several optimal
     solutions and the one found depends on the basis the solve starts from. `progress` shows a
     tqdm bar.
+
+    `then(walk)`, if given, runs on each end's thread once that end has solved its anchors (the
+    solver rounds deadlines there while the other end still walks: `anchor_columns` and
+    `anchor_solved` tell it which anchors are ready); its errors stop the walk like the ends' own.
     """
 
     DENSE_SHARE = 0.4
@@ -210,7 +214,7 @@ class AnchorWalk:
     def __init__(
         self, model: CostModel, count: int, t_min: float, t_slowest: float,
         grid_step: Callable[[float], float], progress: bool = False, to_slowest: bool = False,
-        t_least_energy: float | None = None,
+        t_least_energy: float | None = None, then: "Callable[[AnchorWalk], None] | None" = None,
     ):
         """`count` anchors span T_min to `t_least_energy` (every computation at its clock of least
         energy; default `t_slowest`), which bounds where the frontier's energy stops falling much
@@ -243,6 +247,9 @@ class AnchorWalk:
         if count == 1:
             self._anchors_known.set()
         self._cancelled = False
+        # Notified whenever an anchor is solved or the walk is cancelled.
+        self.anchor_solved = threading.Condition()
+        self._then = then
         self._error: BaseException | None = None
         self._bar = None
         if progress:
@@ -289,6 +296,8 @@ class AnchorWalk:
         """Run one end of the walk; keep its error for `result` and stop the other end."""
         try:
             walk(*args)
+            if self._then is not None and not self._cancelled:
+                self._then(self)
         except BaseException as err:  # raised again in the solver's thread by `result`
             self._error = self._error or err
             self._cancel()
@@ -296,6 +305,25 @@ class AnchorWalk:
     def _cancel(self) -> None:
         self._cancelled = True
         self._anchors_known.set()  # a low end waiting for the high end goes on, to stop
+        with self.anchor_solved:
+            self.anchor_solved.notify_all()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    @property
+    def deadlines(self) -> np.ndarray:
+        """The kept anchors' deadlines (final once either end has finished its anchors)."""
+        return self._deadlines
+
+    def anchor_columns(self, first: int, last: int) -> np.ndarray | None:
+        """Relaxed durations (N, last - first + 1) of anchors first..last, or None while one of
+        them is still being solved."""
+        columns = self._columns
+        if any(k not in columns for k in range(first, last + 1)):
+            return None
+        return np.stack([columns[k] for k in range(first, last + 1)], axis=1)
 
     def _walk_low(self, relaxation: "ConvexRelaxation") -> None:
         self._solve(relaxation, 0)
@@ -323,6 +351,8 @@ class AnchorWalk:
             return False
         durations = relaxation.durations(float(self._deadlines[k]))
         self._columns[k] = durations  # each end writes its own anchors
+        with self.anchor_solved:
+            self.anchor_solved.notify_all()
         if self._bar is not None:
             self._bar.update()
         return True

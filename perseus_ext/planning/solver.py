@@ -42,13 +42,14 @@ import numpy as np
 
 from perseus_ext.background import start_background
 from perseus_ext.planning.energy import CostModel
+from perseus_ext.planning.first_pass import FirstPass, Replayed, replayed
 from perseus_ext.planning.frontier import Frontier
 from perseus_ext.planning.options import SolverOptions, check_problem_size
-from perseus_ext.planning.passes import CELLS, CHOICE_DTYPE, chunk_columns, polish, reclaim_slack, round_to_options
+from perseus_ext.planning.passes import CELLS, CHOICE_DTYPE, polish, reclaim_slack
 from perseus_ext.planning.profile import Profile, pareto_indices
-from perseus_ext.planning.relaxation import AnchorWalk, interpolate
+from perseus_ext.planning.relaxation import AnchorWalk
 from perseus_ext.planning.schedule import PipelineSchedule
-from perseus_ext.planning.switching import merge_switches, repair_latency
+from perseus_ext.planning.switching import merge_switches
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +57,9 @@ _EPS = 1e-9
 _GAP_ROUNDS = 6  # stretch rounds; each fills the gaps the previous one opened
 _FILL_BIN = 0.5  # gap-fill bin width as a fraction of the resolution
 _MERGE_FASTEST, _MERGE_SAMPLE = 64, 64  # Pareto plans the latency merge pass works on
-_REPAIR_STRIDE = 2  # the latency repair works on every other grid deadline
-# Cells per batched replay: a latency-aware replay makes a dozen (N, plans) arrays, and these
-# stay in cache at this size (3-5x faster at 8 x 96 than 4M cells; a plain replay is unaffected).
-_REPLAY_CELLS = 400_000
 # Fewer plans than this go through a pass on one thread: below it, handing the GIL back and
 # forth costs what the second thread gains (8 x 24, 632 plans: 1.05 of the wall time).
 _SPLIT_COLUMNS = 1024
-_Replayed = tuple[np.ndarray, np.ndarray, np.ndarray]  # (choices, times, energies) of plans
 
 
 def solve_frontier(
@@ -140,15 +136,26 @@ class FrontierSolver:
         # the int16 candidates accumulate (peak memory ~ the pool, not 10x the pool).
         block = 2 * max(32, CELLS // (2 * model.num_nodes))
         anchor_count = _anchor_count(self.options, model.num_nodes)
+        # Steps 2-3 run on the walk's threads, each end taking blocks of deadlines once it has
+        # solved its anchors (`first_pass.py`).
+        first_pass = FirstPass(
+            model, lambda walk: self._deadline_grid(t_min, float(walk.deadlines[-1]), walk.ordinary_end)
+        )
         walk = AnchorWalk(
             model, anchor_count, t_min, t_slowest, lambda t_max: self._grid_step(t_min, t_max),
             self.options.progress, to_slowest=self.wait_aware,
             t_least_energy=float(model.dag.makespan(model.times[np.arange(model.num_nodes), model.min_energy_choice()])),
+            then=first_pass.take_blocks,
         )
         try:
-            anchors, grid = self._first_pass(walk, pool, block, t_min)
+            anchors, _ = walk.result()
         finally:
             walk.close()
+        grid = first_pass.grid
+        # Room for the first pass's candidates (three or four kinds) and the carried ones: one
+        # allocation, not a buffer grown and copied over and over (8 x 96: 12,000 plans).
+        pool.reserve(pool.size + (5 if model.switch_latency_s > 0 else 4) * len(grid))
+        pool.extend_all(first_pass.candidates())
         # The ordinary frontier's deadlines (to the walk's ordinary end past T*); the
         # extension's follow on the same grid.
         ordinary_grid = grid[: len(self._deadline_grid(t_min, walk.ordinary_end, walk.ordinary_end))]
@@ -163,7 +170,7 @@ class FrontierSolver:
         for k in range(0, len(grid), block):
             carried, deadlines = pool.choices[:, best[k : k + block]], grid[k : k + block]
             pool.extend_all(_in_two(
-                lambda lo, hi: [_replayed(model, reclaim_slack(model, carried[:, lo:hi], deadlines[lo:hi]))],
+                lambda lo, hi: [replayed(model, reclaim_slack(model, carried[:, lo:hi], deadlines[lo:hi]))],
                 len(deadlines),
             ))
 
@@ -181,7 +188,7 @@ class FrontierSolver:
                 break
             stretched = pool.choices[:, keep[stretch_from]]
             pool.extend_all(_in_two(
-                lambda lo, hi: [_replayed(model, reclaim_slack(model, stretched[:, lo:hi], stretch_to[lo:hi]))],
+                lambda lo, hi: [replayed(model, reclaim_slack(model, stretched[:, lo:hi], stretch_to[lo:hi]))],
                 len(stretch_to),
             ))
 
@@ -232,24 +239,6 @@ class FrontierSolver:
         """Joules a plan saves per second it is slower when the iteration is held anyway."""
         return self.model.blocking_power * self.model.num_stage_gpus
 
-    def _first_pass(
-        self, walk: AnchorWalk, pool: "_CandidatePool", block: int, t_min: float
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Steps 2-3 at every grid deadline once the LP walk has ended; (anchor deadlines, grid)."""
-        anchors, durations = walk.result()
-        grid = self._deadline_grid(t_min, float(anchors[-1]), walk.ordinary_end)
-        block = _even_block(len(grid), block)
-        # Room for the first pass's candidates (three or four kinds) and the carried ones: one
-        # allocation, not a buffer grown and copied over and over (8 x 96: 12,000 plans).
-        pool.reserve(pool.size + (5 if self.model.switch_latency_s > 0 else 4) * len(grid))
-        for k in range(0, len(grid), block):
-            relaxed, deadlines = interpolate(anchors, durations, grid[k : k + block]), grid[k : k + block]
-            pool.extend_all(_in_two(
-                lambda lo, hi: _first_pass_block(self.model, relaxed[:, lo:hi], deadlines[lo:hi], k + lo),
-                len(deadlines),
-            ))
-        return anchors, grid
-
     def _grid_step(self, t_min: float, t_max: float) -> float:
         """Grid spacing: `resolution` (over `grid_oversampling`), finer for short frontiers."""
         options = self.options
@@ -264,35 +253,7 @@ class FrontierSolver:
         grid[-1] = max(grid[-1], t_max)
         return grid
 
-def _first_pass_block(model: CostModel, relaxed: np.ndarray, deadlines: np.ndarray, first: int) -> list[_Replayed]:
-    """Steps 2-3 for a block of grid deadlines (the first is grid deadline `first`): relaxed
-    durations rounded three ways, the `down` plans' slack reclaimed (with latency, every other
-    one also repaired); each kind of candidate replayed, in a fixed order."""
-    rounded = round_to_options(model, relaxed)
-    feasible = reclaim_slack(model, rounded["down"], deadlines)
-    kinds = [feasible]
-    if model.switch_latency_s > 0:
-        # Latency makes most of these plans late; win their deadlines back (every other grid
-        # deadline: neighbours differ by little and the pass costs a few replays).
-        stride = slice((-first) % _REPAIR_STRIDE, None, _REPAIR_STRIDE)
-        late, late_deadlines = feasible[:, stride], deadlines[stride]
-        step = chunk_columns(model.num_nodes, _REPLAY_CELLS)  # its latency replays stay in cache
-        kinds.append(np.concatenate([
-            repair_latency(model, late[:, j : j + step], late_deadlines[j : j + step])
-            for j in range(0, late.shape[1], step)
-        ], axis=1))
-    kinds += [rounded["up"], rounded["nearest"]]
-    return [_replayed(model, choices) for choices in kinds]
-
-
-def _replayed(model: CostModel, choices: np.ndarray) -> _Replayed:
-    """(choices, times, energies) of plans (columns), replayed in cache-sized column chunks."""
-    step = chunk_columns(model.num_nodes, _REPLAY_CELLS)
-    parts = [model.replay(choices[:, k : k + step]) for k in range(0, choices.shape[1], step)]
-    return choices, np.concatenate([t for t, _ in parts]), np.concatenate([e for _, e in parts])
-
-
-def _in_two(work: Callable[[int, int], list[_Replayed]], columns: int) -> list[_Replayed]:
+def _in_two(work: Callable[[int, int], list[Replayed]], columns: int) -> list[Replayed]:
     """`work(lo, hi)` over the columns [0, columns), the second half on a helper thread, the
     parts joined column by column (the same candidates in the same order as `work(0, columns)`).
 
@@ -342,9 +303,9 @@ class _CandidatePool:
         return self._buffer[:, : self.size]
 
     def add(self, choices: np.ndarray) -> None:
-        self.extend(*_replayed(self.model, choices))
+        self.extend(*replayed(self.model, choices))
 
-    def extend_all(self, parts: list[_Replayed]) -> None:
+    def extend_all(self, parts: list[Replayed]) -> None:
         """Append replayed candidates, part by part."""
         for part in parts:
             self.extend(*part)

@@ -1,0 +1,133 @@
+"""Steps 2-3 of the frontier solver (`solver.py`) at every grid deadline: relaxed durations
+rounded to profiled clocks and the slack reclaimed, done on the LP walk's own threads.
+
+Each end of the walk (`relaxation.AnchorWalk`) solves its share of the anchors; the two shares
+never take exactly as long (8 x 24: the low end was done ~30 ms before the high end, and the
+grid's ~35 ms of rounding then ran on one core after both). So an end that has solved its
+anchors goes on rounding: the grid is cut into blocks, and a block is taken as soon as the
+anchors around its deadlines are solved, while the other end still walks. Which thread rounds a
+block changes nothing: a block's candidates depend only on its deadlines and its anchors, and
+they are joined in grid order at the end.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from perseus_ext.planning.energy import CostModel
+from perseus_ext.planning.passes import chunk_columns, reclaim_slack, round_to_options
+from perseus_ext.planning.relaxation import AnchorWalk, interpolate
+from perseus_ext.planning.switching import repair_latency
+
+Replayed = tuple[np.ndarray, np.ndarray, np.ndarray]  # (choices, times, energies) of plans
+# Grid deadlines per block: the passes' (computations x plans) intermediates stay in cache
+# (measured CPU for the whole grid: 8 x 24, 818 deadlines in one block 34.6 ms, in blocks of
+# 205 22.7 ms; 8 x 96, 3,064 deadlines in blocks of 1,531 426 ms, of 383 375 ms, of 96 448 ms).
+BLOCK_COLUMNS = 256
+_REPAIR_STRIDE = 2  # the latency repair works on every other grid deadline
+# Cells per batched replay: a latency-aware replay makes a dozen (N, plans) arrays, and these
+# stay in cache at this size (3-5x faster at 8 x 96 than 4M cells; a plain replay is unaffected).
+_REPLAY_CELLS = 400_000
+
+
+class FirstPass:
+    """Rounds every grid deadline, block by block, on the threads of the walk it is handed to
+    (`AnchorWalk(..., then=first_pass.take_blocks)`).
+
+    `make_grid(walk)`: the grid deadlines, from the kept anchors (the first end done builds it).
+    """
+
+    def __init__(self, model: CostModel, make_grid: Callable[[AnchorWalk], np.ndarray]):
+        self.model = model
+        self._make_grid = make_grid
+        self._lock = threading.Lock()
+        self.grid: np.ndarray | None = None
+        self._blocks: list[tuple[int, int, int, int]] = []  # (first, end, first anchor, last anchor)
+        self._unclaimed: list[int] = []
+        self._results: dict[int, list[Replayed]] = {}
+
+    def take_blocks(self, walk: AnchorWalk) -> None:
+        """Round blocks until none is left unclaimed (or the walk is cancelled)."""
+        with self._lock:
+            if self.grid is None:
+                self._cut(walk)
+        while True:
+            with walk.anchor_solved:
+                claimed = self._claim(walk)
+                while claimed is None and self._unclaimed and not walk.cancelled:
+                    walk.anchor_solved.wait()
+                    claimed = self._claim(walk)
+            if claimed is None:
+                return
+            block, columns = claimed
+            first, end, first_anchor, last_anchor = self._blocks[block]
+            anchors = walk.deadlines[first_anchor : last_anchor + 1]
+            deadlines = self.grid[first:end]
+            relaxed = interpolate(anchors, columns, deadlines)
+            self._results[block] = first_pass_block(self.model, relaxed, deadlines, first)
+
+    def candidates(self) -> list[Replayed]:
+        """Every block's candidates in grid order, once the walk's threads have ended."""
+        if len(self._results) != len(self._blocks):
+            raise RuntimeError("the first pass is incomplete: the LP walk ended before every block was rounded")
+        return [part for block in range(len(self._blocks)) for part in self._results[block]]
+
+    def _cut(self, walk: AnchorWalk) -> None:
+        """The grid, its blocks, and the anchors each block interpolates between."""
+        grid = self._make_grid(walk)
+        anchors = walk.deadlines
+        for first in range(0, len(grid), BLOCK_COLUMNS):
+            end = min(first + BLOCK_COLUMNS, len(grid))
+            if len(anchors) == 1:
+                low = high = 0
+            else:  # `interpolate`'s neighbours of the block's first and last deadlines
+                low, high = (
+                    int(np.clip(np.searchsorted(anchors, grid[k], side="left"), 1, len(anchors) - 1))
+                    for k in (first, end - 1)
+                )
+                low -= 1
+            self._blocks.append((first, end, low, high))
+        self._unclaimed = list(range(len(self._blocks)))
+        self.grid = grid
+
+    def _claim(self, walk: AnchorWalk) -> tuple[int, np.ndarray] | None:
+        """The first unclaimed block whose anchors are all solved, with their durations
+        (call holding `walk.anchor_solved`)."""
+        for position, block in enumerate(self._unclaimed):
+            _, _, low, high = self._blocks[block]
+            columns = walk.anchor_columns(low, high)
+            if columns is not None:
+                del self._unclaimed[position]
+                return block, columns
+        return None
+
+
+def first_pass_block(model: CostModel, relaxed: np.ndarray, deadlines: np.ndarray, first: int) -> list[Replayed]:
+    """Steps 2-3 for a block of grid deadlines (the first is grid deadline `first`): relaxed
+    durations rounded three ways, the `down` plans' slack reclaimed (with latency, every other
+    one also repaired); each kind of candidate replayed, in a fixed order."""
+    rounded = round_to_options(model, relaxed)
+    feasible = reclaim_slack(model, rounded["down"], deadlines)
+    kinds = [feasible]
+    if model.switch_latency_s > 0:
+        # Latency makes most of these plans late; win their deadlines back (every other grid
+        # deadline: neighbours differ by little and the pass costs a few replays).
+        stride = slice((-first) % _REPAIR_STRIDE, None, _REPAIR_STRIDE)
+        late, late_deadlines = feasible[:, stride], deadlines[stride]
+        step = chunk_columns(model.num_nodes, _REPLAY_CELLS)  # its latency replays stay in cache
+        kinds.append(np.concatenate([
+            repair_latency(model, late[:, j : j + step], late_deadlines[j : j + step])
+            for j in range(0, late.shape[1], step)
+        ], axis=1))
+    kinds += [rounded["up"], rounded["nearest"]]
+    return [replayed(model, choices) for choices in kinds]
+
+
+def replayed(model: CostModel, choices: np.ndarray) -> Replayed:
+    """(choices, times, energies) of plans (columns), replayed in cache-sized column chunks."""
+    step = chunk_columns(model.num_nodes, _REPLAY_CELLS)
+    parts = [model.replay(choices[:, k : k + step]) for k in range(0, choices.shape[1], step)]
+    return choices, np.concatenate([t for t, _ in parts]), np.concatenate([e for _, e in parts])
