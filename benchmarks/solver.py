@@ -12,9 +12,11 @@ we are better).
     python benchmarks/solver.py --microbatches 12 24 48 96 [--lowtime-limit 3600] [--repeats 5] \
         [--lowtime-repeats 1]
 
-Both run as an installed package runs: with its bytecode cached (the environment's
-PYTHONDONTWRITEBYTECODE is dropped, and one untimed run of ours writes the cache an editable
-install lacks; pip compiles it at install time). perseus-ext runs `--repeats` times in blocks,
+Both start the same way: `python -S` with the same path (this checkout, then the environment's
+site-packages), so no `.pth` start-up hook runs in either (an editable install's import finder
+alone costs ~8 ms per process; a wheel install has none), and with bytecode cached as an
+installed package runs (the environment's PYTHONDONTWRITEBYTECODE is dropped, and one untimed
+run of ours writes the cache an editable install lacks; pip compiles it at install time). perseus-ext runs `--repeats` times in blocks,
 with one of lowtime's `--lowtime-repeats` runs between each two blocks; the table shows the
 median of each side's wall times and their ratio, and below it every lowtime run against the
 median of the runs of ours on either side of it (this machine's load drifts over minutes, so
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import site
 import subprocess
 import sys
 import tempfile
@@ -40,29 +43,35 @@ from pathlib import Path
 
 import numpy as np
 
-from perseus_ext.planning.energy import CostModel
-from perseus_ext.planning.frontier import Plan
-from perseus_ext.planning.profile import load_profile
-from perseus_ext.planning.schedule import one_f_one_b
-
-DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "examples/profiles/gpt3-175b-a100_sxm.csv"
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_PROFILE = REPO / "examples/profiles/gpt3-175b-a100_sxm.csv"
+# Both sides' interpreters: no site start-up, this checkout then the environment's packages.
+_PATH = [str(REPO), str(REPO / "benchmarks"), *site.getsitepackages()]
+_OURS = "import sys; sys.path[:0] = {path!r}; from perseus_ext.cli import console; console()"
+_LOWTIME = "import sys; sys.path[:0] = {path!r}; import solver; solver.lowtime_child(sys.argv[1:])"
 
 
 def run_perseus(profile_path: str, stages: int, microbatches: int, power: float, out: Path) -> list[str]:
     """The `perseus-ext frontier` command line that writes the frontier to `out`."""
     return [
-        sys.executable, "-m", "perseus_ext", "frontier", "--profile", profile_path,
+        sys.executable, "-S", "-c", _OURS.format(path=_PATH), "frontier", "--profile", profile_path,
         "--stages", str(stages), "--microbatches", str(microbatches), "--blocking-power", str(power),
-        "--out", str(out),
+        "--output", str(out),
     ]
 
 
 def run_lowtime(profile_path: str, stages: int, microbatches: int, power: float, out: Path) -> list[str]:
     """The command line of a fresh interpreter that runs `lowtime_main` and writes to `out`."""
     return [
-        sys.executable, __file__, "--lowtime-child", profile_path, str(stages), str(microbatches),
-        str(power), str(out),
+        sys.executable, "-S", "-c", _LOWTIME.format(path=_PATH), profile_path, str(stages),
+        str(microbatches), str(power), str(out),
     ]
+
+
+def lowtime_child(argv: list[str]) -> None:
+    """`run_lowtime`'s process: its arguments are PROFILE STAGES MICROBATCHES POWER OUT."""
+    path, stages, microbatches, power, out = argv
+    lowtime_main(path, int(stages), int(microbatches), float(power), Path(out))
 
 
 def lowtime_main(profile_path: str, stages: int, microbatches: int, power: float, out: Path) -> None:
@@ -149,7 +158,10 @@ def _run(command: list[str], limit: float) -> tuple[float, float, float] | None:
     return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
-def replay(model: CostModel, frequencies) -> tuple[np.ndarray, np.ndarray]:
+def replay(model, frequencies) -> tuple[np.ndarray, np.ndarray]:
+    """Times and energies of plans (per-stage clock lists) replayed on `model`."""
+    from perseus_ext.planning.frontier import Plan
+
     choices = np.stack([model.choice_of(Plan(0.0, 0.0, f)) for f in frequencies], axis=1)
     return model.replay(choices)
 
@@ -169,6 +181,11 @@ def energy_gap(ours: tuple[np.ndarray, np.ndarray], ref: tuple[np.ndarray, np.nd
 
 
 def main() -> None:
+    # Imported here: the lowtime child imports this module and must not pay for perseus-ext.
+    from perseus_ext.planning.energy import CostModel
+    from perseus_ext.planning.profile import load_profile
+    from perseus_ext.planning.schedule import one_f_one_b
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
     parser.add_argument("--stages", type=int, default=8)
@@ -274,8 +291,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--lowtime-child":
-        _, _, path, stages, microbatches, power, out = sys.argv
-        lowtime_main(path, int(stages), int(microbatches), float(power), Path(out))
-    else:
-        main()
+    main()
