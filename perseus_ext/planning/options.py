@@ -32,6 +32,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "anchors": (2, 4096),
     "anchor_budget": (0, 1_000_000),
     "polish_budget": (0, 10**12),
+    "gap_polish_budget": (0, 10**12),
     "max_memory_gib": (0.1, 1024.0),
     "max_seconds": (1.0, 7 * 86400.0),
 }
@@ -48,6 +49,7 @@ class SolverOptions:
     anchor_budget: int = 4_000  # small pipelines get up to anchor_budget / computations anchors
     progress: bool = False  # show a tqdm bar over the LP anchors
     polish_budget: int = 20_000_000  # max deadlines x (computations x clocks)^2 for the local-search polish
+    gap_polish_budget: int = 262_144  # max deadlines x computations^2 for the gap-targeted polish
     max_memory_gib: float = 8.0  # refuse solves estimated to need more memory
     max_seconds: float = 3600.0  # refuse solves estimated to take longer (CPU seconds)
 

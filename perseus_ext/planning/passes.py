@@ -235,46 +235,64 @@ def repair_deadline(
     saved = np.c_[np.zeros(len(saved)), np.where(usable, saved, 0.0)]
     extra = np.c_[np.full(len(extra), np.inf), np.where(usable, extra, np.inf)]
     rows = np.arange(model.num_nodes)[:, None]
+    # Only the plans still late are worked on each round (the others are done: columns are
+    # independent); in the polish most neighbours are on time after a round or two.
+    late = np.arange(choice.shape[1])
     for _ in range(int(model.num_options.sum())):
-        durations = model.times[rows, choice]
+        sub = choice[:, late]
+        durations = model.times[rows, sub]
         finish = model.dag.finish_times(durations)
         makespan = finish.max(axis=0)
-        late = makespan > deadlines + _EPS
-        if not late.any():
+        still = makespan > deadlines[late] + _EPS
+        if not still.all():
+            late, sub, durations, finish, makespan = (
+                late[still], sub[:, still], durations[:, still], finish[:, still], makespan[still]
+            )
+        if not late.size:
             break
-        slack = model.dag.latest_finish_times(durations, deadlines) - finish
+        slack = model.dag.latest_finish_times(durations, deadlines[late]) - finish
         critical = slack <= slack.min(axis=0) + _EPS
         # Price a step by the time the plan still needs, not by all the time it saves: a big
         # step that overshoots the deficit is charged in full.
-        useful = np.minimum(saved[rows, choice], makespan - deadlines)
+        useful = np.minimum(saved[rows, sub], makespan - deadlines[late])
         with np.errstate(divide="ignore", invalid="ignore"):
-            price = np.where(useful > 0, extra[rows, choice] / useful, np.inf)
-        score = np.where(critical & (choice > 0), price, np.inf)
+            price = np.where(useful > 0, extra[rows, sub] / useful, np.inf)
+        score = np.where(critical & (sub > 0), price, np.inf)
         if frozen is not None:
-            score = np.where(frozen, np.inf, score)
+            score = np.where(frozen[:, late], np.inf, score)
         pick = score.argmin(axis=0)
-        can = late & np.isfinite(score[pick, np.arange(choice.shape[1])])
+        can = np.isfinite(score[pick, np.arange(late.size)])
         if not can.any():
             break
-        choice[pick[can], np.flatnonzero(can)] -= 1
+        choice[pick[can], late[can]] -= 1
+        late = late[can]  # a plan that cannot be repaired stays late as it is
     return choice
 
 
-def polish(model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: int = 20) -> np.ndarray:
-    """Local search on each plan (column): a move puts one computation at any other clock,
-    repairs the deadline (`repair_deadline`, the moved computation frozen) and reclaims slack;
-    the best improving neighbour (either reclaim direction) is kept until none improves.
+def polish(
+    model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: int = 20, window: int | None = None,
+) -> np.ndarray:
+    """Local search on each plan (column): a move puts one computation at another clock (any
+    clock, or with `window` one at most `window` steps from its own), repairs the deadline
+    (`repair_deadline`, the moved computation frozen) and reclaims slack; the best improving
+    neighbour (either reclaim direction) is kept until none improves.
 
     Rounding and greedy reclaim can settle on a distribution of clocks that no single-step
     change improves; a move here changes many computations at once. A round evaluates N x K
-    neighbours per plan, each repaired in up to ~K DAG passes of N nodes, so the solver runs it
-    only while deadlines x (N x K)^2 stays within `SolverOptions.polish_budget`.
+    neighbours per plan (N x 2 `window` with a window), each repaired in up to ~K DAG passes of
+    N nodes, so the solver runs the full one only while deadlines x (N x K)^2 stays within
+    `SolverOptions.polish_budget` and the windowed one on the deadlines furthest from the LP's
+    lower bound (`solver.py`).
     """
-    choice = choice.copy()
+    choice = np.array(choice, dtype=np.int64)
     n, num_plans = choice.shape
-    width_k = model.times.shape[1]
-    width = n * width_k
-    node_of, option_of = np.divmod(np.arange(width), width_k)
+    if window is None:  # moves: (node, absolute option)
+        width = n * model.times.shape[1]
+        node_of, option_of = np.divmod(np.arange(width), model.times.shape[1])
+    else:  # moves: (node, option steps from the plan's own)
+        steps = np.r_[np.arange(-window, 0), np.arange(1, window + 1)]
+        width = n * len(steps)
+        node_of, option_of = np.repeat(np.arange(n), len(steps)), np.tile(steps, n)
     _, energy = model.replay(choice, switch_latency_s=0.0)
     active = np.arange(num_plans)
     for _ in range(rounds):
@@ -284,7 +302,9 @@ def polish(model: CostModel, choice: np.ndarray, deadlines: np.ndarray, rounds: 
         column = np.arange(base.shape[1])
         node = np.tile(node_of, active.size)
         option = np.tile(option_of, active.size)
-        valid = (option < model.num_options[node]) & (option != base[node, column])
+        if window is not None:
+            option = option + base[node, column]
+        valid = (option >= 0) & (option < model.num_options[node]) & (option != base[node, column])
         base[node[valid], column[valid]] = option[valid]
         frozen = np.zeros(base.shape, dtype=bool)
         frozen[node, column] = True

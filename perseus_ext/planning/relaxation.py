@@ -87,6 +87,12 @@ class ConvexRelaxation:
         self.highs = _simplex(lp)
         self.t_col = t_col
         self.n, self.m = n, m
+        # The LP omits each node's cost at its fastest clock: a plan's energy is objective +
+        # this + P_block S T (`energy.py`).
+        self.constant_j = float((model.energies[:, 0] - p * model.times[:, 0]).sum())
+        # The relaxed optimum's energy (LP objective + the above + P_block S T) at the last
+        # solve's deadline and over every deadline (`min_energy_deadline`): `AnchorWalk.lower_bound`.
+        self.optimum_j = self.free_optimum_j = -np.inf
 
     def twin(self) -> "ConvexRelaxation":
         """The same LP in a second HiGHS instance (another thread can walk it)."""
@@ -105,6 +111,7 @@ class ConvexRelaxation:
         if status != highspy.HighsModelStatus.kOptimal:
             raise SolverError(f"LP relaxation with a free deadline ended with {h.modelStatusToString(status)}")
         t_star = float(h.getSolution().col_value[self.t_col])
+        self.free_optimum_j = h.getInfo().objective_function_value + self.constant_j
         h.changeColCost(self.t_col, 0.0)
         return t_star
 
@@ -117,6 +124,10 @@ class ConvexRelaxation:
         if status != highspy.HighsModelStatus.kOptimal:
             raise SolverError(f"LP relaxation at T={deadline:.6f}s ended with {h.modelStatusToString(status)}")
         x = h.getSolution().col_value  # a list: np.fromiter reads it in half np.asarray's time
+        self.optimum_j = (
+            h.getInfo().objective_function_value + self.constant_j
+            + self.model.blocking_power * self.model.num_stage_gpus * deadline
+        )
         fills = np.clip(np.fromiter(x[self.n : self.n + self.m], float, self.m), 0.0, self.seg_len)
         return self.t_min + np.bincount(self.seg_node, weights=fills, minlength=self.n)
 
@@ -241,6 +252,8 @@ class AnchorWalk:
         # The kept anchors by position (only T_min until the high end knows T*).
         self._deadlines = np.array([t_min])
         self._columns: dict[int, np.ndarray] = {}  # relaxed durations by kept anchor
+        self._optima: dict[int, float] = {}  # `ConvexRelaxation.optimum_j` by kept anchor
+        self._t_star, self._free_optimum_j = t_slowest, -np.inf  # once the high end knows them
         self._split = 1  # the first anchor the high end solves
         # Set once the kept anchors and the split are known (or the walk is cancelled).
         self._anchors_known = threading.Event()
@@ -333,7 +346,9 @@ class AnchorWalk:
                 return
 
     def _walk_high(self, relaxation: "ConvexRelaxation") -> None:
-        deadlines = self._kept_deadlines(relaxation.min_energy_deadline(self._t_min, self._t_slowest))
+        self._t_star = relaxation.min_energy_deadline(self._t_min, self._t_slowest)
+        self._free_optimum_j = relaxation.free_optimum_j
+        deadlines = self._kept_deadlines(self._t_star)
         meet = self._t_min + self.LOW_END_SHARE * (self.ordinary_end - self._t_min)
         self._deadlines = deadlines
         self._split = max(1, int(np.searchsorted(deadlines, meet)))
@@ -351,6 +366,7 @@ class AnchorWalk:
             return False
         durations = relaxation.durations(float(self._deadlines[k]))
         self._columns[k] = durations  # each end writes its own anchors
+        self._optima[k] = relaxation.optimum_j
         with self.anchor_solved:
             self.anchor_solved.notify_all()
         if self._bar is not None:
@@ -364,6 +380,29 @@ class AnchorWalk:
         if self._error is not None:
             raise self._error
         return self._deadlines, np.stack([self._columns[k] for k in range(len(self._deadlines))], axis=1)
+
+    def lower_bound(self, deadlines: np.ndarray) -> np.ndarray:
+        """A lower bound of the energy of every plan meeting each deadline, once the walk has
+        ended. The relaxed optimum F is convex in the deadline and falls to its minimum at T*:
+        between two anchors, F lies above the chord of the anchors before and of those after
+        (extended), and everywhere above its minimum."""
+        anchor = self._deadlines
+        energy = np.array([self._optima[k] for k in range(len(anchor))])
+        capped = np.minimum(deadlines, self._t_star)
+        bound = np.full(len(deadlines), -np.inf)
+        if len(anchor) > 1:
+            slope = np.diff(energy) / np.diff(anchor)  # chord k: anchors k and k + 1
+            k = np.clip(np.searchsorted(anchor, capped, side="right") - 1, 0, len(anchor) - 2)
+            left = k >= 1  # chord k - 1 extended past anchor k
+            bound[left] = energy[k[left]] + slope[k[left] - 1] * (capped[left] - anchor[k[left]])
+            right = k + 1 <= len(slope) - 1  # chord k + 1 extended before anchor k + 1
+            bound[right] = np.maximum(
+                bound[right], energy[k[right] + 1] + slope[k[right] + 1] * (capped[right] - anchor[k[right] + 1])
+            )
+        at_anchor = np.searchsorted(anchor, capped)
+        exact = (at_anchor < len(anchor)) & (anchor[np.minimum(at_anchor, len(anchor) - 1)] == capped)
+        bound[exact] = energy[at_anchor[exact]]
+        return np.maximum(bound, self._free_optimum_j)
 
     def close(self) -> None:
         """Stop the walk after the anchors in progress and wait for its threads (the solve
