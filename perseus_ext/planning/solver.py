@@ -63,11 +63,9 @@ _EPS = 1e-9
 _GAP_ROUNDS = 6  # stretch rounds; each fills the gaps the previous one opened
 # Gap-targeted polish (step 5): deadlines whose best plan is more than this over the LP's bound
 # are its targets; it needs this many plans to be worth running (fewer, and the deadlines between
-# them gain little) and gains little from more than the most (A40 8 x 8: 16, 24 and 32 plans came
-# as close to polishing every deadline); its local search moves a computation by one clock step
-# for at most these rounds (A40 8 x 8: as close to the MILP as +-2 steps and 20 rounds, in a
-# third of the time).
-_GAP_TARGET, _GAP_POLISH_MIN_PLANS, _GAP_POLISH_MAX_PLANS, _GAP_POLISH_ROUNDS = 1e-3, 8, 32, 6
+# them gain little), and its local search moves a computation by one clock step for at most
+# these rounds (A40 8 x 8: as close to the MILP as +-2 steps and 20 rounds, in a third of the time).
+_GAP_TARGET, _GAP_POLISH_MIN_PLANS, _GAP_POLISH_ROUNDS = 1e-3, 8, 6
 _FILL_BIN = 0.5  # gap-fill bin width as a fraction of the resolution
 _MERGE_FASTEST, _MERGE_SAMPLE = 64, 64  # Pareto plans the latency merge pass works on
 # Fewer plans than this go through a pass on one thread: below it, handing the GIL back and
@@ -259,8 +257,8 @@ class FrontierSolver:
     def _gap_polish(self, walk: AnchorWalk, pool: "_CandidatePool", grid: np.ndarray) -> None:
         """Step 5 on the ordinary grid: polish the best plans at evenly spaced deadlines among
         those the LP bound cannot certify within `_GAP_TARGET`, as many as `gap_polish_budget`
-        allows (none if that is fewer than `_GAP_POLISH_MIN_PLANS`, at most
-        `_GAP_POLISH_MAX_PLANS`), and carry the polished plans to the deadlines between them.
+        allows (none if that is fewer than `_GAP_POLISH_MIN_PLANS`; each costs ~N^2), and carry
+        the polished plans to the deadlines between them.
 
         Where the certified gap is large, the relaxation is often loose as well, so the largest
         gaps are not where polishing gains most (A40 8 x 8: 0.35-0.54 % near T_min against
@@ -270,7 +268,7 @@ class FrontierSolver:
         deadlines between two polished plans start from both (measured against polishing every
         deadline: docs/solver.md)."""
         model = self.model
-        plans = min(self.options.gap_polish_budget // model.num_nodes**2, _GAP_POLISH_MAX_PLANS, len(grid))
+        plans = min(self.options.gap_polish_budget // model.num_nodes**2, len(grid))
         if plans < _GAP_POLISH_MIN_PLANS:
             return
         bound = walk.lower_bound(grid)
