@@ -234,38 +234,51 @@ def repair_deadline(
         usable = np.isfinite(saved) & np.isfinite(extra) & (saved > 0)
     saved = np.c_[np.zeros(len(saved)), np.where(usable, saved, 0.0)]
     extra = np.c_[np.full(len(extra), np.inf), np.where(usable, extra, np.inf)]
-    rows = np.arange(model.num_nodes)[:, None]
     # Only the plans still late are worked on each round (the others are done: columns are
-    # independent); in the polish most neighbours are on time after a round or two.
-    late = np.arange(choice.shape[1])
+    # independent; in the polish most neighbours are on time after a round or two), and only
+    # the moved computation's entries change from one round to the next.
+    width = model.times.shape[1]
+    flat_times, flat_saved, flat_extra = model.times.ravel(), saved.ravel(), extra.ravel()
+    index = choice + (np.arange(model.num_nodes) * width)[:, None]  # into the flat tables
+    durations, step_saved, step_extra = flat_times.take(index), flat_saved.take(index), flat_extra.take(index)
+    if frozen is not None:  # a frozen computation's step is never taken
+        step_extra[frozen] = np.inf
+    late, plan_deadlines = np.arange(choice.shape[1]), np.asarray(deadlines, dtype=float)
     for _ in range(int(model.num_options.sum())):
-        sub = choice[:, late]
-        durations = model.times[rows, sub]
         finish = model.dag.finish_times(durations)
         makespan = finish.max(axis=0)
-        still = makespan > deadlines[late] + _EPS
+        still = makespan > plan_deadlines + _EPS
         if not still.all():
-            late, sub, durations, finish, makespan = (
-                late[still], sub[:, still], durations[:, still], finish[:, still], makespan[still]
+            late, index, durations, step_saved, step_extra, plan_deadlines, finish, makespan = (
+                late[still], index[:, still], durations[:, still], step_saved[:, still],
+                step_extra[:, still], plan_deadlines[still], finish[:, still], makespan[still],
             )
         if not late.size:
             break
-        slack = model.dag.latest_finish_times(durations, deadlines[late]) - finish
+        slack = model.dag.latest_finish_times(durations, plan_deadlines) - finish
         critical = slack <= slack.min(axis=0) + _EPS
         # Price a step by the time the plan still needs, not by all the time it saves: a big
         # step that overshoots the deficit is charged in full.
-        useful = np.minimum(saved[rows, sub], makespan - deadlines[late])
+        useful = np.minimum(step_saved, makespan - plan_deadlines)
         with np.errstate(divide="ignore", invalid="ignore"):
-            price = np.where(useful > 0, extra[rows, sub] / useful, np.inf)
-        score = np.where(critical & (sub > 0), price, np.inf)
-        if frozen is not None:
-            score = np.where(frozen[:, late], np.inf, score)
+            score = np.where(critical & (useful > 0), step_extra / useful, np.inf)
         pick = score.argmin(axis=0)
-        can = np.isfinite(score[pick, np.arange(late.size)])
+        column = np.arange(late.size)
+        can = np.isfinite(score[pick, column])
         if not can.any():
             break
-        choice[pick[can], late[can]] -= 1
-        late = late[can]  # a plan that cannot be repaired stays late as it is
+        node, column = pick[can], column[can]
+        choice[node, late[column]] -= 1
+        index[node, column] -= 1
+        moved = index[node, column]
+        durations[node, column] = flat_times[moved]
+        step_saved[node, column] = flat_saved[moved]
+        step_extra[node, column] = flat_extra[moved]
+        if not can.all():  # a plan that cannot be repaired stays late as it is
+            late, index, durations, step_saved, step_extra, plan_deadlines = (
+                late[can], index[:, can], durations[:, can], step_saved[:, can], step_extra[:, can],
+                plan_deadlines[can],
+            )
     return choice
 
 
