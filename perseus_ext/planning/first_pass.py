@@ -75,6 +75,16 @@ class FirstPass:
             raise RuntimeError("the first pass is incomplete: the LP walk ended before every block was rounded")
         return [part for block in range(len(self._blocks)) for part in self._results[block]]
 
+    def reclaimed_positions(self) -> np.ndarray:
+        """For each grid deadline, the position among `candidates()` (plans in order) of its
+        own reclaimed plan: its relaxed durations rounded down, slowed into its slack."""
+        positions, start = [], 0
+        for block in range(len(self._blocks)):
+            first, end, _, _ = self._blocks[block]
+            positions.append(start + np.arange(end - first))  # the block's first kind
+            start += sum(part[0].shape[1] for part in self._results[block])
+        return np.concatenate(positions)
+
     def _cut(self, walk: AnchorWalk) -> None:
         """The grid, its blocks, and the anchors each block interpolates between."""
         grid = self._make_grid(walk)

@@ -166,6 +166,7 @@ class FrontierSolver:
         # Room for the first pass's candidates (three or four kinds) and the carried ones: one
         # allocation, not a buffer grown and copied over and over (8 x 96: 12,000 plans).
         pool.reserve(pool.size + (5 if model.switch_latency_s > 0 else 4) * len(grid))
+        reclaimed = pool.size + first_pass.reclaimed_positions()
         pool.extend_all(first_pass.candidates())
         # The ordinary frontier's deadlines (to the walk's ordinary end past T*); the
         # extension's follow on the same grid.
@@ -177,9 +178,13 @@ class FrontierSolver:
         if len(grid) > len(ordinary_grid):
             waiting = pool.energies - self._slope * pool.times
             best = np.r_[best, _best_so_far(pool.times, waiting, grid[len(ordinary_grid):])]
-        block = _even_block(len(grid), block)
-        for k in range(0, len(grid), block):
-            carried, deadlines = pool.choices[:, best[k : k + block]], grid[k : k + block]
+        # Where that plan is the deadline's own reclaimed one, a second reclaim would give it
+        # back unchanged (a reclaim leaves no slack a computation could take: 8 x 24, 337 of
+        # 818 deadlines).
+        carry = np.flatnonzero(best != reclaimed)
+        block = _even_block(len(carry), block)
+        for k in range(0, len(carry), block):
+            carried, deadlines = pool.choices[:, best[carry[k : k + block]]], grid[carry[k : k + block]]
             pool.extend_all(_in_two(
                 lambda lo, hi: [replayed(model, reclaim_slack(model, carried[:, lo:hi], deadlines[lo:hi]))],
                 len(deadlines),
@@ -412,7 +417,7 @@ def _even_block(columns: int, block: int) -> int:
     thread (`_SPLIT_COLUMNS`) while the other core waits (8 x 96: 3,061 deadlines were 2,604 +
     457)."""
     blocks = max(1, -(-columns // block))
-    return -(-columns // blocks)
+    return max(1, -(-columns // blocks))
 
 
 def _anchor_count(options: SolverOptions, num_nodes: int) -> int:
