@@ -455,16 +455,25 @@ def test_the_walk_s_threads_round_blocks_as_their_anchors_arrive(raw_a100: Profi
         return real_block(model, relaxed, deadlines, first)
 
     monkeypatch.setattr(first_pass, "first_pass_block", block)
-    rounding = first_pass.FirstPass(model, grid_of)
+    rounding = first_pass.FirstPass(model, grid_of, lambda deadlines: 1 + 4 * deadlines)
     walk = relaxation.AnchorWalk(model, 64, t_min, t_slowest, lambda t: step, then=rounding.take_blocks)
     anchors, durations = walk.result()
     walk.close()
-    assert len(taken_by) == 2 and sum(map(len, taken_by.values())) == -(-len(rounding.grid) // 40)
-    whole = real_block(model, relaxation.interpolate(anchors, durations, rounding.grid), rounding.grid, 0)
-    got = rounding.candidates()
-    for kind, want in enumerate(whole):
-        for part, expected in zip((np.concatenate([g[part] for g in got[kind :: len(whole)]], axis=-1) for part in range(3)), want, strict=True):
-            np.testing.assert_array_equal(part, expected)
+    grid = rounding.grid
+    assert len(taken_by) == 2 and sum(map(len, taken_by.values())) == -(-len(grid) // 40)
+    # Column 0 is the caller's; then per block of 40 deadlines its three kinds, in grid order.
+    assert rounding.filled() == 1 + 3 * len(grid) and rounding.choices.shape[1] == 1 + 4 * len(grid)
+    whole = real_block(model, relaxation.interpolate(anchors, durations, grid), grid, 0)
+    for kind, (choices, times, energies) in enumerate(whole):
+        columns = np.concatenate([
+            1 + 3 * first + kind * min(40, len(grid) - first) + np.arange(min(40, len(grid) - first))
+            for first in range(0, len(grid), 40)
+        ])
+        np.testing.assert_array_equal(rounding.choices[:, columns], choices)
+        np.testing.assert_array_equal(rounding.times[columns], times)
+        np.testing.assert_array_equal(rounding.energies[columns], energies)
+        if kind == 0:  # each deadline's own reclaimed plan
+            np.testing.assert_array_equal(rounding.reclaimed_columns(), columns)
 
     def failing(model, relaxed, deadlines, first):
         if first >= 200:
@@ -472,7 +481,7 @@ def test_the_walk_s_threads_round_blocks_as_their_anchors_arrive(raw_a100: Profi
         return real_block(model, relaxed, deadlines, first)
 
     monkeypatch.setattr(first_pass, "first_pass_block", failing)
-    rounding = first_pass.FirstPass(model, grid_of)
+    rounding = first_pass.FirstPass(model, grid_of, lambda deadlines: 1 + 4 * deadlines)
     walk = relaxation.AnchorWalk(model, 64, t_min, t_slowest, lambda t: step, then=rounding.take_blocks)
     with pytest.raises(SolverError, match="block failed"):
         walk.result()

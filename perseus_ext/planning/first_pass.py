@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from perseus_ext.planning.energy import CostModel
-from perseus_ext.planning.passes import chunk_columns, reclaim_slack, round_to_options
+from perseus_ext.planning.passes import CHOICE_DTYPE, chunk_columns, reclaim_slack, round_to_options
 from perseus_ext.planning.relaxation import AnchorWalk, interpolate
 from perseus_ext.planning.switching import repair_latency
 
@@ -35,19 +35,28 @@ _REPLAY_CELLS = 400_000
 
 class FirstPass:
     """Rounds every grid deadline, block by block, on the threads of the walk it is handed to
-    (`AnchorWalk(..., then=first_pass.take_blocks)`).
+    (`AnchorWalk(..., then=first_pass.take_blocks)`), writing the candidates straight into the
+    candidate pool's buffer: the first pass's plans are never held twice (16 x 128: ~70 MiB).
 
     `make_grid(walk)`: the grid deadlines, from the kept anchors (the first end done builds it).
+    `room(deadlines)`: columns to allocate for that many grid deadlines (the pool grows into
+    the rest); column 0 is left for the caller, the first pass's candidates follow in grid
+    order, each block's kinds in `first_pass_block`'s order.
     """
 
-    def __init__(self, model: CostModel, make_grid: Callable[[AnchorWalk], np.ndarray]):
+    def __init__(
+        self, model: CostModel, make_grid: Callable[[AnchorWalk], np.ndarray], room: Callable[[int], int]
+    ):
         self.model = model
         self._make_grid = make_grid
+        self._room = room
         self._lock = threading.Lock()
         self.grid: np.ndarray | None = None
-        self._blocks: list[tuple[int, int, int, int]] = []  # (first, end, first anchor, last anchor)
+        # Per block: (first, end, first anchor, last anchor, its first column).
+        self._blocks: list[tuple[int, int, int, int, int]] = []
         self._unclaimed: list[int] = []
-        self._results: dict[int, list[Replayed]] = {}
+        self._done: set[int] = set()
+        self.choices = self.times = self.energies = np.empty(0)
 
     def take_blocks(self, walk: AnchorWalk) -> None:
         """Round blocks until none is left unclaimed (or the walk is cancelled)."""
@@ -63,32 +72,36 @@ class FirstPass:
             if claimed is None:
                 return
             block, columns = claimed
-            first, end, first_anchor, last_anchor = self._blocks[block]
+            first, end, first_anchor, last_anchor, column = self._blocks[block]
             anchors = walk.deadlines[first_anchor : last_anchor + 1]
             deadlines = self.grid[first:end]
-            relaxed = interpolate(anchors, columns, deadlines)
-            self._results[block] = first_pass_block(self.model, relaxed, deadlines, first)
+            for choices, times, energies in first_pass_block(
+                self.model, interpolate(anchors, columns, deadlines), deadlines, first
+            ):
+                after = column + choices.shape[1]
+                self.choices[:, column:after] = choices
+                self.times[column:after], self.energies[column:after] = times, energies
+                column = after
+            self._done.add(block)
 
-    def candidates(self) -> list[Replayed]:
-        """Every block's candidates in grid order, once the walk's threads have ended."""
-        if len(self._results) != len(self._blocks):
+    def filled(self) -> int:
+        """Columns holding candidates (column 0 and the first pass's), once the walk's threads
+        have ended."""
+        if len(self._done) != len(self._blocks):
             raise RuntimeError("the first pass is incomplete: the LP walk ended before every block was rounded")
-        return [part for block in range(len(self._blocks)) for part in self._results[block]]
+        return len(self.times)
 
-    def reclaimed_positions(self) -> np.ndarray:
-        """For each grid deadline, the position among `candidates()` (plans in order) of its
-        own reclaimed plan: its relaxed durations rounded down, slowed into its slack."""
-        positions, start = [], 0
-        for block in range(len(self._blocks)):
-            first, end, _, _ = self._blocks[block]
-            positions.append(start + np.arange(end - first))  # the block's first kind
-            start += sum(part[0].shape[1] for part in self._results[block])
-        return np.concatenate(positions)
+    def reclaimed_columns(self) -> np.ndarray:
+        """For each grid deadline, the column of its own reclaimed plan: its relaxed durations
+        rounded down, slowed into its slack (each block's first kind)."""
+        return np.concatenate([column + np.arange(end - first) for first, end, _, _, column in self._blocks])
 
     def _cut(self, walk: AnchorWalk) -> None:
-        """The grid, its blocks, and the anchors each block interpolates between."""
+        """The grid, its blocks, the anchors each block interpolates between, and the pool's
+        buffer with every block's columns."""
         grid = self._make_grid(walk)
         anchors = walk.deadlines
+        column = 1
         for first in range(0, len(grid), BLOCK_COLUMNS):
             end = min(first + BLOCK_COLUMNS, len(grid))
             if len(anchors) == 1:
@@ -99,7 +112,10 @@ class FirstPass:
                     for k in (first, end - 1)
                 )
                 low -= 1
-            self._blocks.append((first, end, low, high))
+            self._blocks.append((first, end, low, high, column))
+            column += _candidate_count(self.model, first, end)
+        self.choices = np.empty((self.model.num_nodes, max(column, self._room(len(grid)))), dtype=CHOICE_DTYPE)
+        self.times, self.energies = np.empty(column), np.empty(column)
         self._unclaimed = list(range(len(self._blocks)))
         self.grid = grid
 
@@ -107,12 +123,18 @@ class FirstPass:
         """The first unclaimed block whose anchors are all solved, with their durations
         (call holding `walk.anchor_solved`)."""
         for position, block in enumerate(self._unclaimed):
-            _, _, low, high = self._blocks[block]
+            low, high = self._blocks[block][2:4]
             columns = walk.anchor_columns(low, high)
             if columns is not None:
                 del self._unclaimed[position]
                 return block, columns
         return None
+
+
+def _candidate_count(model: CostModel, first: int, end: int) -> int:
+    """Candidates `first_pass_block` makes for grid deadlines first..end - 1."""
+    repaired = len(range((-first) % _REPAIR_STRIDE, end - first, _REPAIR_STRIDE)) if model.switch_latency_s > 0 else 0
+    return 3 * (end - first) + repaired
 
 
 def first_pass_block(model: CostModel, relaxed: np.ndarray, deadlines: np.ndarray, first: int) -> list[Replayed]:

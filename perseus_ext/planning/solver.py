@@ -142,7 +142,6 @@ class FrontierSolver:
             self.options, model.num_nodes, grid_bound,
             _anchor_count(self.options, model.num_nodes), t_slowest - t_min,
         )
-        pool = _CandidatePool(model, fastest[:, None])
         # Deadlines in blocks: the float and int64 intermediates of one block stay small, only
         # the int16 candidates accumulate (peak memory ~ the pool, not 10x the pool).
         block = 2 * max(32, CELLS // (2 * model.num_nodes))
@@ -150,7 +149,10 @@ class FrontierSolver:
         # Steps 2-3 run on the walk's threads, each end taking blocks of deadlines once it has
         # solved its anchors (`first_pass.py`).
         first_pass = FirstPass(
-            model, lambda walk: self._deadline_grid(t_min, float(walk.deadlines[-1]), walk.ordinary_end)
+            model, lambda walk: self._deadline_grid(t_min, float(walk.deadlines[-1]), walk.ordinary_end),
+            # The fastest plan, the first pass's three or four kinds and the carried plans: one
+            # allocation, not a buffer grown and copied over and over (8 x 96: 12,000 plans).
+            lambda deadlines: 1 + (5 if model.switch_latency_s > 0 else 4) * deadlines,
         )
         walk = AnchorWalk(
             model, anchor_count, t_min, t_slowest, lambda t_max: self._grid_step(t_min, t_max),
@@ -163,11 +165,8 @@ class FrontierSolver:
         finally:
             walk.close()
         grid = first_pass.grid
-        # Room for the first pass's candidates (three or four kinds) and the carried ones: one
-        # allocation, not a buffer grown and copied over and over (8 x 96: 12,000 plans).
-        pool.reserve(pool.size + (5 if model.switch_latency_s > 0 else 4) * len(grid))
-        reclaimed = pool.size + first_pass.reclaimed_positions()
-        pool.extend_all(first_pass.candidates())
+        pool = _CandidatePool.around(first_pass, fastest[:, None])
+        reclaimed = first_pass.reclaimed_columns()
         # The ordinary frontier's deadlines (to the walk's ordinary end past T*); the
         # extension's follow on the same grid.
         ordinary_grid = grid[: len(self._deadline_grid(t_min, walk.ordinary_end, walk.ordinary_end))]
@@ -363,12 +362,21 @@ class _CandidatePool:
 
     DTYPE = CHOICE_DTYPE  # int16 option indices (passes.py)
 
-    def __init__(self, model: CostModel, choices: np.ndarray):
+    def __init__(self, model: CostModel, buffer: np.ndarray, times: np.ndarray, energies: np.ndarray):
+        """Candidates in `buffer`'s first len(times) columns; the pool grows into the rest."""
         self.model = model
-        self._buffer = np.empty((model.num_nodes, 1024), dtype=self.DTYPE)
-        self.size = 0
-        self.times, self.energies = np.empty(0), np.empty(0)
-        self.add(choices)
+        self._buffer = buffer
+        self.size = len(times)
+        self.times, self.energies = times, energies
+
+    @classmethod
+    def around(cls, first_pass: FirstPass, fastest: np.ndarray) -> "_CandidatePool":
+        """The pool in the first pass's buffer: its candidates, and `fastest` in column 0."""
+        size = first_pass.filled()
+        pool = cls(first_pass.model, first_pass.choices, first_pass.times[:size], first_pass.energies[:size])
+        pool._buffer[:, :1] = fastest
+        pool.times[:1], pool.energies[:1] = first_pass.model.replay(fastest)
+        return pool
 
     @property
     def choices(self) -> np.ndarray:
@@ -382,13 +390,6 @@ class _CandidatePool:
         """Append replayed candidates, part by part."""
         for part in parts:
             self.extend(*part)
-
-    def reserve(self, plans: int) -> None:
-        """Room for `plans` candidates in all without reallocating."""
-        if plans > self._buffer.shape[1]:
-            grown = np.empty((self._buffer.shape[0], plans), self.DTYPE)
-            grown[:, : self.size] = self.choices
-            self._buffer = grown
 
     def extend(self, choices: np.ndarray, times: np.ndarray, energies: np.ndarray) -> None:
         """Append plans whose replayed times and energies the caller has."""
