@@ -462,16 +462,17 @@ def test_the_walk_s_threads_round_blocks_as_their_anchors_arrive(raw_a100: Profi
     grid = rounding.grid
     assert len(taken_by) == 2 and sum(map(len, taken_by.values())) == -(-len(grid) // 40)
     # Column 0 is the caller's; then per block of 40 deadlines its three kinds, in grid order.
-    assert rounding.filled() == 1 + 3 * len(grid) and rounding.choices.shape[1] == 1 + 4 * len(grid)
+    buffer, times, energies = rounding.hand_over()
+    assert len(times) == len(energies) == 1 + 3 * len(grid) and buffer.shape[1] == 1 + 4 * len(grid)
     whole = real_block(model, relaxation.interpolate(anchors, durations, grid), grid, 0)
-    for kind, (choices, times, energies) in enumerate(whole):
+    for kind, (choices, want_times, want_energies) in enumerate(whole):
         columns = np.concatenate([
             1 + 3 * first + kind * min(40, len(grid) - first) + np.arange(min(40, len(grid) - first))
             for first in range(0, len(grid), 40)
         ])
-        np.testing.assert_array_equal(rounding.choices[:, columns], choices)
-        np.testing.assert_array_equal(rounding.times[columns], times)
-        np.testing.assert_array_equal(rounding.energies[columns], energies)
+        np.testing.assert_array_equal(buffer[:, columns], choices)
+        np.testing.assert_array_equal(times[columns], want_times)
+        np.testing.assert_array_equal(energies[columns], want_energies)
         if kind == 0:  # each deadline's own reclaimed plan
             np.testing.assert_array_equal(rounding.reclaimed_columns(), columns)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from perseus_ext.planning.energy import CostModel
-from perseus_ext.planning.passes import CHOICE_DTYPE, chunk_columns, reclaim_slack, round_to_options
+from perseus_ext.planning.passes import CELLS, CHOICE_DTYPE, chunk_columns, reclaim_slack, round_to_options
 from perseus_ext.planning.relaxation import AnchorWalk, interpolate
 from perseus_ext.planning.switching import repair_latency
 
@@ -84,12 +84,15 @@ class FirstPass:
                 column = after
             self._done.add(block)
 
-    def filled(self) -> int:
-        """Columns holding candidates (column 0 and the first pass's), once the walk's threads
-        have ended."""
+    def hand_over(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(buffer, times, energies) once the walk's threads have ended: the buffer's first
+        len(times) columns hold candidates (column 0 the caller's). The first pass lets go of
+        them, so a pool that outgrows the buffer frees it (16 x 128 x 4: 250 MiB)."""
         if len(self._done) != len(self._blocks):
             raise RuntimeError("the first pass is incomplete: the LP walk ended before every block was rounded")
-        return len(self.times)
+        handed = self.choices, self.times, self.energies
+        self.choices = self.times = self.energies = np.empty(0)
+        return handed
 
     def reclaimed_columns(self) -> np.ndarray:
         """For each grid deadline, the column of its own reclaimed plan: its relaxed durations
@@ -102,8 +105,11 @@ class FirstPass:
         grid = self._make_grid(walk)
         anchors = walk.deadlines
         column = 1
-        for first in range(0, len(grid), BLOCK_COLUMNS):
-            end = min(first + BLOCK_COLUMNS, len(grid))
+        # Two blocks are rounded at once: together no more than `CELLS`, what one pass of the
+        # grid held before (16 x 128 x 4: 122 deadlines a block; 256 elsewhere).
+        width = min(BLOCK_COLUMNS, max(32, CELLS // (2 * self.model.num_nodes)))
+        for first in range(0, len(grid), width):
+            end = min(first + width, len(grid))
             if len(anchors) == 1:
                 low = high = 0
             else:  # `interpolate`'s neighbours of the block's first and last deadlines

@@ -94,6 +94,11 @@ class ConvexRelaxation:
         # solve's deadline and over every deadline (`min_energy_deadline`): `AnchorWalk.lower_bound`.
         self.optimum_j = self.free_optimum_j = -np.inf
 
+    def release(self) -> None:
+        """Free HiGHS's copy of the LP, its factorisation and solution (~80 MiB each at
+        16 x 128 x 4): its end of the walk has solved its anchors."""
+        self.highs.clear()
+
     def twin(self) -> "ConvexRelaxation":
         """The same LP in a second HiGHS instance (another thread can walk it)."""
         twin = copy.copy(self)
@@ -308,10 +313,11 @@ class AnchorWalk:
         # import numpy.ma: start-up time)
         return np.r_[on_grid[on_grid < deadlines[-1] - step / 2], deadlines[-1]]
 
-    def _guard(self, walk, *args: object) -> None:
+    def _guard(self, walk, relaxation: "ConvexRelaxation") -> None:
         """Run one end of the walk; keep its error for `result` and stop the other end."""
         try:
-            walk(*args)
+            walk(relaxation)
+            relaxation.release()  # before `then`: the other end may walk on a while
             if self._then is not None and not self._cancelled:
                 self._then(self)
         except BaseException as err:  # raised again in the solver's thread by `result`

@@ -372,8 +372,7 @@ class _CandidatePool:
     @classmethod
     def around(cls, first_pass: FirstPass, fastest: np.ndarray) -> "_CandidatePool":
         """The pool in the first pass's buffer: its candidates, and `fastest` in column 0."""
-        size = first_pass.filled()
-        pool = cls(first_pass.model, first_pass.choices, first_pass.times[:size], first_pass.energies[:size])
+        pool = cls(first_pass.model, *first_pass.hand_over())
         pool._buffer[:, :1] = fastest
         pool.times[:1], pool.energies[:1] = first_pass.model.replay(fastest)
         return pool
