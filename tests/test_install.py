@@ -217,6 +217,27 @@ def test_autoload_hooks_deepspeed_only_when_it_is_imported(built, autoload, mark
     assert warned is (autoload == "0")
 
 
+def test_autoload_line_does_nothing_where_the_package_cannot_be_imported(tmp_path) -> None:
+    """The `.pth` line runs in every interpreter of the environment, also in pip's own while it
+    reinstalls the package, or after an uninstall that left the line behind: where perseus_ext
+    cannot be imported it must do nothing (the plain `import` line printed a traceback and
+    "Remainder of file ignored" in each such process); where it can, it adds the hook."""
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    shutil.copy(SOURCE / "perseus_ext_autoload.pth", site_dir)
+    code = (f"import site, sys; site.addsitedir({str(site_dir)!r}); "
+            "print(any(type(f).__name__ == 'DeepSpeedImportHook' for f in sys.meta_path))")
+
+    def start(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path, env=_clean_env(**env))
+
+    gone = start()
+    assert (gone.returncode, gone.stderr, gone.stdout.strip()) == (0, "", "False")
+    present = start(PYTHONPATH=str(SOURCE))
+    assert (present.returncode, present.stderr, present.stdout.strip()) == (0, "", "True")
+
+
 def test_autoload_costs_next_to_nothing_at_start_up(built) -> None:
     """The `.pth` hook runs in every Python process of the environment: it may load only its
     own two small modules, nothing the interpreter would not load anyway, and those in well
