@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from perseus_ext.cli import main
@@ -91,9 +91,11 @@ def test_a_silent_signal_endpoint_is_bounded_by_its_timeout_and_named(silent_ser
               st.text(max_size=4), st.sampled_from(["127.0.0.1", "[::1", "[::1]", "", "\x00"]),
               st.text(alphabet="0123456789:x", max_size=6), st.text(max_size=4)),
     st.integers(4000, 5000).map(lambda n: "sqlite:///" + "a" * n)))
+@example(location="\n")  # a path with a newline: the message ran over two lines
+@example(location="sqlite:///a\nb")
 def test_any_store_location_gives_states_or_a_store_error(tmp_path, location):
     """Found: a NUL byte (ValueError), a malformed port (ValueError), a file name longer than
-    the OS allows (OSError) all ended in tracebacks."""
+    the OS allows (OSError) all ended in tracebacks; a newline in the path split the message."""
     try:
         read_states(location, network_timeout_s=2.0)
     except PerseusError as err:

@@ -144,7 +144,7 @@ def store_url(location: str | Path) -> str:
     if backend in ("postgresql", "postgres"):
         return url.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
     raise StoreError(
-        f"{STORE_KEY}: unsupported database {backend!r} in {url.render_as_string()}; use a path, "
+        f"{STORE_KEY}: unsupported database {backend!r} in {_printable(url.render_as_string())}; use a path, "
         f"sqlite:///path or postgresql://user:password@host:port/db"
     )
 
@@ -156,7 +156,14 @@ def _one_line(err: Exception) -> str:
 
 def describe(url: str) -> str:
     """The URL without its password, for messages and logs."""
-    return make_url(url).render_as_string(hide_password=True)
+    return _printable(make_url(url).render_as_string(hide_password=True))
+
+
+def _printable(text: object) -> str:
+    """`text` for a one-line message: as it is, or quoted with escapes where it holds a newline
+    or another unprintable character (a store location as the user typed it)."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)
 
 
 class Store:
@@ -207,17 +214,18 @@ class Store:
                 },
             )
         path = Path(make_url(self.url).database or "")
+        shown = _printable(path)
         if self.read_only:
             try:
                 path.stat()
             except OSError as err:
                 if err.errno != errno.ENOENT:
-                    raise StoreError(f"batch-size store {path}: {err.strerror}; check {STORE_KEY}") from None
+                    raise StoreError(f"batch-size store {shown}: {err.strerror}; check {STORE_KEY}") from None
             if path.is_dir():
-                raise StoreError(f"batch-size store {path} is a directory, not a store file; give the store's "
-                                 f"file (e.g. {path / 'bso.db'}) in {STORE_KEY}")
+                raise StoreError(f"batch-size store {shown} is a directory, not a store file; give the store's "
+                                 f"file (e.g. {_printable(path / 'bso.db')}) in {STORE_KEY}")
             if not path.is_file():
-                raise StoreError(f"batch-size store {path} does not exist; check {STORE_KEY}")
+                raise StoreError(f"batch-size store {shown} does not exist; check {STORE_KEY}")
             url = f"sqlite:///file:{path}?mode=ro&uri=true"
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
