@@ -373,18 +373,18 @@ def test_lp_anchors_lie_on_grid_deadlines(raw_a100: Profile, monkeypatch) -> Non
     from perseus_ext.planning import first_pass, relaxation
 
     seen, kept = [], []
-    real, real_result = first_pass.interpolate, relaxation.AnchorWalk.result
+    real, real_wait = first_pass.interpolate, relaxation.AnchorWalk.wait
 
     def spy(anchors: np.ndarray, durations: np.ndarray, deadlines: np.ndarray) -> np.ndarray:
         seen.append(deadlines.copy())
         return real(anchors, durations, deadlines)
 
-    def result(walk):
-        kept.append(real_result(walk)[0])
-        return real_result(walk)
+    def wait(walk):
+        kept.append(real_wait(walk))
+        return kept[-1]
 
     monkeypatch.setattr(first_pass, "interpolate", spy)
-    monkeypatch.setattr(relaxation.AnchorWalk, "result", result)
+    monkeypatch.setattr(relaxation.AnchorWalk, "wait", wait)
     solve_frontier(one_f_one_b(4, 8), sub_profile(raw_a100, 4, (1410, 1290, 1170, 1050, 930)), P_BLOCK_A100)
     anchors = kept[0]
     grid = np.sort(np.concatenate(seen))

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from perseus_ext.planning.energy import CostModel
-from perseus_ext.planning.passes import CELLS, CHOICE_DTYPE, chunk_columns, reclaim_slack, round_to_options
+from perseus_ext.planning.passes import CELLS, CHOICE_DTYPE, REPLAY_CELLS, chunk_columns, reclaim_slack, round_to_options
 from perseus_ext.planning.relaxation import AnchorWalk, interpolate
 from perseus_ext.planning.switching import repair_latency
 
@@ -28,9 +28,6 @@ Replayed = tuple[np.ndarray, np.ndarray, np.ndarray]  # (choices, times, energie
 # 205 22.7 ms; 8 x 96, 3,064 deadlines in blocks of 1,531 426 ms, of 383 375 ms, of 96 448 ms).
 BLOCK_COLUMNS = 256
 _REPAIR_STRIDE = 2  # the latency repair works on every other grid deadline
-# Cells per batched replay: a latency-aware replay makes a dozen (N, plans) arrays, and these
-# stay in cache at this size (3-5x faster at 8 x 96 than 4M cells; a plain replay is unaffected).
-_REPLAY_CELLS = 400_000
 
 
 class FirstPass:
@@ -139,8 +136,14 @@ class FirstPass:
 
 def _candidate_count(model: CostModel, first: int, end: int) -> int:
     """Candidates `first_pass_block` makes for grid deadlines first..end - 1."""
-    repaired = len(range((-first) % _REPAIR_STRIDE, end - first, _REPAIR_STRIDE)) if model.switch_latency_s > 0 else 0
+    repaired = len(range(end - first)[_repaired(first)]) if model.switch_latency_s > 0 else 0
     return 3 * (end - first) + repaired
+
+
+def _repaired(first: int) -> slice:
+    """The deadlines of a block starting at grid deadline `first` whose plans the latency repair
+    works on: every `_REPAIR_STRIDE`-th of the grid."""
+    return slice((-first) % _REPAIR_STRIDE, None, _REPAIR_STRIDE)
 
 
 def first_pass_block(model: CostModel, relaxed: np.ndarray, deadlines: np.ndarray, first: int) -> list[Replayed]:
@@ -153,9 +156,9 @@ def first_pass_block(model: CostModel, relaxed: np.ndarray, deadlines: np.ndarra
     if model.switch_latency_s > 0:
         # Latency makes most of these plans late; win their deadlines back (every other grid
         # deadline: neighbours differ by little and the pass costs a few replays).
-        stride = slice((-first) % _REPAIR_STRIDE, None, _REPAIR_STRIDE)
+        stride = _repaired(first)
         late, late_deadlines = feasible[:, stride], deadlines[stride]
-        step = chunk_columns(model.num_nodes, _REPLAY_CELLS)  # its latency replays stay in cache
+        step = chunk_columns(model.num_nodes, REPLAY_CELLS)  # its latency replays stay in cache
         kinds.append(np.concatenate([
             repair_latency(model, late[:, j : j + step], late_deadlines[j : j + step])
             for j in range(0, late.shape[1], step)
@@ -166,6 +169,6 @@ def first_pass_block(model: CostModel, relaxed: np.ndarray, deadlines: np.ndarra
 
 def replayed(model: CostModel, choices: np.ndarray) -> Replayed:
     """(choices, times, energies) of plans (columns), replayed in cache-sized column chunks."""
-    step = chunk_columns(model.num_nodes, _REPLAY_CELLS)
+    step = chunk_columns(model.num_nodes, REPLAY_CELLS)
     parts = [model.replay(choices[:, k : k + step]) for k in range(0, choices.shape[1], step)]
     return choices, np.concatenate([t for t, _ in parts]), np.concatenate([e for _, e in parts])

@@ -382,13 +382,19 @@ class AnchorWalk:
             self._bar.update()
         return True
 
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every anchor kept: (deadlines, relaxed durations (N, anchors)), once the walk has ended."""
+    def wait(self) -> np.ndarray:
+        """The kept anchors' deadlines, once the walk (and its `then`) has ended; an end's error
+        is raised here."""
         for thread in self._threads:
             thread.join()
         if self._error is not None:
             raise self._error
-        return self._deadlines, np.stack([self._columns[k] for k in range(len(self._deadlines))], axis=1)
+        return self._deadlines
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every anchor kept: (deadlines, relaxed durations (N, anchors)), once the walk has ended."""
+        deadlines = self.wait()
+        return deadlines, np.stack([self._columns[k] for k in range(len(deadlines))], axis=1)
 
     def lower_bound(self, deadlines: np.ndarray) -> np.ndarray:
         """A lower bound of the energy of every plan meeting each deadline, once the walk has

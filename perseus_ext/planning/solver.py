@@ -161,7 +161,7 @@ class FrontierSolver:
             then=first_pass.take_blocks,
         )
         try:
-            anchors, _ = walk.result()
+            anchors = walk.wait()  # the first pass has its durations: none stacked here
         finally:
             walk.close()
         grid = first_pass.grid

@@ -42,13 +42,13 @@ import numpy as np
 from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier, Plan
+from perseus_ext.planning.passes import REPLAY_CELLS
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.planning.wait_aware import distinct_plans, pareto_plans
 
 logger = logging.getLogger(__name__)
 
-_REPLAY_CELLS = 400_000  # nodes x plans per batched replay (as solver.py)
 _SEARCH_ROUNDS = 10  # at most; the search stops when a round adds no Pareto plan
 _SEARCH_PLANS = 32  # Pareto plans per set whose neighbours one round replays
 
@@ -94,7 +94,7 @@ class StageConstantModel:
 
     def replay(self, levels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(times, energies) of stage clock indices `levels` (S, plans), in batches."""
-        step = max(1, _REPLAY_CELLS // self.model.num_nodes)
+        step = max(1, REPLAY_CELLS // self.model.num_nodes)
         times, energies = [], []
         for k in range(0, levels.shape[1], step):
             t, e = self.model.replay(self.choices(levels[:, k : k + step]))

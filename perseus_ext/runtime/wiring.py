@@ -69,7 +69,7 @@ class RankParts:
               whole_iterations: bool, prepared_run: PreparedRun | None,
               fall_back: Callable[[str], None]) -> RankParts:
         """Check the rank's place, then build its parts; `fall_back` is the runtime's, which the
-        hook watch calls when a silent hook's clock cannot be released."""
+        hook watch calls when a hook runs during a CUDA graph capture."""
         if not 0 <= stage < schedule.num_stages:
             raise PerseusError(f"stage {stage} is outside the schedule's 0..{schedule.num_stages - 1}")
         check_pipeline_rank(pp_group, stage)
