@@ -84,6 +84,22 @@ def test_exact_solve_prints_nothing(raw_a100: Profile, capfd) -> None:
     assert captured.out == "" and captured.err == ""
 
 
+def test_a_highs_option_it_does_not_take_is_an_error() -> None:
+    """highspy's `setOptionValue` reports an unknown name or a bad value only in the status it
+    returns: every option the solver sets goes through `set_option`, which raises instead, so a
+    later highspy that renamed one (`threads` keeps HiGHS's scheduler on the walk's threads)
+    fails loudly rather than solving differently."""
+    from perseus_ext.planning.relaxation import quiet_highs, set_option
+
+    highs = quiet_highs()
+    set_option(highs, "threads", 1)
+    assert highs.getOptionValue("threads")[1] == 1
+    with pytest.raises(SolverError, match="no_such_option"):
+        set_option(highs, "no_such_option", 1)
+    with pytest.raises(SolverError, match="presolve='sideways'"):
+        set_option(highs, "presolve", "sideways")
+
+
 def test_clocks_useful_only_with_slack_reach_the_all_clock_optimum(raw_a100: Profile) -> None:
     """Below each computation's least-energy clock, a slower clock costs a little more energy
     but less than the blocking energy it replaces where the computation has slack. The exact

@@ -19,7 +19,7 @@ from scipy import sparse
 
 from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
-from perseus_ext.planning.relaxation import quiet_highs
+from perseus_ext.planning.relaxation import quiet_highs, set_option
 
 
 @dataclass(frozen=True)
@@ -118,9 +118,9 @@ def exact_solve(
     lp.integrality_ = [highspy.HighsVarType.kInteger] * nx + [highspy.HighsVarType.kContinuous] * (n + 1)
     # Nothing on the terminal: HiGHS's log, and its MIP solver's own prints, go nowhere.
     highs = quiet_highs()
-    highs.setOptionValue("mip_rel_gap", float(rel_gap))
+    set_option(highs, "mip_rel_gap", float(rel_gap))
     if time_limit_s:
-        highs.setOptionValue("time_limit", float(time_limit_s))
+        set_option(highs, "time_limit", float(time_limit_s))
     highs.passModel(lp)
     highs.run()
     status = highs.getModelStatus()

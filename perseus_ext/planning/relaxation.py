@@ -157,9 +157,9 @@ def _simplex(lp: "highspy.HighsLp") -> "highspy.Highs":
     T_min and T* take 17 and 5 ms without it, 35 and 20 ms with it.
     """
     highs = quiet_highs()
-    highs.setOptionValue("solver", "simplex")
-    highs.setOptionValue("threads", 1)
-    highs.setOptionValue("presolve", "off")
+    set_option(highs, "solver", "simplex")
+    set_option(highs, "threads", 1)
+    set_option(highs, "presolve", "off")
     highs.passModel(lp)
     return highs
 
@@ -167,9 +167,18 @@ def _simplex(lp: "highspy.HighsLp") -> "highspy.Highs":
 def quiet_highs() -> "highspy.Highs":
     """A HiGHS instance that prints nothing: no banner (`_simplex`), no log."""
     highs = _QuietHighs()
-    highs.setOptionValue("output_flag", False)
-    highs.setOptionValue("log_to_console", False)
+    set_option(highs, "output_flag", False)
+    set_option(highs, "log_to_console", False)
     return highs
+
+
+def set_option(highs: "highspy.Highs", name: str, value: object) -> None:
+    """Set a HiGHS option, or raise `SolverError`: `setOptionValue` only returns an error
+    status for a name or value it does not take (a renamed option in a later highspy would
+    otherwise be ignored without a word; `threads` above is what keeps HiGHS's task scheduler
+    on the walk's own threads)."""
+    if highs.setOptionValue(name, value) != highspy.HighsStatus.kOk:
+        raise SolverError(f"HiGHS (highspy) did not take its option {name}={value!r}: is this highspy release supported?")
 
 
 def csc_matrix(rows: np.ndarray, cols: np.ndarray, values: np.ndarray, num_cols: int):
