@@ -21,6 +21,8 @@ a crash or a timeout still leaves the figures measured before it. Sections:
 * end_to_end      perseus-ext's runtime end to end in dry-run: two pipeline stages' computations
                   (1F1B, 4 microbatches) in one process, a saved profile, the solve, deployed
                   iterations, and the coverage the runtime estimates;
+* waiting_power   what the GPU draws while it waits (a CUDA context and nothing queued; spin
+                  kernels, as NCCL's wait for a peer) and while it computes, at the driver's clocks;
 * cuda_graphs     (gpu_graphs.py) per-layer graphs with the hooks and markers around each graphed
                   block, against the same blocks eagerly; a full-iteration graph with external
                   CUDA events captured at every computation boundary (re-recorded at each replay?
@@ -38,7 +40,6 @@ import faulthandler
 import logging
 import os
 import platform
-import statistics
 import sys
 import threading
 import time
@@ -158,6 +159,58 @@ def section_event_timing(machine: Machine, deadline: float) -> dict[str, Any]:
                        device_minus_host_ppm=round(1e6 * (device_s - host_s) / host_s, 1),
                        note_rate="includes the two synchronisations' jitter (~10 us each: ~15 ppm at 1.5 s)")
     return figures
+
+
+def section_waiting_power(machine: Machine, gpu: Any, deadline: float) -> dict[str, Any]:
+    """What a GPU draws while it waits, at the clocks the driver picks (read-only): with a CUDA
+    context and nothing queued; inside back-to-back spin kernels (`torch.cuda._sleep`), which
+    wait the way NCCL's kernels wait for a peer at a gradient sync; and, for scale, bf16
+    matmuls. The solver charges a GPU that finishes early this blocking power. Each phase
+    keeps ~50 ms chunks of work queued, samples power and SM clock every 50 ms, and takes the
+    mean power from the energy counter over the phase (~100 ms updates: good to a few %)."""
+    torch = machine.torch
+    phase_s = 0.3 if machine.cpu else 2.5
+    matrix = None if machine.cpu else torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def chunk(kind: str) -> None:  # ~50 ms of device work
+        if machine.cpu or kind == "idle_with_context":
+            return
+        if kind == "spin_wait":
+            torch.cuda._sleep(100_000_000)  # cycles: ~50 ms at ~2 GHz
+        else:
+            for _ in range(40):  # ~1.2 ms per 8192^3 bf16 matmul on an H100
+                torch.mm(matrix, matrix)
+
+    figures: dict[str, Any] = {}
+    for kind in ("idle_with_context", "spin_wait", "compute"):
+        if time.perf_counter() + phase_s + 1.0 > deadline:
+            figures[kind] = {"skipped": "out of time"}
+            continue
+        try:
+            figures[kind] = _waiting_phase(machine, gpu, kind, chunk, phase_s)
+        except Exception as err:  # a phase that fails (torch.cuda._sleep is private) keeps the others
+            figures[kind] = {"error": repr(err)[:300]}
+    return figures
+
+
+def _waiting_phase(machine: Machine, gpu: Any, kind: str, chunk: Any, phase_s: float) -> dict[str, Any]:
+    """One phase of `section_waiting_power`: `chunk(kind)` queues ~50 ms of device work."""
+    machine.synchronize()
+    energy_start, started = gpu.energy_mj(), time.perf_counter()
+    powers, clocks, queued = [], [], []
+    while time.perf_counter() - started < phase_s:
+        queued = [event for event in queued if not event.query()]
+        while len(queued) < 3:  # the device never runs dry, the host stays ~3 chunks ahead
+            chunk(kind)
+            queued.append(machine.cuda.Event())
+            queued[-1].record()
+        time.sleep(0.05)
+        powers.append(gpu.power_w())
+        clocks.append(float(gpu.sm_clock()))
+    machine.synchronize()
+    elapsed = time.perf_counter() - started
+    return {"power_w": stats(powers), "sm_clock_mhz": stats(clocks), "seconds": round(elapsed, 3),
+            "mean_power_w_from_counter": round((gpu.energy_mj() - energy_start) / 1000.0 / elapsed, 1)}
 
 
 def _modelled_profile(path: str, gpu: Any, stage_times: list[tuple[float, float]]) -> float:
@@ -466,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as workdir:
         run_section(report, "end_to_end", budget, 80,
                     lambda d: section_end_to_end(machine, gpu, args, d, workdir))
+    run_section(report, "waiting_power", budget, 12, lambda d: section_waiting_power(machine, gpu, d))
     # Last: a capture broken on purpose (a thread polling events during a global-mode capture)
     # must not spoil the sections before it.
     run_section(report, "cuda_graphs", budget, 60, lambda d: section_cuda_graphs(machine, gpu, args, d))
