@@ -101,10 +101,13 @@ PRESETS: dict[str, Preset] = {
         static_fraction=0.21,
         voltage_floor=0.72,
         memory_bound_fraction=0.22,
-        idle_power_w=100.0,
+        # Measured (docs/device.md, runs 5-6): an H100 80GB HBM3 waiting in spin kernels, as
+        # NCCL's kernels wait for a peer, at the driver's 1980 MHz drew 124 W (an H200 127 W).
+        idle_power_w=124.0,
         default_power_limit_w=700.0,
         power_limit_range_w=(200.0, 700.0),
-        source="no published profile: A100 SXM shape scaled to H100 SXM clocks and 700 W TDP",
+        source="no published profile: A100 SXM shape scaled to H100 SXM clocks and 700 W TDP; "
+               "blocking power measured on an H100",
     ),
 }
 
