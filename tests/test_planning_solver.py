@@ -147,7 +147,7 @@ def test_gap_targeted_polish_closes_on_the_all_clock_optimum(raw_a100: Profile) 
     t_min = float(planned.dag.makespan(planned.times[:, 0]))
     t_slowest = float(planned.dag.makespan(planned.times[np.arange(planned.num_nodes), planned.num_options - 1]))
     walk = AnchorWalk(planned, 64, t_min, t_slowest, lambda t_max: (t_max - t_min) / 500)
-    walk.result()
+    walk.wait()
     walk.close()
     deadlines = np.linspace(t_min, frontier.min_energy.time, 10)
     bounds = walk.lower_bound(deadlines)
@@ -473,7 +473,8 @@ def test_the_walk_s_threads_round_blocks_as_their_anchors_arrive(raw_a100: Profi
     monkeypatch.setattr(first_pass, "first_pass_block", block)
     rounding = first_pass.FirstPass(model, grid_of, lambda deadlines: 1 + 4 * deadlines)
     walk = relaxation.AnchorWalk(model, 64, t_min, t_slowest, lambda t: step, then=rounding.take_blocks)
-    anchors, durations = walk.result()
+    anchors = walk.wait()
+    durations = walk.anchor_columns(0, len(anchors) - 1)
     walk.close()
     grid = rounding.grid
     assert len(taken_by) == 2 and sum(map(len, taken_by.values())) == -(-len(grid) // 40)
@@ -501,7 +502,7 @@ def test_the_walk_s_threads_round_blocks_as_their_anchors_arrive(raw_a100: Profi
     rounding = first_pass.FirstPass(model, grid_of, lambda deadlines: 1 + 4 * deadlines)
     walk = relaxation.AnchorWalk(model, 64, t_min, t_slowest, lambda t: step, then=rounding.take_blocks)
     with pytest.raises(SolverError, match="block failed"):
-        walk.result()
+        walk.wait()
     walk.close()
     assert not [t for t in threading.enumerate() if t.name == "frontier-lp-walk"]
 

@@ -323,13 +323,13 @@ class AnchorWalk:
         return np.r_[on_grid[on_grid < deadlines[-1] - step / 2], deadlines[-1]]
 
     def _guard(self, walk, relaxation: "ConvexRelaxation") -> None:
-        """Run one end of the walk; keep its error for `result` and stop the other end."""
+        """Run one end of the walk; keep its error for `wait` and stop the other end."""
         try:
             walk(relaxation)
             relaxation.release()  # before `then`: the other end may walk on a while
             if self._then is not None and not self._cancelled:
                 self._then(self)
-        except BaseException as err:  # raised again in the solver's thread by `result`
+        except BaseException as err:  # raised again in the solver's thread by `wait`
             self._error = self._error or err
             self._cancel()
 
@@ -399,11 +399,6 @@ class AnchorWalk:
         if self._error is not None:
             raise self._error
         return self._deadlines
-
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every anchor kept: (deadlines, relaxed durations (N, anchors)), once the walk has ended."""
-        deadlines = self.wait()
-        return deadlines, np.stack([self._columns[k] for k in range(len(deadlines))], axis=1)
 
     def lower_bound(self, deadlines: np.ndarray) -> np.ndarray:
         """A lower bound of the energy of every plan meeting each deadline, once the walk has
