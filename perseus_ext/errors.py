@@ -6,7 +6,6 @@ to learn which field of which file or config key was bad.
 
 from __future__ import annotations
 
-import difflib
 import json
 from collections.abc import Iterable
 
@@ -33,6 +32,8 @@ class ConfigError(PerseusError, ValueError):
 
 def did_you_mean(given: object, choices: Iterable[str]) -> str:
     """' (did you mean "x"?)' when one of `choices` is close to `given` (a typo), else ''."""
+    import difflib  # here: only a mistake needs it, and every command imports this module
+
     close = difflib.get_close_matches(str(given), list(choices), n=1, cutoff=0.6)
     return f" (did you mean {json.dumps(close[0])}?)" if close else ""
 
@@ -41,6 +42,8 @@ def unknown_keys_message(where: str, unknown: Iterable[object], known: Iterable[
     """The one wording of an unknown-key mistake, for every section and sub-section: it names
     each unknown key in full, suggests the known key it is closest to (the usual fix is a typo)
     and lists the known ones."""
+    import difflib  # as in `did_you_mean`
+
     known = sorted(known)
     named = []
     for key in sorted(map(str, unknown)):
