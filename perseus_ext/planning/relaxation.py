@@ -116,7 +116,7 @@ class ConvexRelaxation:
         if status != highspy.HighsModelStatus.kOptimal:
             raise SolverError(f"LP relaxation with a free deadline ended with {h.modelStatusToString(status)}")
         t_star = float(h.getSolution().col_value[self.t_col])
-        self.free_optimum_j = h.getInfo().objective_function_value + self.constant_j
+        self.free_optimum_j = h.getObjectiveValue() + self.constant_j
         h.changeColCost(self.t_col, 0.0)
         return t_star
 
@@ -130,7 +130,7 @@ class ConvexRelaxation:
             raise SolverError(f"LP relaxation at T={deadline:.6f}s ended with {h.modelStatusToString(status)}")
         x = h.getSolution().col_value  # a list: np.fromiter reads it in half np.asarray's time
         self.optimum_j = (
-            h.getInfo().objective_function_value + self.constant_j
+            h.getObjectiveValue() + self.constant_j
             + self.model.blocking_power * self.model.num_stage_gpus * deadline
         )
         fills = np.clip(np.fromiter(x[self.n : self.n + self.m], float, self.m), 0.0, self.seg_len)
