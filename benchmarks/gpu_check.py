@@ -166,10 +166,12 @@ def section_waiting_power(machine: Machine, gpu: Any, deadline: float) -> dict[s
     context and nothing queued; inside back-to-back spin kernels (`torch.cuda._sleep`), which
     wait the way NCCL's kernels wait for a peer at a gradient sync; and, for scale, bf16
     matmuls. The solver charges a GPU that finishes early this blocking power. Each phase
-    keeps ~50 ms chunks of work queued, samples power and SM clock every 50 ms, and takes the
-    mean power from the energy counter over the phase (~100 ms updates: good to a few %)."""
+    keeps ~50 ms chunks of work queued, first for `settle_s` unmeasured (the driver's power
+    reading averages over about a second: runs 5-7 saw the previous section's ~690 W in the
+    first idle samples), then samples power and SM clock every 50 ms and takes the mean power
+    from the energy counter over the phase (~100 ms updates: good to a few %)."""
     torch = machine.torch
-    phase_s = 0.3 if machine.cpu else 2.5
+    phase_s, settle_s = (0.3, 0.0) if machine.cpu else (2.5, 1.0)
     matrix = None if machine.cpu else torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 
     def chunk(kind: str) -> None:  # ~50 ms of device work
@@ -183,28 +185,40 @@ def section_waiting_power(machine: Machine, gpu: Any, deadline: float) -> dict[s
 
     figures: dict[str, Any] = {}
     for kind in ("idle_with_context", "spin_wait", "compute"):
-        if time.perf_counter() + phase_s + 1.0 > deadline:
+        if time.perf_counter() + settle_s + phase_s + 1.0 > deadline:
             figures[kind] = {"skipped": "out of time"}
             continue
         try:
-            figures[kind] = _waiting_phase(machine, gpu, kind, chunk, phase_s)
+            figures[kind] = _waiting_phase(machine, gpu, kind, chunk, phase_s, settle_s)
         except Exception as err:  # a phase that fails (torch.cuda._sleep is private) keeps the others
             figures[kind] = {"error": repr(err)[:300]}
     return figures
 
 
-def _waiting_phase(machine: Machine, gpu: Any, kind: str, chunk: Any, phase_s: float) -> dict[str, Any]:
-    """One phase of `section_waiting_power`: `chunk(kind)` queues ~50 ms of device work."""
+def _waiting_phase(
+    machine: Machine, gpu: Any, kind: str, chunk: Any, phase_s: float, settle_s: float = 0.0
+) -> dict[str, Any]:
+    """One phase of `section_waiting_power`: `chunk(kind)` queues ~50 ms of device work; the
+    work runs `settle_s` before anything is measured."""
     machine.synchronize()
-    energy_start, started = gpu.energy_mj(), time.perf_counter()
-    powers, clocks, queued = [], [], []
-    while time.perf_counter() - started < phase_s:
+    queued: list[Any] = []
+
+    def keep_queued() -> None:  # the device never runs dry, the host stays ~3 chunks ahead
+        nonlocal queued
         queued = [event for event in queued if not event.query()]
-        while len(queued) < 3:  # the device never runs dry, the host stays ~3 chunks ahead
+        while len(queued) < 3:
             chunk(kind)
             queued.append(machine.cuda.Event())
             queued[-1].record()
         time.sleep(0.05)
+
+    settled = time.perf_counter() + settle_s
+    while time.perf_counter() < settled:
+        keep_queued()
+    energy_start, started = gpu.energy_mj(), time.perf_counter()
+    powers, clocks = [], []
+    while time.perf_counter() - started < phase_s:
+        keep_queued()
         powers.append(gpu.power_w())
         clocks.append(float(gpu.sm_clock()))
     machine.synchronize()

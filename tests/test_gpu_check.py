@@ -102,3 +102,34 @@ def test_cpu_mode_runs_every_section_and_the_guard_stops_a_live_controller(tmp_p
     assert full["observer_in_step"]["markers_observed"] == 3 * 9 and full["controller_errors"] == 0
     assert graphs["capture_probe"]["inside"]["torch"] and not graphs["capture_probe"]["after"]["torch"]
     assert "hook_us" in process.stdout  # the table
+
+
+def test_a_waiting_power_phase_measures_nothing_while_its_work_settles():
+    """The driver's power reading lags (about a second): the phase's work runs `settle_s`
+    before the first sample and before the energy counter's start is read."""
+    import time
+
+    from gpu_check import _waiting_phase
+
+    calls: list[tuple[str, float]] = []
+
+    class Event:
+        def record(self) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+    machine = types.SimpleNamespace(synchronize=lambda: None, cuda=types.SimpleNamespace(Event=Event))
+    gpu = types.SimpleNamespace(
+        energy_mj=lambda: calls.append(("energy", time.perf_counter())) or 1000.0 * len(calls),
+        power_w=lambda: calls.append(("power", time.perf_counter())) or 120.0,
+        sm_clock=lambda: 1980,
+    )
+    chunks: list[float] = []
+    started = time.perf_counter()
+    figures = _waiting_phase(machine, gpu, "spin_wait", lambda kind: chunks.append(time.perf_counter()), 0.2, 0.3)
+    assert calls[0][0] == "energy" and calls[0][1] - started >= 0.3  # nothing read while settling
+    assert all(at - started >= 0.3 for _, at in calls)
+    assert min(chunks) - started < 0.05  # the work itself started at once
+    assert figures["power_w"]["median"] == 120.0 and figures["sm_clock_mhz"]["median"] == 1980.0
