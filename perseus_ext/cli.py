@@ -81,11 +81,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 def _named_command(argv: Sequence[str] | None) -> str | None:
     """The command `argv` names, if it is one of ours: its first word that is not an option
-    (the top parser's options, -v/-q/-h/--version, take no value)."""
-    if argv is None:
-        return None
-    first = next((word for word in argv if not word.startswith("-")), None)
-    return first if first in COMMAND_MODULES else None
+    (the top parser's options, -v/-q/-h/--version, take no value). None when the top parser's
+    help comes first (`perseus-ext --help frontier` lists every command)."""
+    for word in argv or ():
+        if word in ("-h", "--help"):
+            return None
+        if not word.startswith("-"):
+            return word if word in COMMAND_MODULES else None
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,9 +35,17 @@ def test_a_line_that_names_a_command_builds_only_its_parser_and_parses_the_same(
     assert vars(parser.parse_args(argv)) == vars(build_parser().parse_args(argv))
 
 
-@pytest.mark.parametrize("argv", [[], ["--help"], ["--version"], ["frontiers", "--microbatches", "4"]])
+@pytest.mark.parametrize("argv", [[], ["--help"], ["-q", "-h", "frontier"], ["--version"], ["frontiers", "--microbatches", "4"]])
 def test_a_line_that_names_no_command_gets_every_parser(argv) -> None:
     assert _commands(build_parser(argv)) == list(COMMAND_MODULES)
+
+
+def test_the_top_help_lists_every_command_even_before_one(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--help", "frontier"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in COMMAND_MODULES)
 
 
 def test_a_mistyped_command_is_told_every_command(capsys) -> None:
