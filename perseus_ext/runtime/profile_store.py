@@ -76,8 +76,16 @@ class ProfileStore:
                                saved_gpu if saved_gpu is not None else self.gpu_name)
 
     def save(self, measured: MeasuredProfile, schedule: PipelineSchedule) -> None:
-        """Write the CSV and its sidecar; a failure is logged (the job goes on without it)."""
+        """Write the CSV and its sidecar; a failure is logged (the job goes on without it).
+
+        A profile without a blocking power (its estimate failed: `profiling.py`) is not
+        written: the next run could not plan with it, and would stop at the door instead of
+        profiling again (a recurring job broke on its second run this way)."""
         if self.path is None:
+            return
+        if not measured.blocking_power_per_gpu_w > 0:
+            logger.warning("perseus-ext: the profile is not saved to %s: it has no blocking power (set "
+                           "%s.blocking_power_w to keep one); the next run profiles again", self.path, PREFIX)
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -179,22 +179,40 @@ class ProfilingRun:
         gpus_per_stage = peers_per_stage.pop()
         by_stage = _fill_in_overhead(by_stage, pipeline)
         rows = []
-        stage_blocking_w = []
         for stage, peers in sorted(by_stage.items()):
             indexed = [{(r.instruction, r.frequency): r for r in p.rows} for p in peers]
             for key in sorted(set.intersection(*(set(rows_of) for rows_of in indexed))):
                 matches = [rows_of[key] for rows_of in indexed]
                 rows.append({"stage": stage, "instruction": key[0], "frequency": key[1],
                              "time": max(r.time for r in matches), "energy": sum(r.energy for r in matches)})
-            stage_blocking_w.append(sum(p.blocking_power_w for p in peers))
         per_stage_w = (blocking_override_w * gpus_per_stage if blocking_override_w is not None
-                       else statistics.fmean(stage_blocking_w))
+                       else gpus_per_stage * _blocking_power_per_gpu_w(by_stage, pipeline))
         try:
             profile = Profile.from_rows(rows, source=f"online profile of pipeline {pipeline}")
         except PerseusError as err:
             logger.error("perseus-ext: pipeline %d profile is unusable: %s", pipeline, err)
             return None
         return MeasuredProfile(profile, per_stage_w, gpus_per_stage, gpu_name)
+
+
+def _blocking_power_per_gpu_w(by_stage: dict[int, list[StageMeasurements]], pipeline: int) -> float:
+    """One GPU's blocking power: the mean of the GPUs' estimates that came out positive.
+
+    A GPU's fit can fail to tell its idle power from its busy power (windows whose idle time
+    moves with the computations' time) and comes out at or below 0 W, clipped to 0: no GPU
+    waits at 0 W, so such an estimate says nothing, and averaging it in would pull the
+    pipeline's figure down. With no positive estimate the figure is 0 W: this run plans as if
+    waiting were free (clocks filtered on energy alone), and the profile store does not save a
+    profile without a blocking power (`ProfileStore.save`), so the next run profiles again."""
+    estimates = [m.blocking_power_w for peers in by_stage.values() for m in peers]
+    known = [w for w in estimates if w > 0]
+    if len(known) < len(estimates):
+        logger.warning(
+            "perseus-ext: pipeline %d: %d of %d GPU(s) could not estimate the blocking power from their "
+            "profiling windows (the fit came out at or below 0 W)%s; set %s.blocking_power_w to the GPUs' "
+            "power while they wait", pipeline, len(estimates) - len(known), len(estimates),
+            "; the others' mean is used" if known else "; this run plans as if waiting were free", PREFIX)
+    return statistics.fmean(known) if known else 0.0
 
 
 def _fill_in_overhead(by_stage: dict[int, list[StageMeasurements]], pipeline: int) -> dict[int, list[StageMeasurements]]:
