@@ -345,8 +345,9 @@ class PerseusConfig(Section):
         description="How many searched clocks below the most efficient one must each cost more by over two "
                     "standard errors before stopping.")] = 2
     blocking_power_w: Annotated[number(example=83.6, unit="watts", above=0) | None, Field(
-        description="GPU power while blocked on communication. `null`: estimated while profiling, or read "
-                    "from an existing `profile_path`'s `<path>.json`.")] = None
+        description="GPU power while blocked on communication. `null`: estimated while profiling (a profile "
+                    "whose estimate fails is not saved: the next run profiles again), or read from an existing "
+                    "`profile_path`'s `<path>.json`.")] = None
     profile_path: Annotated[
         Annotated[text(example="profiles/job.csv", what="a non-empty path"), AfterValidator(_profile_path)] | None,
         Field(description="Profile CSV (`stage,instruction,frequency,time,energy`) plus `<path>.json` (blocking "
