@@ -14,7 +14,10 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import ValidationError
+
 from perseus_ext.errors import ConfigError, PerseusError
+from perseus_ext.inputs import validation_problem
 from perseus_ext.planning.profile import load_profile
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.runtime.config import PREFIX, PerseusConfig, ProfileSidecar
@@ -78,24 +81,25 @@ class ProfileStore:
     def save(self, measured: MeasuredProfile, schedule: PipelineSchedule) -> None:
         """Write the CSV and its sidecar; a failure is logged (the job goes on without it).
 
-        A profile without a blocking power (its estimate failed: `profiling.py`) is not
-        written: the next run could not plan with it, and would stop at the door instead of
-        profiling again (a recurring job broke on its second run this way)."""
+        The sidecar goes through `ProfileSidecar`, the model the next run reads it with: a
+        profile whose side file that run would refuse (no blocking power, when the estimate
+        failed: `profiling.py`) is not written, so the next run profiles again instead of
+        stopping at the door (a recurring job broke on its second run this way)."""
         if self.path is None:
             return
-        if not measured.blocking_power_per_gpu_w > 0:
-            logger.warning("perseus-ext: the profile is not saved to %s: it has no blocking power (set "
-                           "%s.blocking_power_w to keep one); the next run profiles again", self.path, PREFIX)
+        try:
+            sidecar = ProfileSidecar(blocking_power_w=measured.blocking_power_per_gpu_w,
+                                     gpus_per_stage=measured.gpus_per_stage, gpu=measured.gpu_name)
+        except ValidationError as err:
+            field, problem = validation_problem(err)
+            logger.warning("perseus-ext: the profile is not saved to %s: its %s would be refused (%s; set "
+                           "%s.blocking_power_w to keep one); the next run profiles again",
+                           self.path, field, problem, PREFIX)
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             measured.profile.save(self.path)
-            sidecar_path(self.path).write_text(json.dumps({
-                "blocking_power_w": measured.blocking_power_per_gpu_w,
-                "gpus_per_stage": measured.gpus_per_stage,
-                "gpu": measured.gpu_name,
-                "schedule": schedule.describe(),
-            }))
+            sidecar_path(self.path).write_text(json.dumps({**sidecar.model_dump(), "schedule": schedule.describe()}))
         except OSError as err:
             logger.error("perseus-ext: cannot save the profile to %s: %s", self.path, err)
             return
