@@ -12,7 +12,6 @@ error names the file, the row, the field and the fix.
 from __future__ import annotations
 
 import csv
-import difflib
 import io
 import logging
 import math
@@ -353,6 +352,8 @@ def _parse_instruction(row: Mapping[str, object], where: str) -> str:
         return instruction
     if not instruction:
         raise ProfileError(f"{where}: field 'instruction' is empty; use 'forward' or 'backward'")
+    import difflib  # here: only a mistake needs it (the frontier command's start-up time)
+
     close = difflib.get_close_matches(instruction.lower(), REQUIRED_INSTRUCTIONS, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ProfileError(
