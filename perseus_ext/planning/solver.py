@@ -19,8 +19,9 @@ all of them at once with numpy, so there is no per-deadline graph algorithm in P
 3. *Slack reclaim.* Rounding leaves slack; forward and backward passes over the DAG give each
    computation the slowest clock that fits in its slack window (`passes.reclaim_slack`).
 4. *Carry and stretch.* Every other deadline whose best plan is not its own also gets the best
-   plan of any earlier deadline, stretched into its slack; the plans at the start of gaps in the frontier are stretched into
-   deadlines inside the gaps, in two rounds (the second fills the gaps the first opened).
+   plan of any earlier deadline, stretched into its slack; the plans at the start of gaps in
+   the frontier are stretched into deadlines inside the gaps, in two rounds (the second fills
+   the gaps the first opened).
 5. *Gap-targeted polish* (while its cost fits `gap_polish_budget`, i.e. up to ~180
    computations): the LP anchors bound the energy of any plan at every deadline from below
    (`AnchorWalk.lower_bound`); where the best plan is more than `_GAP_TARGET` over that bound,
