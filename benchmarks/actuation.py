@@ -126,11 +126,12 @@ def hook_cost(plan: tuple[int, ...], iterations: int = 300, device_lag_s: float 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--durations-ms", type=float, nargs="+", default=[10.0, 25.0, 50.0, 100.0])
-    parser.add_argument("--iterations", type=int, default=6)
-    parser.add_argument("--computations", type=int, default=8)
-    parser.add_argument("--gap-ms", type=float, default=1.0, help="host work between launches")
+    from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--durations-ms", type=bounded_float(0.0, 1e9, inclusive_min=False), nargs="+", default=[10.0, 25.0, 50.0, 100.0])
+    parser.add_argument("--iterations", type=bounded_int(1, 10**9), default=6)
+    parser.add_argument("--computations", type=bounded_int(1, 10**9), default=8)
+    parser.add_argument("--gap-ms", type=bounded_float(0.0, 1e9), default=1.0, help="host work between launches")
     args = parser.parse_args()
     print("# one stage, paced simulated A100 (switch 20 ms + ramp 10 ms), host leads by the launch "
           f"queue; {args.iterations} iterations x {args.computations} computations, clocks "

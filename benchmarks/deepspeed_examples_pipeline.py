@@ -85,16 +85,17 @@ def print_summaries(out: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--example", default=os.environ.get("DSE_PIPELINE_DIR"),
                         help="DeepSpeedExamples' training/pipeline_parallelism directory")
-    parser.add_argument("--gas", type=int, default=4, help="microbatches per iteration")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--forward-seconds", type=float, nargs=2, default=[0.05, 0.05])
-    parser.add_argument("--backward-seconds", type=float, nargs=2, default=[0.10, 0.10])
+    parser.add_argument("--gas", type=bounded_int(1, 10**9), default=4, help="microbatches per iteration")
+    parser.add_argument("--steps", type=bounded_int(1, 10**9), default=30)
+    parser.add_argument("--forward-seconds", type=bounded_float(0.0, 1e9, inclusive_min=False), nargs=2, default=[0.05, 0.05])
+    parser.add_argument("--backward-seconds", type=bounded_float(0.0, 1e9, inclusive_min=False), nargs=2, default=[0.10, 0.10])
     parser.add_argument("--perseus", default="{}", help="extra keys of the perseus section (JSON)")
     parser.add_argument("--out", default=None, help="directory for the config, logs and summaries")
-    parser.add_argument("--timeout", type=float, default=1200)
+    parser.add_argument("--timeout", type=bounded_float(0.0, 1e9, inclusive_min=False), default=1200)
     parser.add_argument("--package-root", default=str(REPO), help="the perseus-ext checkout to run (compare versions)")
     args = parser.parse_args()
     example = Path(args.example) if args.example else None

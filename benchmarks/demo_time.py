@@ -32,10 +32,11 @@ def _start(checkout: Path, out: Path) -> tuple[subprocess.Popen, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from perseus_ext.commands.options import bounded_int  # the CLI's flag types
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--reference", default="8ca3278",
                         help="commit whose demo is the reference (default: %(default)s, the last 64-iteration demo)")
-    parser.add_argument("--runs", type=int, default=1, help="side-by-side pairs (default: %(default)s)")
+    parser.add_argument("--runs", type=bounded_int(1, 10**9), default=1, help="side-by-side pairs (default: %(default)s)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="demo-time-") as scratch:
         reference = Path(scratch) / "reference"

@@ -22,10 +22,11 @@ SWEEP = [1.0 + 0.05 * k for k in range(11)]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--profile", default=str(ROOT / "examples/profiles/gpt3-175b-a100_sxm.csv"))
-    parser.add_argument("--blocking-power", type=float, default=83.64)
-    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--blocking-power", type=bounded_float(0.0, 1e9, inclusive_min=False), default=83.64)
+    parser.add_argument("--repeat", type=bounded_int(1, 10**9), default=1)
     args = parser.parse_args()
 
     profile = load_profile(args.profile)

@@ -52,8 +52,9 @@ def one_run(variant: str) -> tuple[int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=100, help="two-rank jobs per variant")
+    from perseus_ext.commands.options import bounded_int  # the CLI's flag types
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--runs", type=bounded_int(1, 10**9), default=100, help="two-rank jobs per variant")
     args = parser.parse_args()
     aborted = {"leave": 0, "close": 0}
     failed = {"leave": 0, "close": 0}

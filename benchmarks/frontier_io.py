@@ -23,11 +23,12 @@ DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "examples/profiles/gpt3-
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
-    parser.add_argument("--stages", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[24, 96])
-    parser.add_argument("--blocking-power", type=float, default=83.64)
+    parser.add_argument("--stages", type=bounded_int(1, 10**9), default=8)
+    parser.add_argument("--microbatches", type=bounded_int(1, 10**9), nargs="+", default=[24, 96])
+    parser.add_argument("--blocking-power", type=bounded_float(0.0, 1e9, inclusive_min=False), default=83.64)
     args = parser.parse_args()
     profile = load_profile(args.profile)
     header = f"{'pipeline':>8} {'plans':>6} {'JSON MB':>8} {'write s':>8} {'dict pickle MB':>14} {'compact MB':>10} {'per rank MB':>11}"

@@ -236,16 +236,17 @@ def measure_actuation(machine: Machine, gpu: Any, *, layers: int, hidden: int, s
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks (one computation each)")
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--sequence", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--iterations", type=int, default=40, help="iterations with the host ahead")
-    parser.add_argument("--quiet-iterations", type=int, default=10, help="iterations ahead without controller threads")
-    parser.add_argument("--records-only-iterations", type=int, default=10,
+    from perseus_ext.commands.options import bounded_int  # the CLI's flag types
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--layers", type=bounded_int(1, 10**9), default=4, help="transformer blocks (one computation each)")
+    parser.add_argument("--hidden", type=bounded_int(1, 10**9), default=4096)
+    parser.add_argument("--sequence", type=bounded_int(1, 10**9), default=1024)
+    parser.add_argument("--batch", type=bounded_int(1, 10**9), default=4)
+    parser.add_argument("--iterations", type=bounded_int(1, 10**9), default=40, help="iterations with the host ahead")
+    parser.add_argument("--quiet-iterations", type=bounded_int(0, 10**9), default=10, help="iterations ahead without controller threads")
+    parser.add_argument("--records-only-iterations", type=bounded_int(0, 10**9), default=10,
                         help="iterations ahead with plain event records in the hooks' place")
-    parser.add_argument("--in-step-iterations", type=int, default=10, help="iterations synchronised at their end")
+    parser.add_argument("--in-step-iterations", type=bounded_int(0, 10**9), default=10, help="iterations synchronised at their end")
     parser.add_argument("--output", "--json", dest="json", help="also write the figures to this file")
     args = parser.parse_args()
 

@@ -452,25 +452,26 @@ def run_section(report: Report, name: str, budget: Budget, wanted_s: float, body
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--output", "--json", dest="json", help="write the figures here (rewritten after every section)")
     parser.add_argument("--cpu", action="store_true", help="fakes instead of a GPU (the test suite runs this)")
-    parser.add_argument("--budget-s", type=float, default=210.0, help="the whole run's time budget")
-    parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--hidden", type=int, default=None)
-    parser.add_argument("--sequence", type=int, default=None)
-    parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--iterations", type=int, default=40, help="actuation: iterations with the host ahead")
-    parser.add_argument("--quiet-iterations", type=int, default=10,
+    parser.add_argument("--budget-s", type=bounded_float(0.0, 1e9, inclusive_min=False), default=210.0, help="the whole run's time budget")
+    parser.add_argument("--layers", type=bounded_int(1, 10**9), default=None)
+    parser.add_argument("--hidden", type=bounded_int(1, 10**9), default=None)
+    parser.add_argument("--sequence", type=bounded_int(1, 10**9), default=None)
+    parser.add_argument("--batch", type=bounded_int(1, 10**9), default=None)
+    parser.add_argument("--iterations", type=bounded_int(1, 10**9), default=40, help="actuation: iterations with the host ahead")
+    parser.add_argument("--quiet-iterations", type=bounded_int(0, 10**9), default=10,
                         help="actuation: iterations with the host ahead and no controller threads")
-    parser.add_argument("--records-only-iterations", type=int, default=10,
+    parser.add_argument("--records-only-iterations", type=bounded_int(0, 10**9), default=10,
                         help="actuation: iterations with the host ahead and plain event records in the hooks' place")
-    parser.add_argument("--in-step-iterations", type=int, default=10,
+    parser.add_argument("--in-step-iterations", type=bounded_int(0, 10**9), default=10,
                         help="actuation: iterations synchronised at their end (the launch queue never fills)")
-    parser.add_argument("--e2e-iterations", type=int, default=30)
-    parser.add_argument("--graph-iterations", type=int, default=12,
+    parser.add_argument("--e2e-iterations", type=bounded_int(1, 10**9), default=30)
+    parser.add_argument("--graph-iterations", type=bounded_int(1, 10**9), default=12,
                         help="cuda_graphs: hooked iterations per-layer, eager and graphed")
-    parser.add_argument("--graph-replays", type=int, default=20, help="cuda_graphs: replays of the full-iteration graph")
+    parser.add_argument("--graph-replays", type=bounded_int(1, 10**9), default=20, help="cuda_graphs: replays of the full-iteration graph")
     args = parser.parse_args(argv)
     defaults = dict(layers=4, hidden=64, sequence=16, batch=2) if args.cpu else \
         dict(layers=4, hidden=4096, sequence=1024, batch=4)

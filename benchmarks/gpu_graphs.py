@@ -1,4 +1,4 @@
-"""CUDA graphs and perseus-ext's device markers on a real GPU (issue 28), read-only, in dry-run.
+"""CUDA graphs and perseus-ext's device markers on a real GPU, read-only, in dry-run.
 
 `gpu_check.py` runs this as its `cuda_graphs` section. It answers, on the hardware:
 
@@ -21,7 +21,7 @@
   event's `query()` during a capture (what perseus-ext's worker and observer do) breaks a capture
   in "thread_local" mode, in CUDA's default "global" mode with the poller's own capture mode set
   as perseus-ext's threads set theirs (`measurement/gpu/capture_mode.py`), and in plain "global"
-  mode (run 2 on an H200: it does). Run last: a broken capture must not spoil the other answers.
+  mode (a real H200 does). Run last: a broken capture must not spoil the other answers.
 
 `--cpu`: there are no CUDA graphs on a CPU; a stand-in graph (replay runs the captured function
 again, events are reached when recorded) drives the same code so that it cannot rot. Its answers

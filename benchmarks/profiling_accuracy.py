@@ -116,8 +116,9 @@ def run_seed(seed: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=4)
+    from perseus_ext.commands.options import bounded_int  # the CLI's flag types
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--seeds", type=bounded_int(1, 10**9), default=4)
     args = parser.parse_args()
     results = [run_seed(seed) for seed in range(args.seeds)]
     print("seed stage iters clocks kept  power rms  blocking W (true)  min-energy clock est/profiled/true (step)")

@@ -46,8 +46,9 @@ def peak_rss_mb(code: Path, logs: list[Path]) -> tuple[float, float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[20_000, 250_000], help="iterations per rank's log")
+    from perseus_ext.commands.options import bounded_int  # the CLI's flag types
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--rows", type=bounded_int(1, 10**9), nargs="+", default=[20_000, 250_000], help="iterations per rank's log")
     parser.add_argument("--reference", type=Path, help="a checkout of the code to compare with (its repo root)")
     args = parser.parse_args()
     codes = {"this checkout": REPO, **({"reference": args.reference} if args.reference else {})}

@@ -50,10 +50,11 @@ def wait_optimal_clocks(profile: Profile, blocking_power_w: float) -> set[int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--profiles", nargs="+", default=list(PROFILES))
-    parser.add_argument("--microbatches", nargs="+", type=int, default=[48, 96])
-    parser.add_argument("--factors", nargs="+", type=float, default=list(FACTORS))
+    parser.add_argument("--microbatches", nargs="+", type=bounded_int(1, 10**9), default=[48, 96])
+    parser.add_argument("--factors", nargs="+", type=bounded_float(1.0, 100.0), default=list(FACTORS))
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     for stem in args.profiles:

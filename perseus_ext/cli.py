@@ -8,15 +8,15 @@ operating-system error while writing results is one line too (exit 1).
 
 The executable (`console`) ends a command that asks for it (`exit_at_once`, set by
 `frontier`) with `os._exit` once its output is flushed: tearing the interpreter down frees
-every object and module one by one, 30-60 ms of a ~0.5 s `frontier` run on this project's
-2-core machine (mypy ends its runs the same way for the same reason). The executable's
+every object and module one by one, a tenth of a short `frontier` run (mypy ends its runs
+the same way for the same reason). The executable's
 process is all perseus-ext's, so it also has glibc keep freed memory for reuse
 (`allocator.py`), and a command that exits at once runs without the cyclic garbage
 collector (`console`); `main`, which a program may call, leaves both alone.
 
 Only the command named on the command line is registered (its module imported), unless the
-line names none (`perseus-ext --help`, a mistyped command): the other six parsers cost the
-executable ~4 ms of a ~0.26 s `frontier` run.
+line names none (`perseus-ext --help`, a mistyped command): the other parsers would cost a
+short `frontier` run a few milliseconds.
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import orjson

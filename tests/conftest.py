@@ -28,13 +28,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="module")
 def postgres():
-    """A real PostgreSQL server on a loopback port for the module's tests (started as the
-    unprivileged `postgres` user); the tests skip, saying why, where it cannot start."""
-    from postgres_server import ServerUnavailable, start_server
+    """A real PostgreSQL server on a loopback port for the module's tests: the one `.ci/run`
+    started (PERSEUS_TEST_POSTGRES_PORT), else one started here as the unprivileged `postgres`
+    user. Where none can be had the tests skip, saying why -- except under CI (env CI=true),
+    where they fail, as the Prometheus tests do: a CI run never passes without the server."""
+    from postgres_server import ServerUnavailable, server_from_environment, start_server
 
     try:
-        server = start_server()
+        server = server_from_environment() or start_server()
     except ServerUnavailable as err:
-        pytest.skip(f"PostgreSQL server could not start here: {err}")
+        message = f"PostgreSQL server could not start here: {err}"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message + "; .ci/run starts one (PostgreSQL comes with the CI image)")
+        pytest.skip(message)
     yield server
     server.stop()

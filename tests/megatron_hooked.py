@@ -29,7 +29,7 @@ from runtime_helpers import STAGE_BACKWARD_S, STAGE_FORWARD_S, make_config, sim_
 
 from perseus_ext.adapters.megatron import MegatronPerseus
 from perseus_ext.adapters.megatron_surface import installed_version, patch_surface
-from perseus_ext.monitoring import IterationMetrics
+from perseus_ext.observability.monitoring import IterationMetrics
 from perseus_ext.planning.schedule import Kind, build_schedule
 from perseus_ext.runtime import PerseusRuntime
 from perseus_ext.runtime.comm import Member
@@ -74,7 +74,7 @@ def hooked_ranks(tmp_path: Path, num_stages: int, num_microbatches: int, model_c
         runtime.comm.members = [Member(0, 0, 0)] + ([Member(0, 0, stage)] if stage else [])
         perseus = MegatronPerseus(None, gpu=gpu)
         perseus._config = config
-        perseus.runtime, perseus.metrics = runtime, IterationMetrics(runtime, [])
+        perseus.runtime, perseus.metrics = runtime, IterationMetrics(runtime.parts.feed, [])
         perseus.schedule, perseus.stage = schedule, stage
         if model_config is not None:
             perseus.adopt_execution(model_config)

@@ -13,20 +13,18 @@ from hypothesis import strategies as st
 
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.runtime import PerseusRuntime
-from perseus_ext.runtime.baseline import (
+from perseus_ext.observability.run_figures import (
     EARLY_ITERATIONS,
     EARLY_PERIOD,
     PROBE,
-    Comparison,
-    Moments,
-    ProbeSchedule,
-    Ratio,
     Sample,
     job_samples,
     measured_counterfactual,
     phase_costs,
 )
-from perseus_ext.runtime.phase import Phase
+from perseus_ext.observability.saving_estimate import Comparison, Moments, Ratio
+from perseus_ext.runtime.baseline import ProbeSchedule
+from perseus_ext.observability.phase import Phase
 from runtime_helpers import make_config, sim_gpu  # noqa: E402
 
 
@@ -58,12 +56,21 @@ def test_probes_are_rare_deterministic_and_clear_of_checks(fraction, interval, d
 
     assert len(set(window(p) for p in probes)) == len(probes)  # at most one per window
     assert len(probes) <= len({window(index) for index in range(deployed)})
-    if deployed >= EARLY_ITERATIONS and interval >= 4 and period > EARLY_PERIOD:  # a short job: >= 2 probes
-        assert len([p for p in probes if p < EARLY_ITERATIONS]) >= 2
     guard = first.guard
     for index in probes:
         offset = index % interval
         assert guard <= offset <= interval - guard  # never next to a straggler check
+
+
+@settings(max_examples=40, deadline=None)
+@given(fraction=st.sampled_from([0.05, 0.01]), interval=st.integers(4, 12),
+       deployed=st.integers(EARLY_ITERATIONS, 400))
+def test_a_short_job_with_rare_probes_still_gets_two_early_ones(fraction, interval, deployed):
+    """Probes rarer than one in EARLY_PERIOD still give a short job two in its first
+    EARLY_ITERATIONS deployed iterations, clear of the straggler checks."""
+    assert round(1 / fraction) > EARLY_PERIOD
+    probes = probes_of(ProbeSchedule(fraction, interval), deployed)
+    assert len([p for p in probes if p < EARLY_ITERATIONS]) >= 2
 
 
 def test_probe_schedule_examples():

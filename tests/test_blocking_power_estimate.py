@@ -14,7 +14,7 @@ import pytest
 from perseus_ext.errors import ConfigError
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.runtime.comm import Member
-from perseus_ext.runtime.config import PerseusConfig
+from perseus_ext.config import PerseusConfig
 from perseus_ext.runtime.profile_store import ProfileStore
 from perseus_ext.runtime.profiler import ProfileRow, StageMeasurements
 from perseus_ext.runtime.profiling import ProfilingRun

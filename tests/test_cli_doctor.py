@@ -57,3 +57,35 @@ def test_doctor_without_a_gpu_lists_the_problem(monkeypatch, capsys) -> None:
     captured = capsys.readouterr()
     assert "NVML: unavailable: the NVML backend needs nvidia-ml-py" in captured.out
     assert "problem: no GPU to measure" in captured.err
+
+
+def test_doctor_names_a_zeusd_that_does_not_answer_on_any_backend(monkeypatch, tmp_path, capsys) -> None:
+    """A configured zeusd is asked whatever the GPU (here simulated, and no NVML at all): one
+    that does not answer is a problem, named, and the exit status is 1."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setenv("ZEUSD_SOCK_PATH", str(tmp_path / "missing.sock"))
+    monkeypatch.delenv("ZEUSD_HOST_PORT", raising=False)
+    assert main(["doctor", "--gpu", "sim:a40?pace=0&period=0.02", "--updates", "2"]) == 1
+    captured = capsys.readouterr()
+    problems = [line for line in captured.err.splitlines() if line.startswith("problem: ")]
+    assert len(problems) == 1, captured.err
+    assert problems[0].startswith("problem: clock control path: zeusd: zeusd at") and "no socket at" in problems[0]
+    monkeypatch.delenv("ZEUSD_SOCK_PATH")
+    assert main(["doctor", "--gpu", "sim:a40?pace=0&period=0.02", "--updates", "2"]) == 0  # no zeusd asked for
+
+
+def test_doctor_on_a_real_gpu_without_a_control_path_is_a_problem(monkeypatch, capsys) -> None:
+    """A real GPU nobody here may set clocks on: jobs would run in dry-run; doctor says so and
+    exits 1 (the same machine asked about a simulated GPU exits 0)."""
+    devices = [FakeDevice("GPU-aaaa", "00000000:81:00.0")]
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVMLWithDriver(devices))
+    monkeypatch.setattr("perseus_ext.measurement.gpu.nvml.has_clock_privilege", lambda: False)
+    monkeypatch.delenv("ZEUSD_SOCK_PATH", raising=False)
+    monkeypatch.delenv("ZEUSD_HOST_PORT", raising=False)
+    monkeypatch.setattr("perseus_ext.commands.doctor.measure_gpu", lambda *args: {"available": False,
+                                                                                   "reason": "not measured here"})
+    assert main(["doctor", "--gpu", "nvml"]) == 1
+    err = capsys.readouterr().err
+    assert "problem: no path can set clocks on this GPU: no CAP_SYS_ADMIN, and neither ZEUSD_SOCK_PATH" in err
+    assert main(["doctor", "--gpu", "sim:a40"]) == 1  # only the unmeasured GPU, not the control path
+    assert "no path can set clocks" not in capsys.readouterr().err

@@ -7,8 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import subprocess
-import sys
 import tracemalloc
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,19 +16,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter
 
+from perseus_ext.config import Mode, NvmlSpec, PerseusConfig, SimulatedWorkload, parse_gpu_spec
+from perseus_ext.config.key_table import key_table_markdown
+from perseus_ext.config.perseus import solver_bounds
+from perseus_ext.config.policy import CarbonSourceKind, PolicyMode, PolicySection, PolicyType
+from perseus_ext.config.rules import Section, dataclass_section, field_rule
+from perseus_ext.config.sections import profile_sidecar
 from perseus_ext.errors import ConfigError, SolverError
 from perseus_ext.planning.solver import SolverOptions
-from perseus_ext.policies.config import PolicyConfig
-from perseus_ext.policies.section import CarbonSourceKind, PolicyMode, PolicyType
-from perseus_ext.runtime.config import (
-    SOLVER_BOUNDS,
-    Mode,
-    PerseusConfig,
-    SimulatedWorkload,
-    key_table_markdown,
-    profile_sidecar,
-)
-from perseus_ext.schema import Section, dataclass_section, field_rule
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = re.compile(r"^(?P<key>perseus[\w.\[\]]*) (must be|uses|formats|is not a valid) .*; e\.g\. (?P<example>.+)$")
@@ -70,7 +63,7 @@ def test_defaults_and_round_trip():
     assert config.mode == "observe"
     assert isinstance(config.solver, SolverOptions) and config.solver.min_grid_points == 300
     assert config.solver.anchors == SolverOptions().anchors
-    assert isinstance(config.policy, PolicyConfig) and config.policy.type is PolicyType.CHASE
+    assert isinstance(config.policy, PolicySection) and config.policy.type is PolicyType.CHASE
     assert config.policy.carbon_source is CarbonSourceKind.CALLBACK
     assert config.simulated_workload.seconds(1, "backward") == 0.03
     assert config.simulated_workload.seconds(1, "forward") == 0.01
@@ -81,7 +74,7 @@ def test_defaults_and_round_trip():
 
 
 def test_typed_sub_sections_are_accepted_as_built():
-    policy = PolicyConfig.parse({"type": "zeus", "mode": "power_limit"})
+    policy = PolicySection.parse({"type": "zeus", "mode": "power_limit"})
     config = PerseusConfig.from_dict({"policy": policy, "solver": SolverOptions(min_grid_points=40)})
     assert config.policy is policy and config.policy.mode is PolicyMode.POWER_LIMIT
     assert config.solver.min_grid_points == 40
@@ -102,8 +95,8 @@ def test_simulated_workload_checks_its_stage_count():
 GOOD = [
     ("enabled", True, True),
     ("mode", "observe", Mode.OBSERVE),
-    ("gpu", "sim:a40?slowdown=1.2", "sim:a40?slowdown=1.2"),
-    ("gpu", "nvml", "nvml"),
+    ("gpu", "sim:a40?slowdown=1.2", parse_gpu_spec("sim:a40?slowdown=1.2")),
+    ("gpu", "nvml", NvmlSpec()),
     ("seed", 7, 7),
     ("dry_run", False, False),
     ("strict", True, True),
@@ -143,7 +136,9 @@ BAD = [
     ({"enabled": "yes"}, "perseus.enabled must be true or false, got \"yes\""),
     ({"enabled": 1}, "perseus.enabled must be true or false"),
     ({"mode": "turbo"}, 'perseus.mode must be one of "optimize", "observe", got "turbo"'),
-    ({"gpu": "cuda:0"}, "perseus.gpu must be \"nvml\", \"zeusd\" or \"sim:<preset>[?options]\""),
+    ({"gpu": "cuda:0"}, "perseus.gpu \"cuda:0\" is not understood; use 'nvml', 'zeusd' or 'sim:<preset>'"),
+    ({"gpu": "sim:a40?slowdown=0"}, "perseus.gpu \"sim:a40?slowdown=0\": slowdown=0.0: input should be greater than 0"),
+    ({"gpu": "sim:a4?pace=0"}, "perseus.gpu \"sim:a4?pace=0\": unknown simulated preset 'a4' (did you mean \"a40\"?)"),
     ({"gpu": 3}, "perseus.gpu must be"),
     ({"seed": -1}, "perseus.seed must be an integer >= 0, got -1"),
     ({"seed": "1"}, "perseus.seed must be an integer >= 0"),
@@ -318,13 +313,13 @@ def test_saved_profile_needs_its_blocking_power(tmp_path):
 
 # --------------------------------------------------------------------------- policy section alone
 def test_policy_config_is_typed_with_enums():
-    config = PolicyConfig.parse({"type": "zeus", "mode": "power_limit", "power_limit": {"step_w": 50}})
+    config = PolicySection.parse({"type": "zeus", "mode": "power_limit", "power_limit": {"step_w": 50}})
     assert config.type is PolicyType.ZEUS and config.type == "zeus"
     assert config.mode is PolicyMode.POWER_LIMIT and config.mode == "power_limit"
-    assert config.power_limit == {"step_w": 50.0}  # the keys given, typed
+    assert config.power_limit.step_w == 50.0 and config.power_limit.warmup_iters == 3  # defaults applied
     assert config.carbon_source is None and config.batch_size is None
-    assert PolicyConfig.parse(None) == PolicyConfig()
-    chase = PolicyConfig.parse({"type": "chase", "carbon": {"url": "https://grid.example/now", "timeout_s": 3}})
+    assert PolicySection.parse(None) == PolicySection()
+    chase = PolicySection.parse({"type": "chase", "carbon": {"url": "https://grid.example/now", "timeout_s": 3}})
     assert chase.carbon_source is CarbonSourceKind.URL
 
 
@@ -342,7 +337,7 @@ def test_policy_config_is_typed_with_enums():
 ])
 def test_policy_rules_across_keys(section, message):
     with pytest.raises(ConfigError) as caught:
-        PolicyConfig.parse(section)
+        PolicySection.parse(section)
     assert message in str(caught.value)
 
 
@@ -363,10 +358,10 @@ def test_solver_constructor_errors_name_the_key():
     """An error the dataclass raises on itself (SolverError) becomes a ConfigError naming its keys."""
 
     class Holder(Section):
-        options: Annotated[Any, dataclass_section(lambda: _CheckedOptions, {}, where="perseus.solver", example={"low": 1},
+        options: Annotated[Any, dataclass_section(lambda: _CheckedOptions, dict, where="perseus.solver", example={"low": 1},
                                                   errors=(SolverError,))] = None
 
-    from perseus_ext.schema import parse
+    from perseus_ext.config.rules import parse
 
     assert parse(Holder, {"options": {"low": 1}}, root="perseus").options == _CheckedOptions(1, 2)
     with pytest.raises(ConfigError) as caught:
@@ -375,9 +370,10 @@ def test_solver_constructor_errors_name_the_key():
 
 
 def test_every_solver_option_has_door_bounds():
-    assert set(SOLVER_BOUNDS) == {f.name for f in dataclasses.fields(SolverOptions)}
+    bounds = solver_bounds()
+    assert set(bounds) == {f.name for f in dataclasses.fields(SolverOptions)}
     defaults = SolverOptions()
-    for name, bound in SOLVER_BOUNDS.items():  # the solver's defaults are inside its bounds
+    for name, bound in bounds.items():  # the solver's defaults are inside its bounds
         TypeAdapter(bound).validate_python(getattr(defaults, name))
 
 
@@ -394,7 +390,7 @@ def _table_in(path: Path) -> str:
 @pytest.mark.parametrize("document", ["README.md", "docs/deepspeed.md"])
 def test_key_tables_are_generated_from_the_model(document):
     assert _table_in(ROOT / document) == key_table_markdown(), (
-        f"regenerate {document}'s key table from perseus_ext.runtime.config.key_table_markdown()")
+        f"regenerate {document}'s key table: python -m perseus_ext.config.key_table")
 
 
 def test_every_key_has_a_description_an_example_a_row_and_a_flag():
@@ -410,16 +406,9 @@ def test_every_key_has_a_description_an_example_a_row_and_a_flag():
         assert rule.example is not None, name
         assert f"| `{name}` |" in table, name
         assert flag_name(name) in parser._option_string_actions, name
-    for name in PolicyConfig.model_fields:
-        assert PolicyConfig.model_fields[name].description, name
-        field_rule(PolicyConfig, name)
-
-
-def test_config_imports_without_torch():
-    code = ("import sys; from perseus_ext.runtime import PerseusConfig; "
-            "PerseusConfig.from_dict({'enabled': True, 'policy': {'type': 'zeus'}, 'solver': {'anchors': 9}}); "
-            "assert 'torch' not in sys.modules and 'pydantic' in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    for name in PolicySection.model_fields:
+        assert PolicySection.model_fields[name].description, name
+        field_rule(PolicySection, name)
 
 
 # --------------------------------------------------------------------------- properties
@@ -434,7 +423,7 @@ JSON = st.recursive(
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(NO_COLON, max_size=8), children, max_size=4),
     max_leaves=16,
 )
-POLICY_KEYS = list(PolicyConfig.model_fields) + ["csv", "url", "callback", "step_w", "db"]
+POLICY_KEYS = list(PolicySection.model_fields) + ["csv", "url", "callback", "step_w", "db"]
 
 
 def _section_strategy(keys: list[str]) -> st.SearchStrategy:
@@ -468,25 +457,66 @@ def test_any_json_is_a_config_or_one_config_error(section):
     assert peak_bytes < 16 * 2**20
 
 
-def test_carbon_and_budget_settings_apply_every_default():
-    from perseus_ext.policies.power_budget import BudgetScope
-    from perseus_ext.policies.section import (
-        DEFAULT_URL_FIELD, DEFAULT_URL_TIMEOUT_S, BudgetSettings, SignalSourceSettings, TraceAlignment,
+def test_every_sub_section_applies_its_defaults():
+    from perseus_ext.config.policy import (
+        DEFAULT_LEASE_S, DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_NETWORK_TIMEOUT_S, DEFAULT_URL_FIELD,
+        DEFAULT_URL_TIMEOUT_S, BudgetScope, CSVCarbonSource, FixedBudget, TraceAlignment,
     )
 
-    carbon = PolicyConfig.parse({"type": "chase", "carbon": {"url": "https://grid.example/ci"}}).carbon_settings
-    assert carbon.source.kind is CarbonSourceKind.URL and carbon.source.location == "https://grid.example/ci"
-    assert carbon.source.field == DEFAULT_URL_FIELD and carbon.source.timeout_s == DEFAULT_URL_TIMEOUT_S
+    carbon = PolicySection.parse({"type": "chase", "carbon": {"url": "https://grid.example/ci"}}).carbon
+    assert carbon.kind is CarbonSourceKind.URL and carbon.location == "https://grid.example/ci"
+    assert carbon.field == DEFAULT_URL_FIELD and carbon.timeout_s == DEFAULT_URL_TIMEOUT_S
+    assert carbon.max_response_bytes == DEFAULT_MAX_RESPONSE_BYTES and carbon.headers == {}
     assert (carbon.max_carbon, carbon.forecast_horizon_s) == (None, None)
-    csv = PolicyConfig.parse({"type": "chase", "carbon": {"csv": "ci.csv", "max_carbon": 500}}).carbon_settings
-    assert csv.source == SignalSourceSettings(CarbonSourceKind.CSV, "ci.csv", align=TraceAlignment.START,
-                                              field=DEFAULT_URL_FIELD)
-    assert csv.max_carbon == 500
-    fixed = PolicyConfig.parse({"type": "power_budget", "budget": {"watts": 300}}).budget_settings
-    assert fixed == BudgetSettings(300, None, BudgetScope.GPU)
-    polled = PolicyConfig.parse({"type": "power_budget",
-                                 "budget": {"url": "https://dc.example/budget", "scope": "job"}}).budget_settings
-    assert polled.watts is None and polled.scope is BudgetScope.JOB
-    assert polled.source.kind is CarbonSourceKind.URL and polled.source.field is None  # no carbon default
-    assert PolicyConfig.parse({"type": "zeus"}).carbon_settings is None
-    assert PolicyConfig.parse({"type": "zeus"}).budget_settings is None
+    csv = PolicySection.parse({"type": "chase", "carbon": {"csv": "ci.csv", "max_carbon": 500}}).carbon
+    assert csv == CSVCarbonSource(csv="ci.csv", align=TraceAlignment.START, max_carbon=500.0)
+    fixed = PolicySection.parse({"type": "power_budget", "budget": {"watts": 300}}).budget
+    assert fixed == FixedBudget(watts=300.0, scope=BudgetScope.GPU)
+    polled = PolicySection.parse({"type": "power_budget",
+                                  "budget": {"url": "https://dc.example/budget", "scope": "job"}}).budget
+    assert polled.scope is BudgetScope.JOB
+    assert polled.kind is CarbonSourceKind.URL and polled.field is None  # no carbon default
+    assert PolicySection.parse({"type": "zeus"}).carbon is None
+    assert PolicySection.parse({"type": "zeus"}).budget is None
+    batch = PolicySection.parse({"type": "zeus", "batch_size": {
+        "db": "b.db", "job_id": "j", "batch_sizes": [8, 16], "default_batch_size": 8}}).batch_size
+    assert batch.location == "b.db" and batch.lease_s == DEFAULT_LEASE_S
+    assert batch.timeout_s == DEFAULT_NETWORK_TIMEOUT_S and batch.target_metric is None
+
+
+def test_a_section_dumps_to_what_validates_back_to_it():
+    """Every sub-section serialises with the model's own dump, defaults included."""
+    section = PerseusConfig.from_dict({
+        "gpu": "zeusd:sim:a40?pace=0&slowdown_ranks=1-2",
+        "policy": {"type": "power_budget", "budget": {"url": "https://dc.example/budget", "headers": {"k": "v"}},
+                   "batch_size": {"store": "sqlite:///state/bso.db", "job_id": "j", "batch_sizes": [8, 16],
+                                  "default_batch_size": 16, "target_metric": {"name": "loss", "value": 2}}},
+    })
+    dumped = json.loads(json.dumps(section.to_dict()))
+    assert dumped["gpu"] == "zeusd:sim:a40?pace=0&slowdown_ranks=1,2"
+    assert dumped["policy"]["budget"]["timeout_s"] == 2.0 and dumped["policy"]["power_limit"]["step_w"] == 25.0
+    assert PerseusConfig.from_dict(dumped) == section
+
+
+@pytest.mark.parametrize("section, keys", [
+    ({"seed": -1, "policy": {"type": "zeus", "eta": 2}}, ("perseus.seed", "perseus.policy.eta")),
+    ({"candidate_clocks": [1410, 0]}, ("perseus.candidate_clocks",)),
+    ({"bogus": 1, "solver": {"anchor": 3}}, ("perseus.bogus",)),  # unknown keys stop the section
+    ({"solver": {"anchor": 3}}, ("perseus.solver.anchor",)),
+    ({"straggler_threshold": 0.02, "straggler_hysteresis": 0.05},
+     ("perseus.straggler_hysteresis", "perseus.straggler_threshold")),
+    ({"gpu": "nvml", "simulated_workload": {"forward_seconds": 1, "backward_seconds": 1}},
+     ("perseus.simulated_workload", "perseus.gpu")),
+    ({"prometheus": {"address": "0.0.0.0"}}, ("perseus.prometheus.port", "perseus.prometheus.pushgateway")),
+    ({"policy": {"type": "perseus", "mode": "power_limit"}}, ("perseus.policy.mode", "perseus.policy.type")),
+    ({"policy": {"type": "zeus", "batch_size": {"store": "b.db", "job_id": "j", "batch_sizes": [8],
+                                                "default_batch_size": 16}}},
+     ("perseus.policy.batch_size.default_batch_size", "perseus.policy.batch_size.batch_sizes")),
+])
+def test_a_config_error_carries_the_keys_it_is_about(section, keys, monkeypatch):
+    monkeypatch.delenv("PERSEUS_PROMETHEUS_PORT", raising=False)
+    monkeypatch.delenv("PERSEUS_PUSHGATEWAY", raising=False)
+    with pytest.raises(ConfigError) as caught:
+        PerseusConfig.from_dict(section)
+    assert caught.value.keys == keys
+    assert keys[0] in str(caught.value)

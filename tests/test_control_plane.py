@@ -55,18 +55,20 @@ def worker(out_dir: str) -> None:
     total = comm.all_sum([1.0])[0]
     lowest = comm.all_min([float(rank)])[0]
     own = 0.1 + 0.01 * rank  # this rank's compute time; the pipeline's is its slowest stage's
-    mine, normal, slowest, factor, announced = comm.straggler_exchange(own, 1.0 if rank == 5 else 0.0, 0.0)
+    noise = 0.001 * rank  # this rank's spread of waits at the gradient sync; the pipeline's is its noisiest rank's
+    mine, normal, slowest, factor, announced, wait_noise = comm.straggler_exchange(own, 1.0 if rank == 5 else 0.0, 0.0,
+                                                                                   noise)
     if rank == 0:
         time.sleep(LATE_S)
     started = time.perf_counter()
-    exchange = StragglerExchange(comm, own, 1.0 if rank == 5 else 0.0, 0.0)
+    exchange = StragglerExchange(comm, own, 1.0 if rank == 5 else 0.0, 0.0, noise)
     start_s = time.perf_counter() - started
     steps = [exchange.advance(), exchange.advance()]  # two later iteration boundaries
     result = {
         "pipeline": comm.pipeline, "gpus_per_stage": comm.gpus_per_stage, "peers": comm.peer_ranks,
         "pipeline_members": sorted(m.rank for m in comm.pipeline_members), "setup": setup,
         "stats": dict(comm.stats), "total": total, "lowest": lowest,
-        "straggler": [mine, normal, slowest, factor, announced],
+        "straggler": [mine, normal, slowest, factor, announced, wait_noise],
         "started_without_waiting": {"start_s": start_s, "steps": [list(s) if s else None for s in steps]},
     }
     groups_before, threads_before = len(dist.distributed_c10d._world.pg_map), _threads()
@@ -94,11 +96,13 @@ def test_groups_are_the_pipeline_and_the_data_parallel_peers(job):
 def test_job_wide_results_from_two_small_reductions(job):
     for result in job:
         assert result["total"] == WORLD and result["lowest"] == 0.0
-        mine, normal, slowest, factor, announced = result["straggler"]
+        mine, normal, slowest, factor, announced, wait_noise = result["straggler"]
         pipeline_time = [max(0.1 + 0.01 * r for r in range(WORLD) if _layout(r)[0] == p) for p in range(DP)]
         assert mine == pytest.approx(pipeline_time[result["pipeline"]])
         assert normal == pytest.approx(min(pipeline_time)) and slowest == pytest.approx(max(pipeline_time))
         assert factor == 1.0 and announced == 0.0  # rank 5's announcement reaches every rank
+        # the wait noise stays within the pipeline: its noisiest rank's, not the job's
+        assert wait_noise == pytest.approx(max(0.001 * r for r in range(WORLD) if _layout(r)[0] == result["pipeline"]))
 
 
 def test_message_counts_per_rank(job):
@@ -107,7 +111,7 @@ def test_message_counts_per_rank(job):
         stats = result["stats"]
         # all_sum + all_min: one reduction in each group each; each straggler check: one more each.
         assert stats["pipeline collectives"] == 4 and stats["peers collectives"] == 4
-        assert stats["pipeline payload bytes"] == (1 + 1 + 3 + 3) * 8 and stats["peers payload bytes"] == (1 + 1 + 4 + 4) * 8
+        assert stats["pipeline payload bytes"] == (1 + 1 + 4 + 4) * 8 and stats["peers payload bytes"] == (1 + 1 + 4 + 4) * 8
         assert "world collectives" not in stats
 
 

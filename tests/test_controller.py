@@ -356,31 +356,52 @@ def test_watchdog_restores_clocks_after_sigkill(mode, tmp_path):
 
 
 def test_watchdog_tells_a_clean_close_a_hand_over_and_a_death_apart():
-    from perseus_ext.actuation.watchdog import wait_for_trainer
+    from perseus_ext.actuation.watchdog import Ending, wait_for_trainer
 
-    for message, ending in ((b"lock 1005\nheld 1005\nclean\n", "clean"), (b"held 1005\nrestore\n", "restore"),
-                            (b"", "died"), (b"garbage", "died"), (b"held 1005\ncle", "died")):
+    for message, ending in ((b"lock 1005\nheld 1005\nclean\n", Ending.CLEAN), (b"held 1005\nrestore\n", Ending.RESTORE),
+                            (b"", Ending.DIED), (b"garbage", Ending.DIED), (b"held 1005\ncle", Ending.DIED),
+                            (b"held x\nclean 3\nrestore\n", Ending.RESTORE)):  # garbled lines are skipped
         read_end, write_end = os.pipe()
         os.write(write_end, message)
         os.close(write_end)
-        assert wait_for_trainer(read_end, os.getppid()) == ending
+        assert wait_for_trainer(read_end, os.getppid()) is ending
         os.close(read_end)
     read_end, write_end = os.pipe()  # pipe still open, but the "trainer" is not our parent
-    assert wait_for_trainer(read_end, trainer_pid=-1) == "died"
+    assert wait_for_trainer(read_end, trainer_pid=-1) is Ending.DIED
     os.close(read_end)
     os.close(write_end)
 
 
 def test_watchdog_claims_follow_the_trainers_reports():
-    from perseus_ext.actuation.watchdog import Claims
+    from perseus_ext.actuation.watchdog import Claims, Report, WatchdogMessage
 
     claims = Claims()
-    for line in ("lock 1005", "held 1005", "lock 1200", "power 300.0"):
-        claims.note(line)
+    for message in (WatchdogMessage.lock(1005), WatchdogMessage.held(1005), WatchdogMessage.lock(1200),
+                    WatchdogMessage.power(300)):
+        claims.note(message)
     assert claims.clocks == {1005, 1200} and claims.power_limits == {300.0}  # 1200 may have landed
-    for line in ("held 1200", "power-held 300.0"):
-        claims.note(line)
+    for message in (WatchdogMessage.held(1200), WatchdogMessage.power_held(300.0)):
+        claims.note(message)
     assert claims.clocks == {1200} and claims.power_limits == {300.0}
-    for line in ("released", "power-released"):
-        claims.note(line)
+    for report in (Report.RELEASED, Report.POWER_RELEASED):
+        claims.note(WatchdogMessage(report))
     assert claims.empty
+
+
+def test_watchdog_messages_are_the_lines_the_protocol_has_always_had():
+    """The oracle is the protocol's text (watchdog.py's docstring), written out literally."""
+    from perseus_ext.actuation.watchdog import Report, WatchdogMessage
+
+    lines = {WatchdogMessage.lock(1005): "lock 1005", WatchdogMessage.held(1005): "held 1005",
+             WatchdogMessage(Report.RELEASED): "released", WatchdogMessage.power(300): "power 300.0",
+             WatchdogMessage.power_held(250.5): "power-held 250.5",
+             WatchdogMessage(Report.POWER_RELEASED): "power-released", WatchdogMessage(Report.CLEAN): "clean",
+             WatchdogMessage(Report.RESTORE): "restore"}
+    assert {message.report for message in lines} == set(Report)  # every report of the protocol
+    for message, line in lines.items():
+        assert message.encode() == line and WatchdogMessage.parse(line) == message
+    for garbled in ("lock", "lock 10.5", "held x", "power", "clean 3", "unlock 1005", ""):
+        with pytest.raises(ValueError):
+            WatchdogMessage.parse(garbled)
+    with pytest.raises(ValueError, match="needs a clock in MHz"):
+        WatchdogMessage(Report.HELD, 1005.0)

@@ -1,4 +1,7 @@
-"""Clock coverage: the simulator's exact tally, and the estimator real GPUs use, against it."""
+"""Clock coverage: the simulator's exact tally, and the estimator real GPUs use, against it.
+
+Both replay clock requests through `ClockTrajectory`, so they agree even if its latency model is
+wrong; tests/test_oracle_coverage.py checks the estimator against trajectories built by hand."""
 
 from __future__ import annotations
 

@@ -29,12 +29,19 @@ pytestmark = pytest.mark.skipif(
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 480
 CHECK_INTERVAL = 4
-# Wall-clock tolerance for "no slowdown": the model guarantees equal time (asserted exactly);
-# this only absorbs scheduling noise of a shared 2-core CI machine running 2-4 ranks, each with
-# its simulated device, controller and observer threads (side-by-side runs measured -1 % to +4.6 %;
-# the demo's longer computations measure within +-2 %).
-TIME_TOLERANCE = 0.05
-CROWDED_TIME_TOLERANCE = 0.15
+# Time claims. The plans' model time is asserted exactly (the fastest plan equals all-max-clock).
+# Measured on the simulated devices (device markers, which the host's scheduling noise barely
+# touches), a deployed iteration's compute time equals its default-clock twin's within
+# DEVICE_TIME_TOLERANCE. Wall-clock time on a crowded 2-core machine is compared within the same
+# run only: each window's mean time change (perseus vs its side-by-side twin) against the calm
+# window's, within WINDOW_TIME_TOLERANCE.
+DEVICE_TIME_TOLERANCE = 0.02
+WINDOW_TIME_TOLERANCE = 0.03
+# The first RECOVERY_ITERATIONS after the straggler recovers hold one iteration the slowed
+# pipeline runs at its slowed plan (nothing can tell it before that iteration's gradient sync):
+# up to (slowdown - 1) / (non-probe iterations of the window) on top of the calm window's change.
+# Savings: the measured saving is at least SAVING_FLOOR of what the model predicts for the scenario.
+SAVING_FLOOR = 0.7
 # The demo's computations (25/35 ms forwards, backwards twice that): with the default 25 ms clock
 # changes, shorter ones make the simulator's own threads (device, controller, observer, four
 # engines per process on two cores) a visible share of each iteration, which is no property of
@@ -85,7 +92,9 @@ def test_losses_are_bit_identical_with_and_without_perseus(two_stage_job):
 def test_profiling_completes_and_every_rank_deploys_the_fastest_plan(two_stage_job):
     demo = _demo()
     scenario, results = two_stage_job
-    for rank in demo.by_variant(results, "perseus"):
+    ranks = demo.by_variant(results, "perseus")
+    assert len(ranks) == scenario.world_size
+    for rank in ranks:
         summary = rank["summary"]
         assert summary["final_phase"] == "deployed"
         assert summary["deployed"]["iterations"] >= 8
@@ -97,19 +106,39 @@ def test_profiling_completes_and_every_rank_deploys_the_fastest_plan(two_stage_j
         assert frontier["fastest"]["energy_j"] < frontier["all_max_clock"]["energy_j"]
 
 
+def _device_compute_change(scenario, results, iterations) -> float:
+    """Perseus' device-measured compute time against its observing twin's over `iterations`
+    (plan iterations only), the slowest rank per iteration, as a mean ratio - 1."""
+    demo = _demo()
+    perseus, observe = demo.by_variant(results, "perseus"), demo.by_variant(results, "observe")
+    kept = [i for i in iterations if all(r["iterations"][i].get("plan") is not None for r in perseus)]
+    assert kept, iterations
+    ours = sum(max(r["iterations"][i]["compute_s"] for r in perseus) for i in kept)
+    twin = sum(max(r["iterations"][i]["compute_s"] for r in observe) for i in kept)
+    return ours / twin - 1.0
+
+
+def _model_saving(results) -> float:
+    """What the model predicts for the fastest plan: its intrinsic saving (pipeline 0)."""
+    demo = _demo()
+    return demo.by_variant(results, "perseus")[0]["summary"]["frontier"]["intrinsic_saving"]
+
+
 def test_energy_drops_at_unchanged_iteration_time(two_stage_job):
     demo = _demo()
     scenario, results = two_stage_job
     comparison = demo.compare(scenario, results)
     window = comparison["windows"]["no straggler"]
     assert window["iterations"][1] - window["iterations"][0] >= 8
-    assert window["energy_saving"] > 0.03  # the simulated GPUs' exact energy
-    assert window["measured_energy_saving"] > 0.03  # and as measured with the coarse counter
-    # Four engines per process (disabled, observe, perseus, faulty) on two cores: the perseus
-    # variant's median time was +0.3 % standalone and +11.7 % once in a full-suite run. The
-    # planned time is asserted exactly (the fastest plan equals all-max-clock, test above); the
-    # two-variant straggler job and the demo check the measured time at TIME_TOLERANCE.
-    assert window["time_change"] <= CROWDED_TIME_TOLERANCE, window
+    model = _model_saving(results)
+    assert model > 0.05
+    assert window["energy_saving"] >= SAVING_FLOOR * model, (window, model)  # the simulated GPUs' exact energy
+    assert window["measured_energy_saving"] >= SAVING_FLOOR * model, (window, model)  # the coarse counter's
+    # The plan's time is the default clocks' time, as the devices measured it (four engines per
+    # process on two cores make wall-clock times a scheduling lottery; the devices are not).
+    assert abs(_device_compute_change(scenario, results, range(*window["iterations"]))) <= DEVICE_TIME_TOLERANCE
+    check = comparison["model_check"]
+    assert check is not None and check["within_tolerance"], check
 
 
 def test_failing_gpu_on_one_rank_neither_hangs_nor_breaks_training(two_stage_job):
@@ -145,9 +174,15 @@ def test_straggler_slows_the_other_pipeline_and_plans_return(straggler_job):
     latest = 3 * CHECK_INTERVAL + CHECK_BOUNDARIES
     assert scenario.straggler_start <= slowed[0]["iteration"] <= scenario.straggler_start + latest
     assert 1.1 <= slowed[0]["factor"] <= 1.3
-    # Recovery at the first check whose window lies after the straggler (device records come in
-    # an iteration late, so that may be the third check).
-    assert returned and returned[0]["iteration"] <= scenario.straggler_end + latest
+    # Back to the fastest plan right after the straggler's first recovered iteration, whose wait
+    # at the gradient sync tells (`RecoveryWatch`): on this crowded machine a wait that only just
+    # dips below the verdict's midpoint needs a second iteration to confirm it, no more. Never
+    # while the straggler lasts.
+    early = [s for s in switches[0] if slowed[0]["iteration"] < s["iteration"] < scenario.straggler_end
+             and s["factor"] == 1.0]
+    assert not early, switches[0]
+    assert scenario.straggler_end + 2 < scenario.iterations
+    assert returned and returned[0]["iteration"] <= scenario.straggler_end + 1, switches[0]
     assert returned[0]["plan"] == 0
     # Both stages of a pipeline always run the same plan.
     for pipeline in (0, 1):
@@ -158,13 +193,30 @@ def test_straggler_slows_the_other_pipeline_and_plans_return(straggler_job):
 def test_straggler_energy_drops_further_without_slowing_the_job(straggler_job):
     demo = _demo()
     scenario, results = straggler_job
-    table = demo.compare(scenario, results)["windows"]
-    calm, straggling = table["no straggler"], table["straggler"]
-    assert calm["energy_saving"] > 0.03 and calm["measured_energy_saving"] > 0.03
+    comparison = demo.compare(scenario, results)
+    table = comparison["windows"]
+    calm, straggling, recovered, recovery = (table[k] for k in ("no straggler", "straggler", "recovered", "recovery"))
+    model = _model_saving(results)
+    assert calm["energy_saving"] >= SAVING_FLOOR * model and calm["measured_energy_saving"] >= SAVING_FLOOR * model
     assert straggling["energy_saving"] > calm["energy_saving"] + 0.01  # extrinsic savings on top
-    assert straggling["measured_energy_saving"] > 0.03
-    assert straggling["time_change"] <= TIME_TOLERANCE, straggling
-    assert calm["time_change"] <= TIME_TOLERANCE, calm
+    assert straggling["measured_energy_saving"] >= SAVING_FLOOR * model
+    assert recovered["energy_saving"] >= SAVING_FLOOR * model
+    # Time within this run: every window's mean change against the calm window's. The windows after
+    # the straggler hold its first recovered iteration, which the slowed pipeline runs at its
+    # slowed plan (nothing can tell it earlier): at most (slowdown - 1) spread over the window's
+    # plan iterations on top.
+    assert straggling["time_change"] <= calm["time_change"] + WINDOW_TIME_TOLERANCE, (straggling, calm)
+    probes = {i for r in demo.by_variant(results, "perseus") for i, it in enumerate(r["iterations"]) if it.get("probe")}
+    for window in (recovered, recovery):
+        plan_iterations = [i for i in range(*window["iterations"]) if i not in probes]
+        assert plan_iterations
+        one_slowed = (scenario.slowdown - 1.0) / len(plan_iterations)
+        assert window["time_change"] <= calm["time_change"] + one_slowed + WINDOW_TIME_TOLERANCE, (window, calm)
+    # On the devices: after the recovered iteration and its successor, compute as fast as the twin's.
+    after = range(scenario.straggler_end + 2, scenario.iterations)
+    assert abs(_device_compute_change(scenario, results, after)) <= DEVICE_TIME_TOLERANCE
+    check = comparison["model_check"]
+    assert check is not None and check["within_tolerance"], check
 
 
 def test_losses_identical_with_data_parallel_pipelines(straggler_job):
@@ -308,6 +360,30 @@ def _shape(line: str) -> str:
     return re.sub(r"\s+", " ", line).strip()
 
 
+REPORT_START = "what the job itself measured"
+REPORT_END = "measured saving "
+OPTIONAL_FIELDS = {"evidence"}  # printed only while the baseline probes are too few
+
+
+def _split_job_report(lines: list[str]) -> tuple[list[str], list[str]]:
+    """The demo's lines outside `perseus-ext report`'s block, and the lines of that block."""
+    start = next(i for i, line in enumerate(lines) if line.startswith(REPORT_START)) + 1
+    end = next(i for i, line in enumerate(lines) if line.startswith(REPORT_END))
+    assert start < end
+    return lines[:start] + lines[end:], lines[start:end]
+
+
+def _report_fields(lines: list[str]) -> list[str]:
+    """The labels of a report block's fields and table headers, in order ("job", "saving", ...)."""
+    fields = []
+    for line in lines:
+        label = re.match(r" {0,2}(job(?= [0-9a-f]+:)|per rank|lifecycle cost|[a-z][a-z/ ]*?(?=: ))", line)
+        if label and label.group(1) not in OPTIONAL_FIELDS:
+            fields.append(label.group(1))
+    assert fields, "no report fields found"
+    return fields
+
+
 def test_readmes_demo_block_is_the_demos_own_output(straggler_job, capsys):
     """README shows the demo's whole output, line for line in the demo's report format (it used
     to be abridged and presented as verbatim)."""
@@ -324,6 +400,11 @@ def test_readmes_demo_block_is_the_demos_own_output(straggler_job, capsys):
     block = re.search(r"```\n(launching .*?)\n```", readme, re.S)
     assert block, "README's demo block must start with the demo's first line"
     shown = block.group(1).splitlines()
-    assert [_shape(line) for line in shown] == [_shape(line) for line in printed]
+    shown_rest, shown_report = _split_job_report(shown)
+    printed_rest, printed_report = _split_job_report(printed)
+    assert [_shape(line) for line in shown_rest] == [_shape(line) for line in printed_rest]
+    # The job's own report wraps and adds "thin evidence" advice as its figures require, so
+    # its lines are compared by the fields they print, in order.
+    assert _report_fields(shown_report) == _report_fields(printed_report)
     seconds = int(re.search(r"finished in (\d+) s", shown[-1]).group(1))
     assert f"`perseus-ext demo`, {seconds} s" in readme  # the prose states the block's own time

@@ -17,7 +17,7 @@ from runtime_helpers import make_config, sim_gpu, train
 
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.runtime import PerseusRuntime
-from perseus_ext.runtime.phase import Phase
+from perseus_ext.observability.phase import Phase
 
 TESTS = Path(__file__).resolve().parent
 ENV = dict(os.environ, OMP_NUM_THREADS="1",

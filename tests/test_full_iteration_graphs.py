@@ -22,7 +22,7 @@ from runtime_helpers import STAGE_BACKWARD_S, STAGE_FORWARD_S, make_config, run_
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.planning.stage_constant import is_stage_constant
 from perseus_ext.runtime import PerseusRuntime
-from perseus_ext.runtime.phase import Phase
+from perseus_ext.observability.phase import Phase
 
 FORWARD_S, BACKWARD_S = STAGE_FORWARD_S, STAGE_BACKWARD_S
 STRAGGLER_SLOWDOWN = 1.25
@@ -120,11 +120,13 @@ def test_a_full_iteration_graph_job_adapts_its_stage_constant_plan_to_a_straggle
         assert rank["restored"]
     healthy = [r for r in ranks if r["pipeline"] == 0]
     straggling = [r for r in ranks if r["pipeline"] == 1]
+    assert len(healthy) == len(straggling) == 2, [r["pipeline"] for r in ranks]  # 2 pipelines x 2 stages
     for rank in healthy:  # moved to a slower stage-constant plan that about meets the straggler
         last = rank["switches"][-1]
         assert last["factor"] > 1.1, rank["switches"]
-    for rank in straggling:  # the straggler keeps its fastest plan
-        assert all(s["factor"] == 1.0 for s in rank["switches"]), rank["switches"]
+    for rank in straggling:  # the straggler keeps its fastest plan (deployed, never slowed)
+        factors = [s["factor"] for s in rank["switches"]]
+        assert factors and set(factors) == {1.0}, rank["switches"]
 
 
 if __name__ == "__main__":

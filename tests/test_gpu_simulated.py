@@ -18,8 +18,8 @@ from perseus_ext.measurement.gpu import (
     SimulatedGPU,
     SwitchLatency,
     open_gpu,
-    parse_rank_list,
 )
+from perseus_ext.config.gpu import parse_rank_list
 from perseus_ext.measurement.gpu.simulated import read_state_file
 from perseus_ext.planning.profile import load_profile
 
@@ -204,10 +204,8 @@ def test_injected_faults_fire_the_requested_number_of_times():
     assert gpu.energy_mj() >= 0
 
 
-def test_open_gpu_sim_spec_and_env_overrides(monkeypatch, tmp_path):
-    for name in ("PERSEUS_SIM_SEED", "PERSEUS_SIM_SLOWDOWN", "PERSEUS_SIM_SLOWDOWN_RANKS",
-                 "PERSEUS_SIM_STATE_DIR", "RANK"):
-        monkeypatch.delenv(name, raising=False)
+def test_open_gpu_sim_spec_and_per_rank_options(monkeypatch, tmp_path):
+    monkeypatch.delenv("RANK", raising=False)
     gpu = open_gpu("sim:a40?slowdown=1.2&pace=0&period=0.05&noise=0", local_rank=1)
     assert isinstance(gpu, SimulatedGPU)
     assert gpu.preset.key == "a40" and gpu.slowdown == 1.2 and not gpu.pace
@@ -217,11 +215,7 @@ def test_open_gpu_sim_spec_and_env_overrides(monkeypatch, tmp_path):
     assert tuned.switch_latency == SwitchLatency(0.005, 0.0)
     assert tuned.device.queue_depth == 4 and tuned.transfer_s == pytest.approx(0.001)
 
-    monkeypatch.setenv("PERSEUS_GPU", "sim:h100?pace=false")
-    monkeypatch.setenv("PERSEUS_SIM_SEED", "10")
-    monkeypatch.setenv("PERSEUS_SIM_SLOWDOWN", "1.5")
-    monkeypatch.setenv("PERSEUS_SIM_SLOWDOWN_RANKS", "2-3")
-    monkeypatch.setenv("PERSEUS_SIM_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("PERSEUS_GPU", f"sim:h100?pace=false&seed=10&slowdown=1.5&slowdown_ranks=2-3&state_dir={tmp_path}")
     straggler = open_gpu(rank=3)
     normal = open_gpu(rank=1)
     assert straggler.slowdown == 1.5 and normal.slowdown == 1.0
@@ -248,7 +242,7 @@ def test_open_gpu_rejects_bad_specs(spec, message):
 
 def test_parse_rank_list():
     assert parse_rank_list("") is None
-    assert parse_rank_list("0-2, 5") == {0, 1, 2, 5}
+    assert parse_rank_list("0-2, 5") == (0, 1, 2, 5)
     with pytest.raises(ConfigError, match="not a rank"):
         parse_rank_list("x")
     with pytest.raises(ConfigError, match="not a valid rank range"):

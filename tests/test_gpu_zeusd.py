@@ -109,8 +109,8 @@ def test_explicit_zeusd_spec_and_the_root_process(zeusd, tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigError, match="neither ZEUSD_SOCK_PATH nor ZEUSD_HOST_PORT is set"):
         open_gpu("zeusd")
-    assert make_config(gpu="zeusd", simulated_workload=None).gpu == "zeusd"  # the key (and --perseus-gpu)
-    assert make_config(gpu="zeusd:sim:a100_sxm").gpu == "zeusd:sim:a100_sxm"
+    assert str(make_config(gpu="zeusd", simulated_workload=None).gpu) == "zeusd"  # the key (and --perseus-gpu)
+    assert str(make_config(gpu="zeusd:sim:a100_sxm").gpu) == "zeusd:sim:a100_sxm"
     with pytest.raises(ConfigError, match="perseus.gpu"):
         make_config(gpu="zeusd:cuda", simulated_workload=None)
     monkeypatch.setenv("ZEUSD_HOST_PORT", "localhost")
@@ -357,4 +357,4 @@ def test_megatron_flag_takes_zeusd():
     from perseus_ext.adapters.megatron_args import add_perseus_args, config_from_args
 
     args = add_perseus_args(argparse.ArgumentParser()).parse_args(["--perseus", "--perseus-gpu", "zeusd"])
-    assert config_from_args(args).gpu == "zeusd"
+    assert str(config_from_args(args).gpu) == "zeusd"

@@ -75,7 +75,7 @@ def test_any_perseus_config_file_gives_a_config_or_our_error(tmp_path, document,
     path = tmp_path / "perseus.json"
     path.write_bytes(b'{"perseus": ' * depth + document + b"}" * depth)
     try:  # the parser may validate the section itself (and then config_from_args reads it back)
-        config_from_args(add_perseus_args(argparse.ArgumentParser()).parse_args(
+        config_from_args(add_perseus_args(argparse.ArgumentParser(exit_on_error=False)).parse_args(
             ["--perseus", "--perseus-config", str(path)]))
     except PerseusError as err:
         assert "--perseus-config" in str(err)

@@ -18,7 +18,7 @@ from perseus_ext.cli import main
 from perseus_ext.errors import PerseusError
 from perseus_ext.inputs import InputError
 from perseus_ext.planning.frontier import Frontier
-from perseus_ext.reporting import analyse, read_logs
+from perseus_ext.observability.reporting import analyse, read_logs
 
 ROW = {"timestamp": 1.0, "job": "a1b2", "iteration": 0, "rank": 0, "pipeline": 0, "stage": 0, "phase": "deployed",
        "plan": 0, "factor": 1.0, "fell_back": False, "probe": False, "time_s": 1.0, "compute_s": 0.9,
@@ -64,8 +64,9 @@ def test_a_bad_log_is_one_line_naming_the_file_and_line(tmp_path, capsys, conten
     assert expected in err and "perseus.log_path" in err
 
 
-def test_a_directory_or_missing_log_is_named(tmp_path, capsys):
-    assert "is a directory, not a perseus-ext log" in report_error(capsys, str(tmp_path))
+def test_a_directory_without_logs_or_a_missing_log_is_named(tmp_path, capsys):
+    (tmp_path / "summary-0.json").write_text("{}")  # a folder is read as its *.jsonl files: none here
+    assert f"{tmp_path}: the folder holds no .jsonl file" in report_error(capsys, str(tmp_path))
     assert "missing.jsonl: cannot read the perseus-ext log: No such file" in report_error(
         capsys, str(tmp_path / "missing.jsonl"))
 
@@ -76,7 +77,7 @@ def test_logs_of_two_jobs_are_refused_and_one_can_be_chosen(tmp_path, capsys):
     err = report_error(capsys, first, second)
     assert "2 different jobs (job aaaa in" in err and "--job (aaaa, bbbb)" in err
     assert main(["report", first, second, "--job", "bbbb"]) == 0
-    assert "job (1 ranks, 20 iterations" in capsys.readouterr().out
+    assert capsys.readouterr().out.startswith("job bbbb: 1 rank, 20 iterations")
 
 
 def test_a_rank_given_twice_is_refused(tmp_path, capsys):

@@ -1,6 +1,10 @@
 """The job's figure at close: every rank reduces its iterations into the job's, rank 0 logs one
 line, and it is the figure `perseus-ext report` computes from the same runs' logs. A rank whose
-peers never close (or whose control plane failed) still closes within a bounded wait."""
+peers never close (or whose control plane failed) still closes within a bounded wait.
+
+The summary and the report share `RunFigures`, so their agreement alone proves little: both are
+also checked against `figures_by_hand`, which recomputes the job's saving from the logs' rows with
+plain Python and numpy (tests/test_oracle_report.py checks `RunFigures` on a hand-computed log)."""
 
 from __future__ import annotations
 
@@ -10,15 +14,16 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+from scipy import stats
 
 from perseus_ext.planning.schedule import build_schedule
-from perseus_ext.reporting import analyse, read_logs
+from perseus_ext.observability.reporting import analyse, read_logs
 from perseus_ext.runtime import PerseusRuntime
-from perseus_ext.runtime.summary import job_line
+from perseus_ext.observability.summary_text import job_line
 
 from runtime_helpers import free_port, make_config, sim_gpu, train  # noqa: E402
 
@@ -31,6 +36,43 @@ CLOSE_WAIT_S = 2.0  # the wait at close for the others, shorter than the groups'
 JOB_KEYS = ("iterations", "measured", "default_per_iteration", "phase_costs")
 
 
+def figures_by_hand(paths: list[Path]) -> dict:
+    """The job's iteration count and measured saving from the logs' rows, with nothing of
+    perseus-ext: a job iteration is one every rank logged (energy summed, time of the slowest);
+    it is a probe or a plan iteration only when every rank says so; the saving is 1 - mean plan
+    energy / mean probe energy, its 95 % interval the delta method with Welch's degrees of freedom."""
+    ranks = []
+    for path in paths:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        ranks.append({row["iteration"]: row for row in rows})
+    assert len(ranks) >= 1
+    common = sorted(set.intersection(*(set(rank) for rank in ranks)))
+    sides: dict[str, list[float]] = {"probe": [], "plan": []}
+    for iteration in common:
+        rows = [rank[iteration] for rank in ranks]
+        kinds = {"fallback" if row["fell_back"] else "probe" if row["probe"] else
+                 "plan" if row["phase"] == "deployed" else row["phase"] for row in rows}
+        if len(kinds) == 1 and kinds <= {"probe", "plan"} and all(row["energy_j"] is not None for row in rows):
+            sides[kinds.pop()].append(sum(row["energy_j"] for row in rows))
+    probes, plans = np.array(sides["probe"]), np.array(sides["plan"])
+    ratio = plans.mean() / probes.mean()
+    a = plans.var(ddof=1) / len(plans) / plans.mean() ** 2
+    b = probes.var(ddof=1) / len(probes) / probes.mean() ** 2
+    dof = (a + b) ** 2 / (a * a / (len(plans) - 1) + b * b / (len(probes) - 1))
+    half = stats.t.ppf(0.975, dof) * ratio * np.sqrt(a + b)
+    return {"iterations": len(common), "probes": len(probes), "deployed": len(plans),
+            "default_energy_j": probes.mean(), "saving": 1 - ratio,
+            "saving_low": 1 - ratio - half, "saving_high": 1 - ratio + half}
+
+
+def assert_the_hand_figures(job: dict, hand: dict) -> None:
+    assert job["iterations"] == hand["iterations"]
+    overall = job["measured"]["all"]
+    assert (overall["probes"], overall["deployed"]) == (hand["probes"], hand["deployed"])
+    for key in ("default_energy_j", "saving", "saving_low", "saving_high"):
+        assert overall[key] == pytest.approx(hand[key], rel=1e-9), key
+
+
 def test_a_single_rank_job_logs_the_reports_figure(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="perseus_ext")
     log = tmp_path / "log-{rank}.jsonl"
@@ -41,6 +83,7 @@ def test_a_single_rank_job_logs_the_reports_figure(tmp_path, caplog):
     job = runtime.summary()["job"]
     report = analyse(read_logs([tmp_path / "log-0.jsonl"]))["job"]
     assert {key: job[key] for key in JOB_KEYS} == {key: report[key] for key in JOB_KEYS}
+    assert_the_hand_figures(job, figures_by_hand([tmp_path / "log-0.jsonl"]))
     assert job["measured"]["all"]["probes"] >= 3 and job["ranks"] == 1 and job["fell_back_ranks"] == 0
     lines = {record.getMessage(): record.levelno for record in caplog.records if "summary" in record.getMessage()}
     assert lines[job_line(job)] == logging.INFO
@@ -130,6 +173,7 @@ def test_two_ranks_agree_on_the_job_figure_and_it_is_the_reports(tmp_path):
     assert job["iterations"] == report["iterations"] == 44
     for key in JOB_KEYS[1:]:
         assert_close(job[key], report[key], key)  # energy summed in another order: last-bit differences
+    assert_the_hand_figures(job, figures_by_hand(sorted(tmp_path.glob("log-*.jsonl"))))
     overall = job["measured"]["all"]
     assert overall["probes"] >= 3 and overall["saving_low"] < overall["saving"] < overall["saving_high"]
     ranks = [first["summary"]["measured"]["all"], second["summary"]["measured"]["all"]]

@@ -12,17 +12,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from perseus_ext.adapters.megatron_args import flag_name, value_kind
+from perseus_ext.adapters.megatron_args import FlagError, flag_name, value_kind
 from perseus_ext.errors import ConfigError
 from perseus_ext.megatron import add_perseus_args, chain_extra_args, config_from_args, install
-from perseus_ext.runtime.config import PerseusConfig
+from perseus_ext.config import PerseusConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "patches" / "megatron-lm"
 
 
 def parse(*argv: str) -> argparse.Namespace:
-    return add_perseus_args(argparse.ArgumentParser()).parse_args(list(argv))
+    """Parsed as Megatron parses, except that a bad flag raises (`exit_on_error=False`) instead of
+    ending the test process; `test_a_bad_flag_is_argparses_usage_and_one_error_line` checks the exit."""
+    return add_perseus_args(argparse.ArgumentParser(exit_on_error=False)).parse_args(list(argv))
 
 
 def test_perseus_off_means_no_config_and_no_install():
@@ -117,7 +119,7 @@ def test_object_flags_take_json_and_null_overrides_the_file(tmp_path):
     (["--perseus-log-path", "/tmp/{job}.jsonl"], "perseus.log_path uses {job}"),
     (["--perseus-policy", '{"type": "zeus", "eta": 2}'], "perseus.policy.eta must be in [0, 1], got 2"),
     (["--perseus-seed", "-1", "--perseus-mode", "fast"],
-     "(Megatron flag --perseus-mode, --perseus-seed or --perseus-config)"),
+     "(Megatron flag --perseus-mode, --perseus-seed)"),
 ])
 def test_bad_flag_values_raise_config_error_naming_key_and_flag(argv, message):
     with pytest.raises(ConfigError) as caught:
@@ -137,7 +139,7 @@ VALUES = SAFE_TEXT.filter(lambda text: not text.startswith("-")) | st.builds(
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(st.lists(st.tuples(st.sampled_from(FLAGS), st.lists(VALUES, min_size=1, max_size=3)), max_size=5))
 def test_any_flag_values_give_a_config_or_one_config_error(pairs):
-    parser = add_perseus_args(argparse.ArgumentParser())
+    parser = add_perseus_args(argparse.ArgumentParser(exit_on_error=False))
     argv = ["--perseus"]
     for flag, values in pairs:
         action = parser._option_string_actions[flag]
@@ -151,13 +153,124 @@ def test_any_flag_values_give_a_config_or_one_config_error(pairs):
 
 
 def test_the_section_is_validated_as_the_arguments_are_parsed_and_parsed_once():
-    parser = add_perseus_args(argparse.ArgumentParser())
-    with pytest.raises(ConfigError, match="perseus.straggler_threshold"):
+    parser = add_perseus_args(argparse.ArgumentParser(exit_on_error=False))
+    with pytest.raises(FlagError, match="perseus.straggler_threshold") as caught:
         parser.parse_args(["--perseus", "--perseus-straggler-threshold", "2"])  # before Megatron builds anything
+    assert caught.value.flags == ("--perseus-straggler-threshold",)
+    assert caught.value.keys == ("perseus.straggler_threshold",)
     args = parser.parse_args(["--perseus", "--perseus-mode", "observe"])
     config = config_from_args(args)
     assert config.mode == "observe" and config_from_args(args) is config  # the door's object, handed on
     assert config_from_args(parser.parse_args([])) is None
+
+
+def megatron_like_parser() -> argparse.ArgumentParser:
+    """The perseus group on a parser made as Megatron-LM makes its own (`allow_abbrev=False`,
+    a `--pipeline-model-parallel-size` flag)."""
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    return add_perseus_args(parser)
+
+
+def usage_error(parser: argparse.ArgumentParser, argv: list[str], capsys) -> str:
+    """The one `error:` line a bad command line ends with, after checking argparse's exit 2."""
+    with pytest.raises(SystemExit) as caught:
+        parser.parse_args(argv)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pretrain_gpt.py")
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and err.rstrip().endswith(errors[0]), err
+    assert "Traceback" not in err
+    return errors[0]
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--perseus-straggler-threshold", "2"],
+     "error: argument --perseus-straggler-threshold: perseus.straggler_threshold must be a number in (0, 1), got 2"),
+    (["--perseus-mode", "fast", "--perseus-seed", "-1"],
+     'error: arguments --perseus-mode, --perseus-seed: 2 mistakes in perseus: perseus.mode must be one of '
+     '"optimize", "observe", got "fast"; e.g. "observe"; perseus.seed must be an integer >= 0, got -1; e.g. 0'),
+    (["--perseus-policy", '{"type": "zeus", "eta": 2}'], "error: argument --perseus-policy: perseus.policy.eta"),
+    (["--perseus-straggler-hysteresis", "0.3"],  # a mistake across keys: the flag given is blamed
+     "error: argument --perseus-straggler-hysteresis: perseus.straggler_hysteresis (0.3) must be smaller"),
+    (["--perseus-warmup-iteration", "3"],  # Megatron-LM refuses abbreviations; so does the perseus group
+     "error: argument --perseus-warmup-iteration: perseus flags are never abbreviated; write "
+     "--perseus-warmup-iterations in full"),
+    (["--perseus-warmup-iteratoins", "3"],
+     'error: argument --perseus-warmup-iteratoins: unrecognized perseus flag (did you mean "--perseus-warmup-iterations"?)'),
+    (["--perseus-mode", "optimize", "--pipeline-model-parallel-size", "1"],
+     "error: arguments --perseus-mode, --pipeline-model-parallel-size: perseus.mode 'optimize' plans GPU clocks across "
+     "pipeline stages, but --pipeline-model-parallel-size is 1; use --perseus-mode observe"),
+])
+def test_a_bad_flag_is_argparses_usage_and_one_error_line(argv, line, capsys):
+    parser = megatron_like_parser()
+    assert line in usage_error(parser, ["--perseus", "--pipeline-model-parallel-size", "2", *argv], capsys)
+
+
+@pytest.mark.parametrize("content, line", [
+    (b'{"straggler_threshold": 2}',
+     "error: argument --perseus-config: perseus.straggler_threshold must be a number in (0, 1), got 2"),
+    (b'{"straggler_treshold": 0.1}', "error: argument --perseus-config: unknown key(s) perseus.straggler_treshold "
+                                     "(did you mean perseus.straggler_threshold?)"),
+    (b'{"warmup_iterations": NaN}', "is not valid JSON"),
+    (b"[1, 2]", "error: argument --perseus-config: "),
+])
+def test_a_bad_config_file_is_argparses_usage_and_one_error_line(tmp_path, content, line, capsys):
+    path = tmp_path / "perseus.json"
+    path.write_bytes(content)
+    found = usage_error(megatron_like_parser(),
+                        ["--perseus", "--pipeline-model-parallel-size", "2", "--perseus-config", str(path)], capsys)
+    assert line in found and found.startswith("pretrain_gpt.py: error: argument --perseus-config: ")
+
+
+def test_a_flag_overriding_the_file_is_blamed_not_the_file(tmp_path, capsys):
+    path = tmp_path / "perseus.json"
+    path.write_text(json.dumps({"straggler_threshold": 0.5, "warmup_iterations": 2}))
+    line = usage_error(megatron_like_parser(), ["--perseus", "--pipeline-model-parallel-size", "2", "--perseus-config",
+                                                str(path), "--perseus-warmup-iterations", "-4"], capsys)
+    assert "error: argument --perseus-warmup-iterations: perseus.warmup_iterations" in line
+
+
+def test_flags_are_found_from_the_keys_the_error_carries_not_from_its_words():
+    """A ConfigError's `keys` say which keys it is about: the flag follows them, whatever the
+    message happens to mention (here another key by name)."""
+    with pytest.raises(FlagError) as caught:
+        parse("--perseus", "--perseus-straggler-hysteresis", "0.01", "--perseus-straggler-threshold", "0.005")
+    message = str(caught.value)
+    assert "perseus.straggler_threshold" in message and "perseus.straggler_hysteresis" in message
+    blamed = set(caught.value.flags)
+    assert blamed <= {"--perseus-straggler-hysteresis", "--perseus-straggler-threshold"} and blamed
+    with pytest.raises(FlagError) as caught:
+        parse("--perseus", "--perseus-solver", '{"min_grid_points": 1}', "--perseus-mode", "observe")
+    assert caught.value.keys == ("perseus.solver.min_grid_points",) and caught.value.flags == ("--perseus-solver",)
+
+
+def test_config_error_keys_survive_pickling_and_default_to_none():
+    import pickle
+
+    error = ConfigError("perseus.seed must be ...", keys=["perseus.seed", "perseus.seed"])
+    assert error.keys == ("perseus.seed",)
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is ConfigError and copy.keys == ("perseus.seed",) and str(copy) == str(error)
+    assert ConfigError("no key").keys == ()
+    flag_error = FlagError("bad", flags=("--perseus-seed",), keys=("perseus.seed",), message="bad (flag)")
+    copy = pickle.loads(pickle.dumps(flag_error))
+    assert (copy.flags, copy.keys, copy.reason, str(copy)) == (("--perseus-seed",), ("perseus.seed",), "bad", "bad (flag)")
+
+
+def test_our_examples_refuse_abbreviations_as_megatron_lm_does():
+    """Megatron-LM's parser is made with allow_abbrev=False; the example scripts' parsers too."""
+    import ast
+
+    scripts = [ROOT / "examples" / "megatron_gpt3" / "pretrain_gpt3.py", ROOT / "examples" / "deepspeed" / "train.py"]
+    for script in scripts:
+        calls = [node for node in ast.walk(ast.parse(script.read_text())) if isinstance(node, ast.Call)
+                 and getattr(node.func, "attr", getattr(node.func, "id", None)) == "ArgumentParser"]
+        assert calls, script
+        for call in calls:
+            options = {keyword.arg: keyword.value for keyword in call.keywords}
+            assert isinstance(options.get("allow_abbrev"), ast.Constant) and options["allow_abbrev"].value is False, script
 
 
 def test_chain_extra_args_runs_every_provider_and_skips_none():
@@ -297,7 +410,7 @@ def test_an_unknown_simulated_preset_in_the_environment_fails_at_the_door(monkey
     failed only when a rank opened its GPU."""
     monkeypatch.setenv("PERSEUS_GPU", "sim:bogus")
     with pytest.raises(ConfigError, match="perseus.gpu is null, so env PERSEUS_GPU names the GPU: .*unknown simulated "
-                                          "preset 'bogus'.*--perseus-gpu"):
+                                          "preset 'bogus'.*fix PERSEUS_GPU or set perseus.gpu \\(Megatron flag --perseus-gpu\\)"):
         config_from_args(parse("--perseus"))
     monkeypatch.setenv("PERSEUS_GPU", "sim:a40")
     assert config_from_args(parse("--perseus")).gpu is None

@@ -48,6 +48,7 @@ def test_full_iteration_graph_job_deploys_a_stage_constant_plan_between_replays(
     assert "full-iteration CUDA graph (--cuda-graph-impl full_iteration)" in output
     replays = [int(n) for n in re.findall(r"cpu_cuda_graphs: (\d+) replays", output)]
     assert replays and all(n == ITERATIONS - WARMUP_STEPS for n in replays), replays  # capture + replays
+    assert len(run.summaries) == 2  # one per rank of the 2-stage pipeline
     for summary in run.summaries:
         assert summary["fallback_reason"] is None, summary["fallback_reason"]
         assert summary["profiling_iterations"] == 0  # solved from the saved profile

@@ -94,6 +94,7 @@ def test_per_layer_graphs_pair_hooks_and_markers_and_deploy_per_computation_as_w
         assert run["graph_captures_asked"] == (STAGES * ITERATIONS if local else 0), flags
         assert ("per-layer CUDA graphs" in run["log"]) is (mode is not GraphMode.NONE), flags  # one info line per rank
         assert "WARNING" not in run["log"] and "ERROR" not in run["log"], run["log"]
+        assert len(run["ranks"]) == STAGES, flags
         for rank in run["ranks"]:
             assert rank["mode"] is mode, flags
             assert rank["config_mode"] == "optimize"  # per-layer graphs keep per-computation plans
@@ -103,6 +104,6 @@ def test_per_layer_graphs_pair_hooks_and_markers_and_deploy_per_computation_as_w
             assert rank["clocks_set"] <= set(rank["plan"]), (flags, rank)  # and nothing else
     baseline = runs["none"]["ranks"]
     for flags, run in runs.items():  # the same hooks and plan as without graphs
-        for rank, plain in zip(run["ranks"], baseline):
+        for rank, plain in zip(run["ranks"], baseline, strict=True):
             assert rank["hooked"] == plain["hooked"], flags
             assert rank["plan"] == plain["plan"], flags  # (and each run set the plan's clocks, above)

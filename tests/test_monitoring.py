@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from perseus_ext.monitoring import IterationMetrics, megatron_sinks, tensorboard_sink
+from perseus_ext.observability.monitoring import IterationMetrics, megatron_sinks, tensorboard_sink
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.runtime import PerseusRuntime
 
@@ -22,7 +22,7 @@ def test_metrics_reach_a_tensorboard_event_file(tmp_path):
     writer = tensorboard.SummaryWriter(log_dir=str(tmp_path))
     runtime = PerseusRuntime(make_config(baseline_fraction=0.5, straggler_check_interval=2),
                              schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=sim_gpu())
-    metrics = IterationMetrics(runtime, megatron_sinks(tensorboard_writer=writer))
+    metrics = IterationMetrics(runtime.parts.feed, megatron_sinks(tensorboard_writer=writer))
     train(runtime, 40, after_iteration=metrics.write)
     runtime.close()
     writer.close()
@@ -72,7 +72,7 @@ def test_a_failing_writer_is_dropped_without_breaking_training():
             raise OSError("disk full")
 
     runtime = PerseusRuntime(make_config(), schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=sim_gpu())
-    metrics = IterationMetrics(runtime, [tensorboard_sink(Broken())])
+    metrics = IterationMetrics(runtime.parts.feed, [tensorboard_sink(Broken())])
     train(runtime, 4, after_iteration=metrics.write)
     runtime.close()
     assert metrics.sinks == [] and runtime.fallback_reason is None
@@ -80,7 +80,7 @@ def test_a_failing_writer_is_dropped_without_breaking_training():
 
 def test_deepspeed_csv_monitor_gets_the_metrics_and_report_reproduces_the_demo(tmp_path):
     from perseus_ext import demo
-    from perseus_ext.reporting import analyse, read_logs
+    from perseus_ext.observability.reporting import analyse, read_logs
 
     scenario = demo.Scenario(
         out_dir=str(tmp_path), stages=2, pipelines=1, microbatches=2, iterations=64,

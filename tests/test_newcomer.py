@@ -161,7 +161,7 @@ def test_a_job_of_50_deployed_iterations_measures_its_saving_by_default(caplog):
 
     from perseus_ext.planning.schedule import build_schedule
     from perseus_ext.runtime import PerseusRuntime
-    from perseus_ext.runtime.phase import Phase
+    from perseus_ext.observability.phase import Phase
     from runtime_helpers import make_config, sim_gpu, train
 
     config = make_config(straggler_check_interval=10)  # the default check interval, default fraction

@@ -71,7 +71,7 @@ def scalar_replay(model: CostModel, choice: np.ndarray, latency: float) -> tuple
         for s, order in enumerate(schedule.orders):
             while pending[s] < len(order):
                 c = order[pending[s]]
-                deps = [model.dag.computations[p] for p in model.dag.preds[model.dag.index[c]] if p >= 0]
+                deps = [model.dag.computations[p] for p in model.dag.predecessors(model.dag.index[c])]
                 if any(d not in finish for d in deps):
                     break
                 start = max([finish[d] for d in deps], default=0.0)

@@ -71,7 +71,7 @@ def test_good_profile_round_trips(tmp_path: Path) -> None:
         (lambda t: t.replace("0,forward,1410,0.05,24", "1000000000,forward,1410,0.05,24"), r"row 2: field 'stage' is 1000000000; it must be between 0 and 511"),
         (lambda t: t.replace("0,forward,1410,0.05,24", "0,forward," + "1" * 100 + ",0.05,24"), r"row 2: a field of 100 characters"),
         (lambda t: t.replace("1,backward,1200,0.12,40", "1,backwrd,1200,0.12,40"),
-         r"row 9: field 'instruction' is 'backwrd' \(did you mean 'backward'\?\); use 'forward' or 'backward'"),
+         r"row 9: field 'instruction' is 'backwrd' \(did you mean 'backward'\?\); use one of 'forward', 'backward'"),
         (lambda t: t.replace("0,forward,1410,0.05,24", 'x,"forward\n1410'), r"row 2: a quoted field spans several lines"),
         (lambda t: "", r"empty; the first row must be the header"),
         (lambda t: t.splitlines()[0] + "\n\n", r"no measurements after the header"),

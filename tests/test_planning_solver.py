@@ -249,7 +249,7 @@ def _reclaim_node_by_node(model: CostModel, choice: np.ndarray, deadlines: np.nd
         latest = dag.latest_finish_times(model.times[rows, choice], deadlines)
         finish = np.zeros((model.num_nodes + 1, choice.shape[1]))
         for node in range(model.num_nodes):
-            start = np.maximum(finish[dag.preds[node, 0]], finish[dag.preds[node, 1]])
+            start = finish[dag.predecessors(node)].max(axis=0, initial=0.0)
             refit(node, latest[node] - start)
             finish[node] = start + model.times[node, choice[node]]
 
@@ -259,7 +259,8 @@ def _reclaim_node_by_node(model: CostModel, choice: np.ndarray, deadlines: np.nd
         latest_start = np.empty((model.num_nodes + 1, choice.shape[1]))
         latest_start[-1] = deadlines
         for node in range(model.num_nodes - 1, -1, -1):
-            end = np.minimum(latest_start[dag.succs[node, 0]], latest_start[dag.succs[node, 1]])
+            succs = dag.successors(node)
+            end = latest_start[succs].min(axis=0) if len(succs) else latest_start[-1]
             refit(node, end - earliest[node])
             latest_start[node] = end - model.times[node, choice[node]]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from perseus_ext import plotting
+from perseus_ext.observability import plotting
 from perseus_ext.planning.energy import CostModel
-from perseus_ext.planning.frontier import Frontier
+from perseus_ext.planning.frontier import Frontier, Plan
 from perseus_ext.planning.profile import load_profile
 from perseus_ext.planning.schedule import build_schedule
 
@@ -98,7 +98,7 @@ def test_missing_matplotlib_is_a_clear_error(frontier, tmp_path, monkeypatch):
 
 def test_importing_plotting_and_emulator_does_not_import_matplotlib():
     code = (
-        "import sys, perseus_ext.plotting, perseus_ext.emulator, perseus_ext.commands.emulate; "
+        "import sys, perseus_ext.observability.plotting, perseus_ext.emulator, perseus_ext.commands.emulate; "
         "assert 'matplotlib' not in sys.modules, 'matplotlib imported eagerly'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
@@ -130,6 +130,73 @@ def test_run_timeline_legend_covers_no_data_and_profiling_does_not_squash_the_re
     for axis in (top, bottom):
         assert not legend.overlaps(axis.get_window_extent(renderer))
     assert top.get_ylim()[1] < 1.0 and bottom.get_ylim()[1] < 1000  # scaled to the non-profiling iterations
-    assert top.get_ylim()[0] < 0.5 and bottom.get_ylim()[0] < 600
+    assert top.get_ylim()[0] == 0 and bottom.get_ylim()[0] == 0  # from zero
     notes = [text.get_text() for axis in (top, bottom) for text in axis.texts]
-    assert "profiling peaks at 3.1 s (off scale)" in notes and "profiling peaks at 1.7e+03 J (off scale)" in notes
+    assert "profiling: up to 3.1 s (off scale)" in notes and "profiling: up to 1.7e+03 J (off scale)" in notes
+
+
+def _captured(monkeypatch) -> dict:
+    drawn: dict = {}
+    monkeypatch.setattr(plotting, "_save", lambda figure, path: drawn.update(figure=figure))
+    return drawn
+
+
+def _rgb(color) -> np.ndarray:
+    from matplotlib.colors import to_rgb
+
+    return np.array(to_rgb(color))
+
+
+def test_run_timeline_noise_stays_noise_and_lines_stand_out_from_the_bands(tmp_path, monkeypatch):
+    """A DeepSpeed run's iterations of 0.200-0.205 s filled the whole axis, so noise looked like
+    spikes; the baseline line was drawn in the deployed band's green."""
+    drawn = _captured(monkeypatch)
+    phases = ["warmup"] * 2 + ["profiling"] * 4 + ["solving"] + ["deployed"] * 33
+    rng = np.random.default_rng(3)
+    noisy = list(0.2 + 0.005 * rng.random(40))
+    series = {"perseus-ext": {"time_s": noisy, "energy_j": list(300 + 5 * rng.random(40))},
+              "baseline": {"time_s": list(0.2 + 0.005 * rng.random(40)), "energy_j": [330.0] * 40}}
+    plotting.plot_run_timeline(series, phases, tmp_path / "run.png")
+    top, bottom = drawn["figure"].axes
+    low, high = top.get_ylim()
+    assert low == 0 and (max(noisy) - min(noisy)) / (high - low) < 0.05  # 2.5 % noise spans < 5 % of the axis
+    assert bottom.get_ylim()[0] == 0
+    bands = [_rgb(color) for color in plotting.PHASE_COLORS.values()]
+    lines = top.get_lines()
+    assert len(lines) == 2
+    for line in lines:
+        assert min(np.abs(_rgb(line.get_color()) - band).sum() for band in bands) > 0.3, line.get_label()
+    assert np.abs(_rgb(lines[0].get_color()) - _rgb(lines[1].get_color())).sum() > 0.3
+    assert lines[0].get_linestyle() != lines[1].get_linestyle()
+
+
+def test_frontier_axis_from_zero_and_legend_counts_are_the_frontiers(frontier, tmp_path, monkeypatch):
+    """The legend said '80 plans' and '34 plans' where the console said 114."""
+    drawn = _captured(monkeypatch)
+    slower = [Plan(plan.time * 1.5 + 0.01 * k, plan.energy * 1.02, plan.frequencies)
+              for k, plan in enumerate(frontier.plans[:3])]
+    extended = Frontier(frontier.schedule, frontier.blocking_power, frontier.plans + tuple(slower),
+                        frontier.baseline, extension_start=len(frontier.plans))
+    plotting.plot_frontier(extended, tmp_path / "frontier.png")
+    axis = drawn["figure"].axes[0]
+    assert axis.get_ylim()[0] == 0
+    labels = [text.get_text() for text in axis.get_legend().get_texts()]
+    total = len(extended.plans)
+    assert f"perseus-ext frontier: {len(frontier.plans)} of its {total} plans" in labels
+    assert "wait-aware plans (iteration held to a deadline): the other 3" in labels
+
+
+def test_savings_series_with_equal_values_share_a_line_and_the_axis_starts_at_zero(tmp_path, monkeypatch):
+    """Five legend entries over four lines: one series hid another."""
+    drawn = _captured(monkeypatch)
+    factors = [1.0, 1.2, 1.5]
+    savings = {"perseus-ext": [0.15, 0.28, 0.29], "stopping at T*": [0.15, 0.28, 0.29],
+               "global clock": [0.0, 0.25, 0.27], "paper": [float("nan"), 0.27, float("nan")]}
+    plotting.plot_savings(factors, savings, tmp_path / "savings.png")
+    axis = drawn["figure"].axes[0]
+    lines = axis.get_lines()
+    labels = [text.get_text() for text in axis.get_legend().get_texts()]
+    assert len(lines) == len(labels) == 3
+    assert labels[0] == "perseus-ext = stopping at T*"
+    assert len({line.get_linestyle() for line in lines}) == 3
+    assert axis.get_ylim()[0] == 0

@@ -17,7 +17,9 @@ import pytest
 
 from perseus_ext.commands import batch_size as batch_size_command
 from perseus_ext.errors import ConfigError
-from perseus_ext.policies import BatchSizeOptimizer, PolicyConfig
+from perseus_ext.config.policy import PolicySection
+from perseus_ext.policies import BatchSizeOptimizer
+from perseus_ext.policies.factories import build_batch_size_optimizer
 from perseus_ext.policies.batch_size import RunOutcome, read_states
 
 MAX_POWER_W = 300.0
@@ -193,7 +195,7 @@ def test_bad_settings(tmp_path: Path, kwargs: dict, message: str) -> None:
 
 
 def test_built_from_config(tmp_path: Path) -> None:
-    config = PolicyConfig.parse(
+    config = PolicySection.parse(
         {
             "type": "zeus",
             "eta": 0.3,
@@ -205,12 +207,12 @@ def test_built_from_config(tmp_path: Path) -> None:
             },
         }
     )
-    optimizer = config.build_batch_size_optimizer(gpu_max_power_w=400.0)
+    optimizer = build_batch_size_optimizer(config, gpu_max_power_w=400.0)
     assert (
         optimizer is not None and optimizer.cost.eta == 0.3 and optimizer.cost.max_power_w == 400.0
     )
     assert optimizer.suggest().batch_size == 64
-    assert PolicyConfig.parse({"type": "zeus"}).build_batch_size_optimizer(400.0) is None
+    assert build_batch_size_optimizer(PolicySection.parse({"type": "zeus"}), 400.0) is None
 
 
 def run_command(argv: list[str]) -> int:

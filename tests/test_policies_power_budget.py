@@ -12,9 +12,9 @@ import pytest
 
 from perseus_ext.errors import ConfigError
 from perseus_ext.policies.carbon import CSVCarbonTrace, CallbackCarbonSignal, ExternalSignal
+from perseus_ext.config.policy import BudgetScope
 from perseus_ext.policies.power_budget import (
     POWER_BUDGET,
-    BudgetScope,
     PowerBudget,
     PowerBudgetPolicy,
     average_power_w,

@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from perseus_ext.config.policy import PolicySection
 from perseus_ext.errors import ConfigError
 from perseus_ext.measurement.gpu import GPUError, SimulatedGPU
 from perseus_ext.policies import (
     CallbackCarbonSignal,
     CarbonCost,
-    PolicyConfig,
     PowerLimitOptimizer,
     ZeusCost,
 )
+from perseus_ext.policies.factories import build_power_limit_optimizer
 from perseus_ext.policies.power_limit import candidate_limits
 
 WORK_S = 2.0  # one iteration's computation at the max clock
@@ -195,7 +196,7 @@ def test_carbon_cost_moves_the_limit_both_ways() -> None:
 
 def test_config_builds_optimizer_with_gpu_max_power() -> None:
     gpu = SimulatedGPU("a40", pace=False)
-    config = PolicyConfig.parse(
+    config = PolicySection.parse(
         {
             "type": "zeus",
             "eta": 0.5,
@@ -203,7 +204,7 @@ def test_config_builds_optimizer_with_gpu_max_power() -> None:
             "power_limit": {"step_w": 50, "warmup_iters": 1, "profile_iters": 2},
         }
     )
-    optimizer = config.build_power_limit_optimizer(gpu)
+    optimizer = build_power_limit_optimizer(config, gpu)
     assert optimizer.cost.max_power_w == 300.0  # the A40's max limit
     assert optimizer.warmup_iters == 1 and optimizer.profile_iters == 2
     optimizer.close()

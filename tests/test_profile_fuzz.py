@@ -120,3 +120,13 @@ def test_valid_profiles_round_trip_and_useful_clock_filter(rows) -> None:
                 if f not in op.frequencies:
                     assert any(kt <= t and kw <= e - power * t for kt, kw in zip(op.times, waiting))
     assert all(math.isfinite(r["time"]) for r in filtered.rows())
+
+
+def test_a_dominated_clock_is_dropped_for_a_kept_clock_that_beats_it() -> None:
+    """The fuzzed claim above only bites when a clock is dropped: one case where it must be."""
+    rows = [{"stage": 0, "instruction": kind, "frequency": clock, "time": time, "energy": energy}
+            for kind in ("forward", "backward")
+            for clock, time, energy in ((1000, 1.0, 300.0), (1500, 0.5, 200.0), (2000, 0.4, 240.0))]
+    profile = Profile.from_rows(rows, source="hand-written")
+    for key, op in profile.useful_clocks(83.64).points.items():
+        assert [int(f) for f in op.frequencies] == [2000, 1500], key  # 1000 MHz: slower and dearer than 1500

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from perseus_ext.errors import ConfigError
-from perseus_ext.prometheus import export_target
-from perseus_ext.runtime.config import PerseusConfig, PrometheusConfig
+from perseus_ext.observability.prometheus import export_target
+from perseus_ext.config import PerseusConfig, PrometheusConfig
 
 import prometheus_server
 

@@ -153,12 +153,13 @@ def test_deepspeed_initialize_refuses_candidates_that_cannot_be_built(tmp_path):
 
 # --------------------------------------------------------------------------- power budget
 def test_power_budget_policy_from_the_config_divides_a_job_budget_over_the_gpus():
-    from perseus_ext.policies import PolicyConfig
-    from perseus_ext.policies.power_budget import BudgetScope, PowerBudgetPolicy
+    from perseus_ext.config.policy import BudgetScope, PolicySection
+    from perseus_ext.policies.factories import build_policy
+    from perseus_ext.policies.power_budget import PowerBudgetPolicy
     from perseus_ext.runtime.comm import ControlPlane
 
     config = make_config(policy={"type": "power_budget", "budget": {"watts": 600, "scope": "job"}})
-    policy = config.policy.build_policy()
+    policy = build_policy(config.policy)
     assert isinstance(policy, PowerBudgetPolicy) and policy.budget.scope is BudgetScope.JOB
     comm = ControlPlane(stage=0)
     comm.members = comm.members * 3  # what a 3-GPU job's control plane lists
@@ -172,7 +173,7 @@ def test_power_budget_policy_from_the_config_divides_a_job_budget_over_the_gpus(
         ({"type": "power_budget", "mode": "power_limit", "budget": {"watts": 300}}, "needs perseus.policy.type 'zeus'"),
     ):
         with pytest.raises(ConfigError, match=message):
-            PolicyConfig.parse(section)
+            PolicySection.parse(section)
 
 
 BUDGET_W = {"now": 1000.0}
@@ -238,10 +239,11 @@ class _FakePlane:
 
 def test_only_rank_0_polls_a_url_budget_the_others_are_fed_its_value():
     from perseus_ext.policies.carbon import ExternalSignal, HTTPCarbonSignal
+    from perseus_ext.policies.factories import build_policy
     from perseus_ext.policies.power_budget import PowerBudgetPolicy
 
     config = make_config(policy={"type": "power_budget", "budget": {"url": "http://127.0.0.1:1/budget"}})
-    policy = config.policy.build_policy()
+    policy = build_policy(config.policy)
     assert isinstance(policy, PowerBudgetPolicy) and isinstance(policy.budget.signal, HTTPCarbonSignal)
     plane = _FakePlane()
     coordinator = JobCoordinator.create(config, plane, None, policy)

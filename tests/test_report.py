@@ -7,7 +7,7 @@ import json
 import pytest
 
 from perseus_ext.cli import main
-from perseus_ext.reporting import analyse, read_logs
+from perseus_ext.observability.reporting import analyse, read_logs
 
 
 def write_log(path, rank, iterations, *, restart_before=0):
@@ -46,8 +46,8 @@ def test_report_prints_the_job_saving_with_its_interval_and_draws_the_timeline(t
     assert overall["saving_low"] < 0.2 < overall["saving_high"] and overall["saving"] == pytest.approx(0.2, abs=0.01)
     assert overall["probes"] == 10 and job["measured"]["probe_cost"]["share_of_deployed"] == pytest.approx(10 / 52)
     assert job["phase_costs"]["profiling"]["extra_energy_j"] == pytest.approx(4 * 0.3 * 150, rel=0.05)
-    assert "(10 probes) (measured)" in out and "lifecycle cost" in out
-    assert "baseline probes: 10 iterations" in out
+    assert "(10 probes)" in out and "measured vs baseline probes" in out and "lifecycle cost" in out
+    assert "10 iterations" in out.split("baseline probes:")[1].splitlines()[0]
     assert "baseline probe" in analysis["timeline"]["labels"]
 
 

@@ -44,4 +44,5 @@ def test_each_rank_gets_its_stage_and_every_plans_figures():
 
 def test_a_missing_frontier_ships_its_error():
     shipments = ship(SolveOutcome(None, "no usable profile", 0.0, False), [Member(0, 0, 0), Member(1, 0, 1)])
+    assert set(shipments) == {0, 1}
     assert all(s.table is None and s.error == "no usable profile" for s in shipments.values())

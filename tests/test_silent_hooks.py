@@ -19,7 +19,7 @@ from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.runtime import PerseusRuntime
 from perseus_ext.runtime import hook_watch as hook_watch_module
 from perseus_ext.runtime.capture import capture_probe
-from perseus_ext.runtime.phase import Phase
+from perseus_ext.observability.phase import Phase
 
 
 def _wait_for(predicate, timeout_s: float, poll_s: float = 0.01) -> float | None:

@@ -19,6 +19,9 @@ pytestmark = [
     pytest.mark.slow, pytest.mark.distributed,
 ]
 WORKLOAD = {"forward_seconds": [0.025, 0.035], "backward_seconds": [0.050, 0.070]}  # as tests/test_deepspeed.py
+SAVING_FLOOR = 0.7  # the measured saving is at least this share of the model's (tests/test_deepspeed.py)
+SPAN_SAVING_FLOOR = 0.55  # the same for the exact energy read around each host step (see the test)
+DEVICE_TIME_TOLERANCE = 0.02  # device-measured compute time of the plan vs its twin's
 
 
 def test_non_root_deepspeed_job_sets_clocks_through_zeusd_and_saves_energy(tmp_path, monkeypatch):
@@ -40,6 +43,7 @@ def test_non_root_deepspeed_job_sets_clocks_through_zeusd_and_saves_energy(tmp_p
         daemon.stop()
 
     perseus = demo.by_variant(results, "perseus")
+    assert len(perseus) == scenario.world_size
     for rank in perseus:
         summary = rank["summary"]
         assert not summary["dry_run"] and summary["final_phase"] == "deployed", summary["fallback_reason"]
@@ -53,10 +57,22 @@ def test_non_root_deepspeed_job_sets_clocks_through_zeusd_and_saves_energy(tmp_p
     assert any(w.path == "/gpu/set_gpu_locked_clocks" and w.query["min_clock_mhz"] != "1410" for w in writes)
     assert daemon.locked_clock(0) is None and daemon.locked_clock(1) is None  # restored through zeusd at exit
 
-    window = demo.compare(scenario, results)["windows"]["no straggler"]
+    comparison = demo.compare(scenario, results)
+    window = comparison["windows"]["no straggler"]
     assert window["iterations"][1] - window["iterations"][0] >= 8
-    assert window["energy_saving"] > 0.03  # the simulated GPUs' exact energy
-    assert window["measured_energy_saving"] > 0.03  # and as measured with the coarse counter
-    # The planned time equals all-max-clock; the measured one only absorbs a crowded 2-core machine's noise
-    # (tests/test_deepspeed.py's CROWDED_TIME_TOLERANCE; one standalone run here measured +6.7 %).
-    assert window["time_change"] <= 0.15, window
+    model = perseus[0]["summary"]["frontier"]["intrinsic_saving"]  # what the model predicts for this job
+    assert window["measured_energy_saving"] >= SAVING_FLOOR * model, (window, model)  # the runtime's, device-aligned
+    # The simulated GPUs' exact energy, read around each host step: with one pipeline the host
+    # returns from a step well before its device finishes it, and that reading misses part of
+    # both variants' work (measured 0.66 of the model's saving against 1.1 for the counter's).
+    assert window["energy_saving"] >= SPAN_SAVING_FLOOR * model, (window, model)
+    # The planned time equals all-max-clock; on the devices (markers, not the crowded host's wall
+    # clock) the plan's compute time equals the observing twin's.
+    observe = demo.by_variant(results, "observe")
+    kept = [i for i in range(*window["iterations"]) if all(r["iterations"][i]["plan"] is not None for r in perseus)]
+    assert kept
+    ours = sum(max(r["iterations"][i]["compute_s"] for r in perseus) for i in kept)
+    twin = sum(max(r["iterations"][i]["compute_s"] for r in observe) for i in kept)
+    assert abs(ours / twin - 1.0) <= DEVICE_TIME_TOLERANCE, (ours, twin)
+    check = comparison["model_check"]
+    assert check is not None and check["within_tolerance"], check

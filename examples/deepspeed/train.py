@@ -26,7 +26,7 @@ install()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--deepspeed_config", required=True)
     parser.add_argument("--iterations", type=int, default=60)
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages; 0 = no pipeline")

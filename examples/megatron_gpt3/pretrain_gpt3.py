@@ -48,7 +48,7 @@ GPT3_SIZES: dict[str, tuple[int, int, int]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     model = parser.add_argument_group("model")
     model.add_argument("--model", choices=sorted(GPT3_SIZES), default="tiny",
                        help="GPT-3 size preset for layers/hidden/heads (default: tiny)")

@@ -20,7 +20,8 @@ Guarantees:
   targets already superseded by a newer one whose marker the device has reached are skipped
   (applying a stale clock only delays the one the schedule needs now), and so is a change held
   back to land on time once a later one falls due first: a misplanned delay costs at most the
-  computation it was aimed at, never the changes queued behind it.
+  computation it was aimed at, never the changes queued behind it (change_queue.py: when a
+  queued change falls due; this module: what it does to the GPU).
 * A failing device call is logged once, counted, and the controller falls back to the default
   clocks and stops touching the GPU; training goes on.
 * Clocks and power limit are restored on close, normal exit (atexit), exceptions (context
@@ -37,16 +38,28 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from perseus_ext.actuation.change_queue import (
+    RESET,
+    STOP,
+    Barrier,
+    ChangeQueue,
+    ClockAt,
+    Item,
+    PowerLimitAt,
+    Reset,
+    due_s,
+    superseded,
+)
 from perseus_ext.actuation.exit_guard import register, unregister
 from perseus_ext.actuation.issue_delay import IssueDelay
 from perseus_ext.actuation.observer import DeviceObserver, Observation, wait_for_marker
 from perseus_ext.actuation.restore import JOIN_TIMEOUT_S, ClockWrites
+from perseus_ext.actuation.watchdog import WatchdogMessage
 from perseus_ext.background import start_background
 from perseus_ext.measurement.gpu import (
     GPU,
@@ -66,30 +79,7 @@ logger = logging.getLogger(__name__)
 
 DRY_RUN_LOG_LIMIT = 1_000_000  # entries kept in dry_run_log; beyond it only dry_run_count grows
 CHANGE_LOG_LIMIT = 100_000  # timestamped clock changes kept for clock-coverage estimates
-OVERTAKE_POLL_S = 0.01  # while a change is held back: how often later ones are checked for being due (a
-# new request wakes the worker at once; each wake takes the GIL from the training thread briefly)
 CALL_TIMES_KEPT = 1000  # durations of the latest set calls kept (live runs)
-
-
-class _Reset:
-    """Clock target: unlock the SM clock (the driver default)."""
-
-
-@dataclass(frozen=True)
-class _ClockAt:
-    """Queue item: apply `target` (MHz or _RESET) `after_s` seconds after the device reaches
-    `at` (None: now), or once it reaches `by`, whichever comes first."""
-
-    target: Any
-    at: DeviceMarker | None
-    after_s: float = 0.0
-    by: DeviceMarker | None = None
-    epoch: int = 0  # `release_silent()` drops every change queued in an earlier epoch
-
-
-@dataclass(frozen=True)
-class _PowerLimit:
-    watts: float
 
 
 @dataclass(frozen=True)
@@ -98,19 +88,6 @@ class ClockChange:
 
     issued_s: float  # when the set call returned (perf_counter, the clock device times align to)
     mhz: int | None  # None: back to the default clocks
-
-
-@dataclass(frozen=True)
-class _Barrier:
-    done: threading.Event
-
-
-class _Stop:
-    """Queue item: restore everything and end the worker."""
-
-
-_RESET = _Reset()
-_STOP = _Stop()
 
 
 class FrequencyController:
@@ -162,7 +139,7 @@ class FrequencyController:
         self.writes: ClockWrites | None = None  # the device writes and their restore (restore.py)
         self._closer: int | None = None  # thread that runs close(); a re-entrant call returns
         self._close_done = threading.Event()
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._queue = ChangeQueue()  # when each request falls due: change_queue.py
         self._stopping = False
         self._worker: threading.Thread | None = None
         self.observer: DeviceObserver | None = None
@@ -230,13 +207,13 @@ class FrequencyController:
             self.dropped_count += 1
             return
         if self._worker is not None and not self._closed:
-            self._queue.put(_ClockAt(mhz, at, after_s, by, self._epoch))
+            self._queue.put(ClockAt(mhz, at, after_s, by, self._epoch))
 
     def reset(self, at: DeviceMarker | None = None) -> None:
         """Ask for the default (unlocked) clocks from marker `at` on; non-blocking."""
         self._last_requested = None
         if self._worker is not None and not self._closed:
-            self._queue.put(_ClockAt(_RESET, at, epoch=self._epoch))
+            self._queue.put(ClockAt(RESET, at, epoch=self._epoch))
 
     def release_silent(self) -> None:
         """The hooks fell silent with a clock held (silence.py): drop every change queued so far
@@ -245,7 +222,7 @@ class FrequencyController:
         self._epoch += 1
         self._last_requested = None
         if self._worker is not None and not self._closed:
-            self._queue.put(_ClockAt(_RESET, None, epoch=self._epoch))
+            self._queue.put(ClockAt(RESET, None, epoch=self._epoch))
 
     def observe(self, at: DeviceMarker, tag: Any) -> None:
         """Time and meter the moment the device reaches `at`; collect with `observations()`."""
@@ -270,7 +247,7 @@ class FrequencyController:
         elif self._closed:
             self.dropped_count += 1
         else:
-            self._queue.put(_PowerLimit(float(watts)))
+            self._queue.put(PowerLimitAt(float(watts)))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is done (its markers reached); False if
@@ -278,7 +255,7 @@ class FrequencyController:
         deadline = None if timeout is None else time.perf_counter() + timeout
         done = []
         if self._worker is not None and self._worker.is_alive():
-            barrier = _Barrier(threading.Event())
+            barrier = Barrier(threading.Event())
             self._queue.put(barrier)
             done.append(barrier.done)
         if self.observer is not None and (event := self.observer.barrier()) is not None:
@@ -302,54 +279,42 @@ class FrequencyController:
     # ----------------------------------------------------------------- worker
     def _work(self) -> None:
         while True:
-            batch = [self._queue.get()]
-            while True:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            batch = self._queue.next_batch()
             if self.writes is not None and self.writes.restore_due():
                 self._restore()  # a GPU left locked after a failure: keep trying while we run
             if self._run_batch(batch):
                 return
 
-    def _run_batch(self, batch: list[Any]) -> bool:
+    def _run_batch(self, batch: list[Item]) -> bool:
         """Process queue items in order; True once the worker must end."""
         ignore_other_threads_captures()  # its marker queries must not break a graph capture
         for index, item in enumerate(batch):
-            if item is _STOP:
+            if item is STOP:
                 self._restore()
                 for rest in batch[index + 1:]:
-                    if isinstance(rest, _Barrier):
+                    if isinstance(rest, Barrier):
                         rest.done.set()
                 return True
-            if isinstance(item, _Barrier):
+            if isinstance(item, Barrier):
                 item.done.set()
-            elif isinstance(item, _PowerLimit):
+            elif isinstance(item, PowerLimitAt):
                 self._apply_power_limit(item.watts)
-            elif isinstance(item, _ClockAt):
-                if item.epoch != self._epoch or self._superseded(item, batch[index + 1:]):
+            elif isinstance(item, ClockAt):
+                if item.epoch != self._epoch or superseded(item, batch[index + 1:]):
                     self.stale_skipped += 1
-                elif self._reach(item) and self._sleep_past(item, batch, index):
-                    issued_s = time.perf_counter()
-                    due_s = _due_s(item)
-                    if self._apply_clock(item.target) and due_s is not None:
-                        self.issue_delay.record(issued_s - due_s)
+                elif self._reach(item):
+                    due = self._queue.wait_until_due(item, batch, index,
+                                                     lambda: self._stopping or item.epoch != self._epoch)
+                    if due is None:
+                        self.stale_skipped += 1
+                    elif due:
+                        issued_s = time.perf_counter()
+                        due_at_s = due_s(item)
+                        if self._apply_clock(item.target) and due_at_s is not None:
+                            self.issue_delay.record(issued_s - due_at_s)
         return False
 
-    @staticmethod
-    def _superseded(item: _ClockAt, later: list[Any]) -> bool:
-        """A newer clock target already due (its marker passed, its delay over) makes this one
-        stale."""
-        now = time.perf_counter()
-        for other in later:
-            if isinstance(other, _ClockAt) and (other.at is None or other.at.query()):
-                due_s = _due_s(other)
-                if due_s is None or due_s <= now:
-                    return True
-        return False
-
-    def _reach(self, item: _ClockAt) -> bool:
+    def _reach(self, item: ClockAt) -> bool:
         """Block this worker until the device reaches `item`'s marker; False when stopping, or
         when `release_silent()` dropped the item, first."""
         if item.at is None:
@@ -357,36 +322,13 @@ class FrequencyController:
         return wait_for_marker(item.at, lambda: self._stopping or item.epoch != self._epoch, lambda err: self._note_error(
             "marker", err, "could not wait for a device marker", "its clock change happens at once instead"))
 
-    def _sleep_past(self, item: _ClockAt, batch: list[Any], index: int) -> bool:
-        """Wait until `item` is due (its marker reached); False when stopping first, or when a
-        change queued later falls due first: this one is then stale, and waiting on would hold
-        up every change behind it (a delay planned from a gap that was unusually long, an inline
-        solve or a checkpoint, would otherwise cost whole iterations). What arrives meanwhile is
-        appended to `batch`, whose item `index` is `item`."""
-        if item.after_s <= 0 or item.at is None:
-            return True
-        untimed_due_s = time.perf_counter() + item.after_s  # a marker without a device time
-        while not self._stopping and item.epoch == self._epoch:
-            due_s = _due_s(item)
-            remaining = (untimed_due_s if due_s is None else due_s) - time.perf_counter()
-            if remaining <= 0:
-                return True
-            try:
-                batch.append(self._queue.get(timeout=min(remaining, OVERTAKE_POLL_S)))
-            except queue.Empty:
-                pass
-            if self._superseded(item, batch[index + 1:]):
-                self.stale_skipped += 1
-                return False
-        return False
-
-    def _apply_clock(self, target: int | _Reset) -> bool:
+    def _apply_clock(self, target: int | Reset) -> bool:
         """Set (or, in dry-run, record) `target`; True if a change went out."""
         assert self.gpu is not None
         if self.disabled_reason is not None:
             self.dropped_count += 1
             return False
-        mhz = None if target is _RESET else target
+        mhz = None if target is RESET else target
         if mhz == self.writes.applied_clock:
             return False
         if self.dry_run:  # recorded with its device-ordered time, for coverage estimates
@@ -413,9 +355,9 @@ class FrequencyController:
             return
         try:
             self.writes.power_dirty = True
-            self.writes.tell_watchdog(f"power {watts}")
+            self.writes.tell_watchdog(WatchdogMessage.power(watts))
             self.gpu.set_power_limit_w(watts)
-            self.writes.tell_watchdog(f"power-held {watts}")
+            self.writes.tell_watchdog(WatchdogMessage.power_held(watts))
         except Exception as err:
             self._fail("set", err, f"could not set the power limit to {watts} W")
 
@@ -462,7 +404,7 @@ class FrequencyController:
             if worker is threading.current_thread():
                 self._restore()
             else:
-                self._queue.put(_STOP)
+                self._queue.put(STOP)
                 worker.join(JOIN_TIMEOUT_S)
                 hung = worker.is_alive()
                 if hung:  # hung device call: restore from here as a last resort
@@ -517,17 +459,4 @@ def open_controller(
         controller.last_error = err
         return controller
     return FrequencyController(gpu, strict=strict, dry_run=dry_run, watchdog=watchdog)
-
-
-def _due_s(item: _ClockAt) -> float | None:
-    """When a change whose marker the device has reached falls due on the device's clock:
-    `after_s` past `at`, or earlier if the device has reached `by`; None where the marker
-    carries no device time."""
-    reached_s = item.at.device_time_s() if item.at is not None else None
-    due_s = None if reached_s is None else reached_s + item.after_s
-    if item.by is not None and item.by.query():
-        by_s = item.by.device_time_s()
-        if by_s is not None and (due_s is None or by_s < due_s):
-            return by_s
-    return due_s
 

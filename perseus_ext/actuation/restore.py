@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from perseus_ext.actuation.watchdog import WatchdogLink, WatchdogOrders, start_watchdog
+from perseus_ext.actuation.watchdog import Report, WatchdogLink, WatchdogMessage, WatchdogOrders, start_watchdog
 from perseus_ext.measurement.gpu import GPU, GPUError
 
 logger = logging.getLogger(__name__)
@@ -81,24 +81,24 @@ class ClockWrites:
             "watchdog", err, "lost the clock-restoring watchdog",
             "clocks are not restored if this process is killed with SIGKILL"))
 
-    def tell_watchdog(self, message: str) -> None:
-        """One line of the watchdog protocol (watchdog.py)."""
+    def tell_watchdog(self, message: WatchdogMessage) -> None:
+        """One report of the watchdog protocol (watchdog.py)."""
         if self.watchdog is not None:
             self.watchdog.tell(message)
 
     def lock(self, mhz: int) -> None:
         """Lock `mhz`, telling the watchdog before (it may land) and after (it did)."""
         self.clock_dirty = True
-        self.tell_watchdog(f"lock {mhz}")
+        self.tell_watchdog(WatchdogMessage.lock(mhz))
         self.gpu.set_locked_sm_clocks(mhz)
         self.applied_clock = mhz
-        self.tell_watchdog(f"held {mhz}")
+        self.tell_watchdog(WatchdogMessage.held(mhz))
 
     def unlock(self) -> None:
         self.gpu.reset_locked_sm_clocks()
         self.applied_clock = None
         self.clock_dirty = False
-        self.tell_watchdog("released")
+        self.tell_watchdog(WatchdogMessage(Report.RELEASED))
 
     def restore_power_limit(self) -> None:
         if self.initial_power_limit is None:
@@ -106,7 +106,7 @@ class ClockWrites:
         else:
             self.gpu.set_power_limit_w(self.initial_power_limit)
         self.power_dirty = False
-        self.tell_watchdog("power-released")
+        self.tell_watchdog(WatchdogMessage(Report.POWER_RELEASED))
 
     def restore(self) -> bool:
         """Undo every clock and power limit this job set, each call retried a few times; True

@@ -1,8 +1,9 @@
 """SIGKILL safety net: a tiny process that restores GPU clocks when the trainer dies hard, or
 when the trainer's own restore failed.
 
-Started by FrequencyController with a pipe on its stdin, over which the trainer reports, one line
-each, what it does to the GPU:
+Started by FrequencyController with a pipe on its stdin, over which the trainer reports what it
+does to the GPU, one `WatchdogMessage` per line (`encode` on the trainer's side, `parse` on the
+watchdog's, so neither side spells the protocol by hand):
 
     lock <mhz>      about to lock that clock (it may land even if the trainer dies in the call)
     held <mhz>      the lock is in place: this job's only clock now
@@ -24,6 +25,7 @@ The orders cross the process boundary as `WatchdogOrders.to_json()` and are vali
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import select
@@ -73,6 +75,84 @@ class WatchdogOrders(BaseModel):
                               f"WatchdogOrders.to_json() in the trainer, not by hand") from None
 
 
+class Report(str, enum.Enum):
+    """What a line of the trainer's pipe says (module docstring)."""
+
+    LOCK = "lock"
+    HELD = "held"
+    RELEASED = "released"
+    POWER = "power"
+    POWER_HELD = "power-held"
+    POWER_RELEASED = "power-released"
+    CLEAN = "clean"
+    RESTORE = "restore"
+
+
+CLOCK_REPORTS = frozenset({Report.LOCK, Report.HELD})  # carry a clock (MHz, an integer)
+POWER_REPORTS = frozenset({Report.POWER, Report.POWER_HELD})  # carry a power limit (W)
+
+
+@dataclass(frozen=True)
+class WatchdogMessage:
+    """One report from the trainer to its watchdog: `report`, and the clock (MHz) or power
+    limit (W) it is about where it is about one."""
+
+    report: Report
+    value: int | float | None = None
+
+    def __post_init__(self) -> None:
+        if self.report in CLOCK_REPORTS and not (isinstance(self.value, int) and not isinstance(self.value, bool)):
+            raise ValueError(f"a {self.report.value!r} report needs a clock in MHz, got {self.value!r}")
+        if self.report in POWER_REPORTS and not isinstance(self.value, float):
+            raise ValueError(f"a {self.report.value!r} report needs a power limit in W, got {self.value!r}")
+        if self.report not in CLOCK_REPORTS | POWER_REPORTS and self.value is not None:
+            raise ValueError(f"a {self.report.value!r} report carries no value, got {self.value!r}")
+
+    @classmethod
+    def lock(cls, mhz: int) -> WatchdogMessage:
+        return cls(Report.LOCK, int(mhz))
+
+    @classmethod
+    def held(cls, mhz: int) -> WatchdogMessage:
+        return cls(Report.HELD, int(mhz))
+
+    @classmethod
+    def power(cls, watts: float) -> WatchdogMessage:
+        return cls(Report.POWER, float(watts))
+
+    @classmethod
+    def power_held(cls, watts: float) -> WatchdogMessage:
+        return cls(Report.POWER_HELD, float(watts))
+
+    def encode(self) -> str:
+        """The line the trainer writes (without its newline): "held 1005", "power 300.0", "clean"."""
+        return self.report.value if self.value is None else f"{self.report.value} {self.value}"
+
+    @classmethod
+    def parse(cls, line: str) -> WatchdogMessage:
+        """The message `encode` wrote; ValueError for anything else (a garbled line)."""
+        word, _, value = line.strip().partition(" ")
+        report = Report(word)
+        if report in CLOCK_REPORTS:
+            return cls(report, int(value))
+        if report in POWER_REPORTS:
+            return cls(report, float(value))
+        if value:
+            raise ValueError(f"a {word!r} report carries no value, got {value!r}")
+        return cls(report)
+
+
+ENDINGS = frozenset({Report.CLEAN, Report.RESTORE})  # the trainer's last word
+
+
+class Ending(str, enum.Enum):
+    """How the trainer's watch ended."""
+
+    CLEAN = "clean"  # it restored everything
+    RESTORE = "restore"  # it handed an unfinished restore over
+    DIED = "died"  # end of input without a last word, or it is no longer our parent
+
+
 @dataclass
 class Claims:
     """What this job may have left on the GPU, from the trainer's reports."""
@@ -80,19 +160,19 @@ class Claims:
     clocks: set[int] = field(default_factory=set)
     power_limits: set[float] = field(default_factory=set)
 
-    def note(self, line: str) -> None:
-        word, _, value = line.partition(" ")
-        if word == "lock":
-            self.clocks.add(int(value))
-        elif word == "held":
-            self.clocks = {int(value)}
-        elif word == "released":
+    def note(self, message: WatchdogMessage) -> None:
+        report = message.report
+        if report is Report.LOCK:
+            self.clocks.add(message.value)
+        elif report is Report.HELD:
+            self.clocks = {message.value}
+        elif report is Report.RELEASED:
             self.clocks = set()
-        elif word == "power":
-            self.power_limits.add(float(value))
-        elif word == "power-held":
-            self.power_limits = {float(value)}
-        elif word == "power-released":
+        elif report is Report.POWER:
+            self.power_limits.add(message.value)
+        elif report is Report.POWER_HELD:
+            self.power_limits = {message.value}
+        elif report is Report.POWER_RELEASED:
             self.power_limits = set()
 
     @property
@@ -100,8 +180,8 @@ class Claims:
         return not self.clocks and not self.power_limits
 
 
-def wait_for_trainer(stdin_fd: int, trainer_pid: int, claims: Claims | None = None) -> str:
-    """Follow the trainer's reports until it ends: "clean", "restore" (hand-over) or "died"."""
+def wait_for_trainer(stdin_fd: int, trainer_pid: int, claims: Claims | None = None) -> Ending:
+    """Follow the trainer's reports until it ends: clean, restore (hand-over) or died."""
     claims = claims if claims is not None else Claims()
     pending = b""
     while True:
@@ -109,19 +189,19 @@ def wait_for_trainer(stdin_fd: int, trainer_pid: int, claims: Claims | None = No
         if readable:
             chunk = os.read(stdin_fd, 4096)
             if not chunk:
-                return "died"  # a partial last line is no "clean"
+                return Ending.DIED  # a partial last line is no "clean"
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for raw in lines:
-                line = raw.decode(errors="replace").strip()
-                if line in ("clean", "restore"):
-                    return line
                 try:
-                    claims.note(line)
+                    message = WatchdogMessage.parse(raw.decode(errors="replace"))
                 except ValueError:
                     continue  # a garbled line: keep what was known
+                if message.report in ENDINGS:
+                    return Ending(message.report.value)
+                claims.note(message)
         elif os.getppid() != trainer_pid:
-            return "died"  # trainer died while a forked child still holds the pipe open
+            return Ending.DIED  # trainer died while a forked child still holds the pipe open
 
 
 def restore_once(orders: WatchdogOrders, claims: Claims) -> tuple[bool, list[str]]:
@@ -208,13 +288,13 @@ class WatchdogLink:
     def pid(self) -> int:
         return self.process.pid
 
-    def tell(self, message: str) -> None:
+    def tell(self, message: WatchdogMessage) -> None:
         """An atomic pipe write of a few bytes; never raises."""
         fd = self._fd
         if fd is None:
             return
         try:
-            os.write(fd, f"{message}\n".encode())
+            os.write(fd, f"{message.encode()}\n".encode())
         except OSError as err:
             self._fd = None
             self._on_lost(err)
@@ -222,7 +302,7 @@ class WatchdogLink:
     def stop(self, *, hand_over: bool, worker_hung: bool, timeout_s: float) -> None:
         """Say "clean", or hand an unfinished restore over ("restore": the watchdog retries after
         the trainer is gone). The pipe stays open while a hung worker might still write to it."""
-        self.tell("restore" if hand_over else "clean")
+        self.tell(WatchdogMessage(Report.RESTORE if hand_over else Report.CLEAN))
         self._fd = None
         if worker_hung:
             return
@@ -250,11 +330,11 @@ def main(argv: list[str]) -> int:
         return BAD_ORDERS_EXIT
     claims = Claims()
     ending = wait_for_trainer(sys.stdin.fileno(), trainer_pid, claims)
-    if ending == "clean" or claims.empty:
+    if ending is Ending.CLEAN or claims.empty:
         return 0
     finished, notes = restore(orders, claims)
     where = orders.target.describe()
-    why = "died" if ending == "died" else "could not restore its GPU"
+    why = "died" if ending is Ending.DIED else "could not restore its GPU"
     summary = "; ".join(dict.fromkeys(notes)) or "nothing to do"
     print(f"perseus-ext watchdog: trainer {trainer_pid} {why}; on {where}: {summary}"
           + ("" if finished else " -- GIVING UP, the GPU may still be locked"), file=sys.stderr)

@@ -41,7 +41,7 @@ import logging
 from types import MethodType, ModuleType
 from typing import Any, Mapping
 
-from perseus_ext.adapters.common import check_mode, start_runtime
+from perseus_ext.adapters.common import RankCounts, check_mode, check_rank_values, start_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ def attach(engine: Any, config: Any, *, prepared_run: Any = None) -> Any:
 
     if not isinstance(config, PerseusConfig):
         config = PerseusConfig.from_dict(config)
+        check_rank_values(config, RankCounts.from_env())
     if getattr(engine, "perseus", None) is not None:
         return engine.perseus
     pipeline = isinstance(engine, PipelineEngine)
@@ -144,7 +145,7 @@ def _one_f_one_b(stages: int, micro_batches: int) -> Any:
 def _sinks(engine: Any) -> tuple[Any, list[Any]]:
     """DeepSpeed's monitor, stepped by samples like DeepSpeed's own scalars (the runtime's
     metrics also go to Prometheus when configured; the last records are written at close)."""
-    from perseus_ext.monitoring import SampleCounts, deepspeed_sink
+    from perseus_ext.observability.monitoring import SampleCounts, deepspeed_sink
 
     samples = SampleCounts(engine.train_batch_size)
     return samples, [deepspeed_sink(getattr(engine, "monitor", None), samples)]
@@ -387,7 +388,9 @@ def config_at_the_door(args: tuple, kwargs: dict) -> Any:
 
     if not isinstance(section, Mapping):
         raise ConfigError(f"{CONFIG_KEY} must be an object of settings, got {section!r}")
-    return PerseusConfig.from_dict(section)
+    config = PerseusConfig.from_dict(section)
+    check_rank_values(config, RankCounts.from_env())  # every rank refuses what one rank would
+    return config
 
 
 def batch_keys_for(config: Mapping[str, Any], batch_size: int, data_parallel: int) -> tuple[dict, str]:
@@ -451,7 +454,7 @@ def with_run_batch_size(args: tuple, kwargs: dict, settings: Any) -> tuple[tuple
     ds_args = kwargs.get("args", args[0] if args else None)
     model = kwargs.get("model", args[1] if len(args) > 1 else None)
     data_parallel, num_gpus = _data_parallel_layout(model, kwargs.get("mpu"), kwargs)
-    for candidate in settings.policy.batch_size_settings.batch_sizes:
+    for candidate in settings.policy.batch_size.batch_sizes:
         batch_keys_for(config, candidate, data_parallel)
     prepared = choose_batch_size(settings, num_gpus=num_gpus,
                                  local_rank=max(int(os.environ.get("LOCAL_RANK", "0")), 0))

@@ -1,67 +1,49 @@
 """Megatron integration: `--perseus` flags and per-computation clocks in megatron-core's schedules.
 
-The adapter is thin: all planning, profiling, clock control and straggler handling live in
-`perseus_ext.runtime.PerseusRuntime` (shared with the DeepSpeed adapter). This module only
-
-* adds the `--perseus*` argument group (usable as Megatron-LM's `extra_args_provider`);
-* wraps, in `megatron.core.pipeline_parallel.schedules`, exactly the functions that
-  `PATCH_SURFACES` lists for the installed megatron-core release (0.16 to 0.19): the schedule
-  functions (one call = one training iteration: `forward_backward_no_pipelining`, the 1F1B and
-  the interleaved schedule) and the step functions they call (`forward_step`, `backward_step`,
-  from 0.17 on also `backward_step_multimodule`), so every computation reports
-  (kind, microbatch, chunk) to the runtime right before and after it runs;
-* marks the end of the stage's computations (what follows is the data-parallel gradient sync,
-  which straggler detection must not count). Communication needs no hook: the runtime orders
-  clock changes by device markers at computation boundaries, which is where receives wait.
-
-Why wrap module functions instead of subclassing: megatron-core's schedules are plain functions
-that look `forward_step`/`backward_step` up in their module at call time, and their signatures
-change between releases. The wrappers bind arguments by *name* with `inspect.signature`. A
-forward is identified from the schedule's own objects (the chunk is the position of the `model`
-argument in the iteration's model list, the microbatch megatron's `current_microbatch` or the
-chunk's running forward count). A backward carries no model, and tensor ids are reused by
-Python after a free, so it is identified by the schedule's own order instead: it is the
-computation the stage's `PipelineSchedule` order puts next, which must be a backward of a
-microbatch whose forward already ran on that chunk. The output tensor megatron hands the
-backward only cross-checks that (through weak references to this iteration's forward outputs,
-live objects whose identity cannot be reused): if it is another forward's output, the order is
-wrong and the rank falls back.
+The adapter is thin: planning, profiling, clock control and straggler handling live in
+`perseus_ext.runtime.PerseusRuntime` (shared with the DeepSpeed adapter). This module adds the
+`--perseus*` argument group (`megatron_args`, usable as Megatron-LM's `extra_args_provider`) and
+wraps, in `megatron.core.pipeline_parallel.schedules`, exactly the functions `PATCH_SURFACES`
+lists for the installed release (0.16 to 0.19): the schedule functions (one call = one training
+iteration) and the step functions they call, so every computation reports (kind, microbatch,
+chunk) to the runtime right before and after it runs (`megatron_steps` says how each step is
+placed), and it marks the end of the stage's computations (the data-parallel gradient sync that
+follows must not count for straggler detection). Communication needs no hook: the runtime orders
+clock changes by device markers at computation boundaries, which is where receives wait.
 
 The plan lists each stage's computations in the order `perseus_ext.planning.schedule` predicts
-(the interleaved order is built with megatron's own `microbatch_group_size_per_vp_stage`). The
-runtime checks every reported computation against that order; on the first mismatch (a
-megatron-core version that reorders work, an unsupported schedule option such as the combined
-1F1B MoE path, ...) it logs one error naming both computations and runs that rank at default
-clocks from then on, still joining the runtime's collectives. Training is never interrupted. A
-changed number of microbatches (Megatron's batch-size ramp-up) re-plans through
-`PerseusRuntime.reschedule`. Two things are errors rather than silent no-ops: a step function
-running outside any wrapped schedule (the script bound `get_forward_backward_func()` or a schedule
-function before `install()`), and `optimize` mode without pipeline parallelism (observe and
-power-limit modes work with PP = 1).
+(interleaved with megatron's own `microbatch_group_size_per_vp_stage`). On the first mismatch (a
+release that reorders work, the combined 1F1B MoE path, ...) a rank logs one error naming both
+computations and runs at default clocks from then on, still joining the runtime's collectives;
+training is never interrupted. A changed number of microbatches (Megatron's batch-size ramp-up)
+re-plans through `PerseusRuntime.reschedule`. Two things are errors rather than silent no-ops: a
+step function running outside any wrapped schedule (the script bound `get_forward_backward_func()`
+or a schedule function before `install()`), and `optimize` mode without pipeline parallelism
+(observe and power-limit modes work with PP = 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
-import dataclasses
 import functools
 import importlib
 import inspect
 import logging
 import os
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 from perseus_ext.adapters.common import check_mode, start_runtime
 from perseus_ext.adapters.megatron_args import (
+    NO_PIPELINE_FIX,
     add_perseus_args,
     apply_run_batch_size,
     chain_extra_args,
     config_from_args,
 )
 from perseus_ext.adapters.megatron_graphs import GraphMode, MegatronExecution, default_clock_reason, detect
+from perseus_ext.adapters.megatron_steps import IterationSteps, microbatch_group_size, model_config
 from perseus_ext.adapters.megatron_surface import (
     NO_PIPELINING,
     PATCH_SURFACES,
@@ -74,12 +56,12 @@ from perseus_ext.adapters.megatron_surface import (
 )
 from perseus_ext.errors import ConfigError
 from perseus_ext.planning.schedule import (
-    Computation,
     Kind,
     PipelineSchedule,
     build_schedule,
     interleaved,
 )
+from perseus_ext.policies.factories import target_metric
 
 log = logging.getLogger("perseus_ext.megatron")
 __all__ = ["MegatronPerseus", "PATCH_SURFACES", "add_perseus_args", "chain_extra_args",
@@ -89,32 +71,11 @@ _FULL_GRAPH_MODULE = "megatron.core.full_cuda_graph"  # FullCudaGraphWrapper (fu
 _GRAPH_CALL = "FullCudaGraphWrapper.__call__"
 
 
-def _model_config(model: Any) -> Any:
-    """The model chunk's megatron-core TransformerConfig, None if it has none."""
-    from megatron.core.utils import get_model_config
-
-    try:
-        return get_model_config(model)
-    except Exception:  # a model megatron cannot read a config from: nothing to detect
-        return None
-
-
-def _microbatch_group_size(model: Any) -> int | None:
-    """megatron-core's `microbatch_group_size_per_vp_stage` (None: its default, the PP size)."""
-    from megatron.core.utils import get_model_config
-
-    value = getattr(get_model_config(model), "microbatch_group_size_per_vp_stage", None)
-    return value if isinstance(value, int) else None
-
-
 def _pipeline_size(args: Any) -> int | None:
     value = getattr(args, "pipeline_model_parallel_size", None)
     return value if isinstance(value, int) else None
 
 
-NO_PIPELINE_FIX = ("use --perseus-mode observe, a power-limit policy "
-                   "(--perseus-policy '{\"type\": \"zeus\", \"mode\": \"power_limit\"}') or "
-                   "--pipeline-model-parallel-size > 1")
 
 
 def _check_mode(config: Any, num_stages: int, where: str) -> None:
@@ -122,51 +83,6 @@ def _check_mode(config: Any, num_stages: int, where: str) -> None:
     observe and power-limit modes apply (both need nothing but iteration boundaries)."""
     check_mode(config, has_pipeline=num_stages > 1, without_pipeline=f"{where} runs without pipeline parallelism",
                fix=NO_PIPELINE_FIX)
-
-
-def _first_tensor(value: Any) -> Any:
-    """Megatron passes single tensors or one-element lists depending on the version/path."""
-    while isinstance(value, (list, tuple)) and value:
-        value = value[0]
-    return value
-
-
-@dataclasses.dataclass
-class _Iteration:
-    """Book-keeping for one training iteration on this stage."""
-
-    models: list[Any]
-    order: tuple[Computation, ...]
-    forwards_per_chunk: list[int]
-    position: int = 0  # computations reported so far
-    # (microbatch, chunk) -> weak reference to that forward's output, until its backward
-    outputs: dict[tuple[int, int], weakref.ref] = dataclasses.field(default_factory=dict)
-
-    def chunk_of(self, model: Any, vp_stage: Any) -> int | None:
-        for index, candidate in enumerate(self.models):
-            if candidate is model:
-                return index
-        return vp_stage if isinstance(vp_stage, int) else None
-
-    @property
-    def expected(self) -> Computation | None:
-        return self.order[self.position] if self.position < len(self.order) else None
-
-    def remember_output(self, identity: tuple[int, int], result: Any) -> None:
-        output = _first_tensor(result[0] if isinstance(result, tuple) else result)
-        try:
-            self.outputs[identity] = weakref.ref(output)
-        except TypeError:  # not weak-referenceable: nothing to cross-check the backward with
-            pass
-
-    def producer_of(self, output_tensor: Any) -> tuple[int, int] | None:
-        """The forward that made `output_tensor` (a live object, so never a reused id), or None
-        when it is none of this iteration's forwards."""
-        output = _first_tensor(output_tensor)
-        for identity, reference in self.outputs.items():
-            if reference() is output:
-                return identity
-        return None
 
 
 class MegatronPerseus:
@@ -197,7 +113,7 @@ class MegatronPerseus:
         self.schedule: PipelineSchedule | None = None
         self.stage: int | None = None
         self.surface: PatchSurface | None = None
-        self._iteration: _Iteration | None = None
+        self._iteration: IterationSteps | None = None
         self._schedule_depth = 0  # wrapped schedule calls in progress (evaluation included)
         self._unidentified: str | None = None
         self._originals: dict[str, Callable] = {}
@@ -205,6 +121,7 @@ class MegatronPerseus:
         self.execution: MegatronExecution | None = None  # CUDA graphs / combined_1f1b, from args or model config
         self._graph_call = False  # inside a FullCudaGraphWrapper call: the replay is the iteration
         self._closed = False
+        self._restore_log: Callable[[], None] | None = None  # install(iteration_log=True)
 
     # ---- installation ------------------------------------------------------------------
 
@@ -366,37 +283,14 @@ class MegatronPerseus:
             f"forward_backward_* function) before perseus_megatron.install(); call install() "
             f"first, then get_forward_backward_func()")
 
-    def _identify(self, iteration: _Iteration, kind: Kind, bound: dict) -> tuple[int, int] | None:
-        """(microbatch, chunk) of the computation megatron is about to run.
-
-        The runtime checks it against the plan's order and falls back to default clocks (one
-        error, training goes on) when megatron runs something else.
-        """
+    def _identify(self, iteration: IterationSteps, kind: Kind, bound: dict) -> tuple[int, int] | None:
+        """(microbatch, chunk) of the computation megatron is about to run (`IterationSteps.place`);
+        a step it cannot place makes the rank fall back to default clocks (one error, training
+        goes on), as does any computation the runtime finds out of the plan's order."""
         if self._unidentified is not None:
             return None
-        if kind is Kind.FORWARD:
-            chunk = iteration.chunk_of(bound.get("model"), bound.get("vp_stage"))
-            if chunk is None or not 0 <= chunk < len(iteration.forwards_per_chunk):
-                return self._cannot_identify("a forward step of a model chunk it was not given")
-            reported = bound.get("current_microbatch")
-            counted = iteration.forwards_per_chunk[chunk]
-            iteration.forwards_per_chunk[chunk] += 1
-            return (reported if isinstance(reported, int) else counted), chunk
-        expected = iteration.expected
-        where = (f"where the {self.schedule.kind.value} schedule expects "
-                 f"{expected if expected else 'no more computations'} (position {iteration.position})")
-        if (expected is None or expected.kind is not Kind.BACKWARD
-                or iteration.forwards_per_chunk[expected.chunk] <= expected.microbatch):
-            return self._cannot_identify(f"a backward step {where}")
-        identity = expected.microbatch, expected.chunk
-        # The order names the backward; the output tensor (when it is a forward's of this
-        # iteration) can only confirm it or prove the order wrong.
-        produced_by = iteration.producer_of(bound.get("output_tensor"))
-        if produced_by is not None and produced_by != identity:
-            ran = Computation(self.stage, produced_by[1], produced_by[0], Kind.BACKWARD)
-            return self._cannot_identify(f"{ran} {where}")
-        iteration.outputs.pop(identity, None)
-        return identity
+        placed = iteration.place(kind, bound, schedule_kind=self.schedule.kind.value, stage=self.stage)
+        return self._cannot_identify(placed) if isinstance(placed, str) else placed
 
     def _cannot_identify(self, what: str) -> None:
         self._unidentified = what
@@ -418,7 +312,7 @@ class MegatronPerseus:
             log.info("perseus: megatron-core now runs %s; re-planning", schedule.describe())
             self.runtime.reschedule(schedule)
             self.schedule = schedule
-        self._iteration = _Iteration(models=models, order=schedule.orders[self.stage],
+        self._iteration = IterationSteps(models=models, order=schedule.orders[self.stage],
                                      forwards_per_chunk=[0] * len(models))
         self.runtime.iteration_start()
         return True
@@ -430,7 +324,7 @@ class MegatronPerseus:
             raise ConfigError("perseus: megatron-core's schedule was called without an integer "
                               "num_microbatches; pass it by keyword as megatron-core documents")
         name = original.__name__
-        group = _microbatch_group_size(models[0]) if name == WITH_INTERLEAVING else None
+        group = microbatch_group_size(models[0]) if name == WITH_INTERLEAVING else None
         key = (name, num_microbatches, len(models), group)
         schedule = self._schedules.get(key)
         if schedule is None:
@@ -491,15 +385,15 @@ class MegatronPerseus:
         """First training iteration: build the schedule this stage runs and the runtime."""
         if self._resolve_config() is None:  # --perseus not given: stay out of the way for good
             return False
-        model_config = _model_config(models[0])
-        if model_config is not None:
-            self.adopt_execution(model_config)
+        chunk_config = model_config(models[0])
+        if chunk_config is not None:
+            self.adopt_execution(chunk_config)
         config = self._config
         self.schedule = self._schedule_of(bound, original, models)
         _check_mode(config, self.schedule.num_stages, f"this job (megatron-core's {original.__name__})")
         pp_group = self._pp_group(bound) if self.schedule.num_stages > 1 else None
         self.stage = pp_group.rank() if pp_group is not None else 0
-        from perseus_ext.monitoring import megatron_sinks
+        from perseus_ext.observability.monitoring import megatron_sinks
 
         self.runtime, self.metrics = start_runtime(
             config,
@@ -523,7 +417,7 @@ class MegatronPerseus:
     def target(self) -> Any:
         """The `policy.batch_size.target_metric` (a TargetMetric) to report, None without one."""
         policy = getattr(self._config, "policy", None)
-        return policy.target_metric if policy is not None and policy.batch_size is not None else None
+        return target_metric(policy)
 
     def report_metric(self, value: float) -> bool:
         """Hand one evaluation result of `policy.batch_size.target_metric` to perseus-ext (after
@@ -548,6 +442,8 @@ class MegatronPerseus:
         if not self._closed:
             self._closed = True
             self._unpatch()
+            if self._restore_log is not None:
+                self._restore_log()
         if self.runtime is not None:
             self.runtime.close()  # its close hook writes the last iterations' metrics
         return self.summary()
@@ -560,16 +456,22 @@ def install(
     policy: Any = None,
     tensorboard_writer: Any = None,
     wandb_writer: Any = None,
+    iteration_log: bool = False,
 ) -> MegatronPerseus | None:
     """One call from a pretraining script, before it looks up `get_forward_backward_func()`:
     hook megatron-core's schedules.
 
-    `args` are the parsed arguments carrying the `--perseus*` flags: they are validated here
-    (ConfigError naming the key and flag), and None is returned when `--perseus` is off. Without
-    `args`, Megatron-LM's global args (`megatron.training.get_args()`) are read at the first
-    training iteration, so bad flags only fail then. One install per process at a time;
+    `args` are the parsed arguments carrying the `--perseus*` flags. A parser extended by
+    `add_perseus_args` has validated them already (a bad flag ended the parse with argparse's
+    usage and `error:` line); a namespace from elsewhere is validated here (a ConfigError naming
+    the key and flag). None is returned when `--perseus` is off. Without `args`, Megatron-LM's
+    global args (`megatron.training.get_args()`) are read at the first training iteration. What
+    needs the job's processes (the batch-size store's choice against `--global-batch-size`) is
+    checked here. One install per process at a time;
     `close()` undoes it. Per-iteration perseus metrics go to `tensorboard_writer` /
-    `wandb_writer`, or by default to Megatron-LM's own writers (`perseus_ext.monitoring`).
+    `wandb_writer`, or by default to Megatron-LM's own writers (`perseus_ext.observability.monitoring`).
+    `iteration_log=True` (or `--perseus-megatron-iteration-log`) also appends this rank's
+    perseus-ext figures to Megatron-LM's iteration log line (`perseus_ext.adapters.megatron_log`), undone by `close()`.
     """
     global _INSTALLED
     if _INSTALLED is not None and not _INSTALLED._closed:
@@ -589,6 +491,10 @@ def install(
     perseus._config = config
     perseus._prepared_run = prepared_run
     perseus._patch()
+    if iteration_log or (config is not None and config.megatron_iteration_log):
+        from perseus_ext.adapters.megatron_log import wrap_iteration_lines
+
+        perseus._restore_log = wrap_iteration_lines(lambda: perseus.runtime.history if perseus.runtime else ())
     if args is not None:
         perseus.adopt_execution(args)
     atexit.register(perseus.close)

@@ -2,31 +2,36 @@
 
 `--perseus` turns the runtime on (the `enabled` key), `--perseus-config FILE` reads the same
 JSON section as the DeepSpeed `"perseus"` key, and every other key has one `--perseus-<key>`
-flag (`_` becomes `-`) whose help is the key's description. Flags parse loosely on purpose:
-booleans take true/false words, lists take several values, object-valued keys take JSON, and
-whatever does not parse stays text — so a bad value never makes argparse exit the trainer; it
-reaches `PerseusConfig.from_dict`, and `config_from_args` raises one ConfigError naming the key
-and its flag. The parser `add_perseus_args` extends validates the section as soon as Megatron
-parses its arguments (before it builds anything), and `config_from_args` hands that same typed
-config on afterwards instead of parsing again. This module imports neither torch nor megatron.
+flag (`_` becomes `-`) whose help is the key's description. Flags read their text loosely
+(booleans take true/false words, lists take several values, object-valued keys take JSON, and
+whatever does not parse stays text) so that every value reaches `PerseusConfig`, whose rules
+word the mistake. The parser `add_perseus_args` extends then validates the section as soon as
+Megatron parses its arguments (before it builds anything): a bad value or config file ends the
+parse as argparse ends it for any bad flag, with the usage and one `error:` line naming the flag
+(found from the keys the ConfigError carries, not from its wording), exit status 2. Abbreviated
+or unknown `--perseus*` flags are refused the same way. `config_from_args` hands the typed config
+on afterwards instead of parsing again. This module imports neither torch nor megatron.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
+import sys
 import types
 import typing
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from perseus_ext.errors import ConfigError, PerseusError
+from perseus_ext.errors import ConfigError, PerseusError, did_you_mean
 
 ENABLE_FLAG = "--perseus"
 CONFIG_FLAG = "--perseus-config"
-_MENTIONED_KEY = re.compile(r"\bperseus\.(\w+)")
+PREFIX = "perseus"
+NO_PIPELINE_FIX = ("use --perseus-mode observe, a power-limit policy "
+                   "(--perseus-policy '{\"type\": \"zeus\", \"mode\": \"power_limit\"}') or "
+                   "--pipeline-model-parallel-size > 1")
 _TRUE_WORDS = ("1", "true", "yes", "on")
 _FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -34,6 +39,29 @@ _FALSE_WORDS = ("0", "false", "no", "off")
 # Not an attribute of the namespace: Megatron-LM saves its args in every checkpoint, and a
 # checkpoint must load where perseus-ext is not installed.
 _PARSED: dict[int, tuple[weakref.ref, Any]] = {}
+
+
+class FlagError(ConfigError):
+    """A `--perseus*` flag, or the `--perseus-config` file, is bad. `flags` names the flags to
+    blame and `reason` says what is wrong; the message adds where (for callers of
+    `config_from_args`), and `usage_line` is argparse's wording for the parser's `error:` line."""
+
+    def __init__(self, reason: str, *, flags: Iterable[str], keys: Iterable[str] = (), message: str | None = None):
+        super().__init__(reason if message is None else message, keys=keys)
+        self.reason = reason
+        self.flags = tuple(flags)
+
+    def usage_line(self) -> str:
+        """`argument --perseus-x: <reason>`, as argparse words a bad value (one line)."""
+        noun = "argument" if len(self.flags) == 1 else "arguments"
+        return f"{noun} {', '.join(self.flags)}: {_one_line(self.reason)}"
+
+    def __reduce__(self) -> tuple:
+        return _rebuild_flag_error, (self.reason, self.flags, self.keys, str(self))
+
+
+def _rebuild_flag_error(reason: str, flags: tuple[str, ...], keys: tuple[str, ...], message: str) -> FlagError:
+    return FlagError(reason, flags=flags, keys=keys, message=message)
 
 
 def flag_name(key: str) -> str:
@@ -47,7 +75,7 @@ def _dest(key: str) -> str:
 
 def _flag_keys() -> dict[str, Any]:
     """The `PerseusConfig` fields that get a `--perseus-<key>` flag (all but `enabled`)."""
-    from perseus_ext.runtime.config import PerseusConfig
+    from perseus_ext.config import PerseusConfig
 
     return {name: info for name, info in PerseusConfig.model_fields.items() if name != "enabled"}
 
@@ -116,8 +144,8 @@ def add_perseus_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         CONFIG_FLAG, metavar="FILE",
         help="JSON file with the perseus section (same keys as the DeepSpeed 'perseus' key)",
     )
-    from perseus_ext.runtime.config import PerseusConfig
-    from perseus_ext.schema import field_rule
+    from perseus_ext.config import PerseusConfig
+    from perseus_ext.config.rules import field_rule
 
     for key, info in _flag_keys().items():
         reader, nargs, metavar = _READERS[value_kind(info.annotation)]
@@ -136,23 +164,83 @@ def add_perseus_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+def _unknown_perseus_flags(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--perseus*` options on the command line that are not exactly one of the parser's: an
+    abbreviation (argparse would expand it on a parser with `allow_abbrev=True`; Megatron-LM's
+    parser refuses it) or a misspelling (`parse_known_args`, which Megatron-LM uses with
+    `--ignore-unknown-args`-style callers, would hand it back silently)."""
+    unknown = []
+    for token in argv:
+        if token == "--":
+            break
+        name = token.split("=", 1)[0]
+        if name.startswith(ENABLE_FLAG) and name not in parser._option_string_actions:
+            unknown.append(name)
+    return unknown
+
+
+def _one_line(text: str) -> str:
+    """A several-mistake message (a header line, then one `- ` line per mistake) as one line, so
+    argparse's single `error:` line holds it."""
+    header, *items = text.splitlines() or [""]
+    return " ".join([header, "; ".join(item.removeprefix("- ") for item in items)]).strip()
+
+
 def _parse_at_the_door(parser: argparse.ArgumentParser) -> None:
     """Make `parser` validate the perseus section right after it parses (Megatron's
-    `parse_args` calls `parse_known_args` either way): a bad flag fails before Megatron builds
-    anything, and `config_from_args` returns this typed config later."""
+    `parse_args` calls `parse_known_args` either way): a bad flag or config file fails as
+    argparse fails for any bad flag — the usage, one `error:` line naming the flag, exit status
+    2 — before Megatron builds anything, and `config_from_args` returns this typed config later.
+    A parser made with `exit_on_error=False` gets the `FlagError` raised instead, as argparse
+    raises its own errors then."""
     original = parser.parse_known_args
     if getattr(original, "_perseus_door", False):
         return
 
+    def refuse(err: FlagError) -> typing.NoReturn:
+        if parser.exit_on_error:
+            parser.error(err.usage_line())
+        raise err
+
     def parse_known_args(args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        argv = sys.argv[1:] if args is None else [str(arg) for arg in args]
+        for name in _unknown_perseus_flags(parser, argv):
+            known = sorted(flag for flag in parser._option_string_actions if flag.startswith(ENABLE_FLAG))
+            completions = [flag for flag in known if flag.startswith(name)]
+            refuse(FlagError(f"perseus flags are never abbreviated; write {' or '.join(completions)} in full"
+                             if completions else f"unrecognized perseus flag{did_you_mean(name, known)}",
+                             flags=(name,)))
         parsed, extras = original(args, namespace)
         _PARSED.pop(id(parsed), None)
-        config = config_from_args(parsed)
+        try:
+            config = config_from_args(parsed)
+            _check_pipeline(parsed, config)
+        except FlagError as err:
+            refuse(err)
         _PARSED[id(parsed)] = (weakref.ref(parsed), config)
         return parsed, extras
 
     parse_known_args._perseus_door = True  # type: ignore[attr-defined]
     parser.parse_known_args = parse_known_args  # type: ignore[method-assign]
+
+
+PIPELINE_FLAG = "--pipeline-model-parallel-size"
+
+
+def _check_pipeline(args: argparse.Namespace, config: Any) -> None:
+    """`optimize` needs pipeline stages: when the parser also knows Megatron's
+    `--pipeline-model-parallel-size` (Megatron-LM's does), a value of 1 fails with the flags."""
+    from perseus_ext.adapters.common import check_mode
+
+    stages = getattr(args, "pipeline_model_parallel_size", None)
+    if config is None or not isinstance(stages, int):
+        return
+    try:
+        check_mode(config, has_pipeline=stages > 1, without_pipeline=f"{PIPELINE_FLAG} is {stages}",
+                   fix=NO_PIPELINE_FIX)
+    except ConfigError as err:
+        given = [flag_name("mode")] if hasattr(args, _dest("mode")) else [ENABLE_FLAG]
+        raise FlagError(str(err), flags=(*given, PIPELINE_FLAG), keys=(f"{PREFIX}.mode",)) from None
 
 
 def chain_extra_args(
@@ -178,21 +266,45 @@ def _read_config_file(path: str) -> dict:
     try:
         data = parse_json(read_text(path, what=what, limit_bytes=CONFIG_LIMIT_BYTES, fix=fix), path=path, what=what,
                           fix=fix, max_depth=CONFIG_DEPTH)
-    except ConfigError:
-        raise
     except PerseusError as err:
-        raise ConfigError(f"{CONFIG_FLAG} {err}") from None
+        raise FlagError(str(err), flags=(CONFIG_FLAG,), message=f"{CONFIG_FLAG} {err}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{CONFIG_FLAG}: {path!r} must hold a JSON object")
+        raise FlagError(f"{path!r} must hold a JSON object", flags=(CONFIG_FLAG,),
+                        message=f"{CONFIG_FLAG}: {path!r} must hold a JSON object")
     if isinstance(data.get("perseus"), dict):
         data = data["perseus"]  # a whole DeepSpeed config
     return data
 
 
+def _blamed_flags(keys: tuple[str, ...], args: argparse.Namespace) -> list[str]:
+    """The flags behind a mistake about `keys` (full keys, `ConfigError.keys`): each key's own
+    flag when it was given (it overrides the file), else `--perseus-config` when a file was
+    given; when the keys came from neither (their defaults), their own flags, the way to fix
+    them. A mistake about no key blames every perseus flag given."""
+    from perseus_ext.config import PerseusConfig
+
+    from_file = bool(getattr(args, "perseus_config", None))
+    given, defaults = [], []
+    for key in keys:
+        top = key.removeprefix(f"{PREFIX}.").split(".")[0]
+        if top in PerseusConfig.model_fields and (top == "enabled" or hasattr(args, _dest(top))):
+            given.append(flag_name(top))
+        elif from_file:
+            given.append(CONFIG_FLAG)
+        elif top in PerseusConfig.model_fields:
+            defaults.append(flag_name(top))
+    flags = given or defaults
+    if not flags:
+        flags = [flag_name(key) for key in _flag_keys() if hasattr(args, _dest(key))]
+        flags += [CONFIG_FLAG] if from_file else []
+    return list(dict.fromkeys(flags)) or [ENABLE_FLAG]
+
+
 def config_from_args(args: argparse.Namespace):
     """The `PerseusConfig` the flags describe (validated completely), or None when `--perseus`
-    is off. A bad value raises ConfigError naming the key and its flag."""
-    from perseus_ext.runtime.config import PerseusConfig
+    is off. A bad value raises FlagError (a ConfigError) naming the key and the flag it came
+    from."""
+    from perseus_ext.config import PerseusConfig
 
     reference, parsed = _PARSED.get(id(args), (None, None))
     if reference is not None and reference() is args:
@@ -206,16 +318,18 @@ def config_from_args(args: argparse.Namespace):
         if hasattr(args, _dest(key)):
             section[key] = getattr(args, _dest(key))
     section["enabled"] = True
+    from perseus_ext.adapters.common import RankCounts, check_rank_values
+
     try:
-        return PerseusConfig.from_dict(section)
+        config = PerseusConfig.from_dict(section)
+        check_rank_values(config, RankCounts.from_env())  # every rank's port and paths, before any trains
+        return config
     except ConfigError as exc:
-        keys = dict.fromkeys(_MENTIONED_KEY.findall(str(exc)))
-        flags = [flag_name(key) for key in keys if key in PerseusConfig.model_fields]
+        flags = _blamed_flags(exc.keys, args)
+        shown = [f"{flag} {args.perseus_config}" if flag == CONFIG_FLAG else flag for flag in flags]
         separator = "\n" if "\n" in str(exc) else " "
-        hint = (f"{separator}(Megatron flag {', '.join(flags)} or {CONFIG_FLAG})" if flags
-                else f"{separator}(in {CONFIG_FLAG} {args.perseus_config})" if getattr(args, "perseus_config", None)
-                else "")
-        raise ConfigError(f"{exc}{hint}") from None
+        raise FlagError(str(exc), flags=flags, keys=exc.keys,
+                        message=f"{exc}{separator}(Megatron flag {', '.join(shown)})") from None
 
 
 GLOBAL_BATCH_FLAG = "--global-batch-size"
@@ -254,7 +368,7 @@ def apply_run_batch_size(args: argparse.Namespace, config: Any) -> Any:
     policy = getattr(config, "policy", None)
     if config is None or policy is None or policy.batch_size is None:
         return None
-    options = policy.batch_size_settings
+    options = policy.batch_size
     where = "perseus.policy.batch_size"
     sizes, default = sorted(options.batch_sizes), options.default_batch_size
     if getattr(args, "rampup_batch_size", None):

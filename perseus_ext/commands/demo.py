@@ -25,6 +25,7 @@ from pathlib import Path
 from perseus_ext.commands.options import add_output_argument, bounded_float, bounded_int
 
 MAX_RANKS = 32  # processes the demo starts on one machine (stages x pipelines)
+DEFAULT_OUTPUT = "perseus-demo"  # run from a checkout, README's command writes there: .gitignore lists it
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,8 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "demo", help="run the Perseus loop inside DeepSpeed on CPU with simulated GPUs",
         description=__doc__.split("\n\n")[0],
     )
-    add_output_argument(parser, help="output folder (default: %(default)s)", old=("--out",), metavar="DIR",
-                        default=Path("perseus-demo"))
+    add_output_argument(parser, help="output folder, relative to the current one (default: %(default)s; "
+                        "a perseus-ext checkout's .gitignore ignores it there)", old=("--out",), metavar="DIR",
+                        default=Path(DEFAULT_OUTPUT))
     parser.add_argument("--stages", type=bounded_int(2, MAX_RANKS), default=2,
                         help="pipeline stages (default: %(default)s)")
     parser.add_argument("--pipelines", type=bounded_int(1, MAX_RANKS // 2), default=2,

@@ -4,8 +4,10 @@ Read-only (clocks and power limits are never changed), so it is safe on a shared
 reports the installation (autoload hook, framework versions), every GPU NVML sees and which of
 them each CUDA device of this process maps to, which path can set clocks here (root, zeusd or
 none) and why (and how to grant it), and one GPU's measured behaviour: energy counter update period and the cost of the
-per-computation clock hook. Exit code 0: everything needed for the chosen GPU works; 1: a
-problem is listed at the end.
+per-computation clock hook. Exit code 0: everything needed for the chosen GPU works; 1: every
+problem is listed at the end (among them each fault of a clock control path it tried: a
+configured zeusd that does not answer or refuses, whatever the GPU; no path at all for a real
+GPU).
 """
 
 from __future__ import annotations
@@ -114,38 +116,70 @@ def nvml_devices() -> dict[str, Any]:
         nvml.nvmlShutdown()
 
 
-def permissions(nvml: dict[str, Any]) -> dict[str, Any]:
-    """Whether this process may set clocks (None, not "yes", where NVML sees no GPU: root may set
-    nothing on a machine without one), and which path can set them here: `root` (CAP_SYS_ADMIN:
-    NVML sets them), `zeusd` (a daemon at ZEUSD_SOCK_PATH / ZEUSD_HOST_PORT lets this process, with
-    ZEUSD_TOKEN, change them) or `none`, and why. The daemon is asked; no GPU is touched."""
+def _zeusd_path() -> tuple[str | None, str | None]:
+    """(why zeusd lets this process set clocks, None) or (None, the fault it showed); (None, None)
+    when no zeusd is configured. The daemon is asked whatever the GPU backend (a simulated GPU,
+    no NVML): a configured daemon that does not answer is a fault either way."""
     from perseus_ext.errors import PerseusError
-    from perseus_ext.measurement.gpu.common import PERMISSION_HELP
-    from perseus_ext.measurement.gpu.nvml import has_clock_privilege
     from perseus_ext.measurement.gpu.zeusd import check_control
-    from perseus_ext.measurement.gpu.zeusd_client import ENV_HOST_PORT, ENV_SOCK_PATH, ENV_TOKEN, ZeusdClient, ZeusdEndpoint
+    from perseus_ext.measurement.gpu.zeusd_client import ENV_TOKEN, ZeusdClient, ZeusdEndpoint
 
-    if not nvml["available"]:
-        return {"can_set_clocks": None, "how_to_grant": None, "path": "none", "why": "NVML sees no GPU here"}
-    allowed = has_clock_privilege()
-    report: dict[str, Any] = {"can_set_clocks": allowed, "how_to_grant": None if allowed else PERMISSION_HELP}
-    if allowed:
-        return {**report, "path": "root", "why": "this process holds CAP_SYS_ADMIN: NVML sets clocks directly"}
     try:
         endpoint = ZeusdEndpoint.from_env()
     except PerseusError as err:
-        return {**report, "path": "none", "why": str(err)}
+        return None, str(err)
     if endpoint is None:
-        return {**report, "path": "none", "why": f"no CAP_SYS_ADMIN, and neither {ENV_SOCK_PATH} nor "
-                                                  f"{ENV_HOST_PORT} is set (no zeusd to ask)"}
+        return None, None
     client = ZeusdClient(endpoint, os.environ.get(ENV_TOKEN))
     try:
         _, why = check_control(client)
     except PerseusError as err:
-        return {**report, "path": "none", "why": str(err)}
+        return None, str(err)
     finally:
         client.close()
-    return {**report, "path": "zeusd", "why": why}
+    return why, None
+
+
+def permissions(nvml: dict[str, Any]) -> dict[str, Any]:
+    """Whether this process may set clocks (None, not "yes", where NVML sees no GPU: root may set
+    nothing on a machine without one), and which path can set them here: `root` (CAP_SYS_ADMIN:
+    NVML sets them), `zeusd` (a daemon at ZEUSD_SOCK_PATH / ZEUSD_HOST_PORT lets this process, with
+    ZEUSD_TOKEN, change them) or `none`, and why; `faults` lists what every path tried showed
+    wrong (a configured zeusd that refuses or does not answer). No GPU is touched."""
+    from perseus_ext.measurement.gpu.common import PERMISSION_HELP
+    from perseus_ext.measurement.gpu.nvml import has_clock_privilege
+    from perseus_ext.measurement.gpu.zeusd_client import ENV_HOST_PORT, ENV_SOCK_PATH
+
+    zeusd_why, zeusd_fault = _zeusd_path()
+    faults = [f"zeusd: {zeusd_fault}"] if zeusd_fault else []
+    if not nvml["available"]:
+        report: dict[str, Any] = {"can_set_clocks": None, "how_to_grant": None}
+        if zeusd_why is not None:
+            return {**report, "path": "zeusd", "why": zeusd_why, "faults": faults}
+        return {**report, "path": "none", "why": "NVML sees no GPU here", "faults": faults}
+    allowed = has_clock_privilege()
+    report = {"can_set_clocks": allowed, "how_to_grant": None if allowed else PERMISSION_HELP, "faults": faults}
+    if allowed:
+        return {**report, "path": "root", "why": "this process holds CAP_SYS_ADMIN: NVML sets clocks directly"}
+    if zeusd_why is not None:
+        return {**report, "path": "zeusd", "why": zeusd_why}
+    if zeusd_fault is not None:
+        return {**report, "path": "none", "why": zeusd_fault}
+    return {**report, "path": "none", "why": f"no CAP_SYS_ADMIN, and neither {ENV_SOCK_PATH} nor "
+                                             f"{ENV_HOST_PORT} is set (no zeusd to ask)"}
+
+
+def _sets_real_clocks(spec: str | None) -> bool:
+    """Whether the GPU doctor was asked about is a real one (nvml or zeusd, the default), whose
+    clocks a job would want to set; a simulated GPU needs no control path."""
+    from perseus_ext.config.gpu import ENV_GPU, SimSpec, parse_gpu_spec
+    from perseus_ext.errors import PerseusError
+
+    text = spec if spec is not None else os.environ.get(ENV_GPU) or "nvml"
+    try:
+        return not isinstance(parse_gpu_spec(text), SimSpec)
+    except PerseusError:
+        return True  # open_gpu reports the bad spec itself; the control path is judged as for nvml
 
 
 def hook_cost_us(gpu: Any, calls: int = 20000) -> dict[str, float]:
@@ -212,6 +246,10 @@ def _print_report(report: dict[str, Any]) -> list[str]:
         print(f"  {perms['how_to_grant']}, or have the operator run zeusd and set ZEUSD_SOCK_PATH")
     print(f"clock control path: {perms['path']}: {perms['why']}"
           + ("; perseus-ext runs in dry-run mode" if perms["path"] == "none" else ""))
+    problems += [f"clock control path: {fault}" for fault in perms["faults"]]
+    if perms["path"] == "none" and allowed is False and not perms["faults"] and report["real_gpu"]:
+        problems.append(f"no path can set clocks on this GPU: {perms['why']} (jobs run in dry-run mode; "
+                        f"{perms['how_to_grant']})")
     gpu = report["gpu"]
     if gpu["available"]:
         counter, hook = gpu["energy_counter"], gpu["set_clock_hook"]
@@ -238,6 +276,7 @@ def run(args: argparse.Namespace) -> int:
         "nvml": nvml,
         "permissions": permissions(nvml),
         "gpu": measure_gpu(args.gpu, args.local_rank, args.updates),
+        "real_gpu": _sets_real_clocks(args.gpu),
     }
     problems = _print_report(report)
     if args.output:

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         frontier.save(args.output)
     if args.plot:
-        from perseus_ext.plotting import plot_frontier
+        from perseus_ext.observability.plotting import plot_frontier
 
         plot_frontier(frontier, args.plot)
 

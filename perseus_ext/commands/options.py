@@ -158,7 +158,7 @@ def check_plotting(path: Path | None, option: str) -> None:
     """A figure needs matplotlib and a supported suffix: check both before solving."""
     import importlib.util
 
-    from perseus_ext.plotting import SUPPORTED_SUFFIXES
+    from perseus_ext.observability.plotting import SUPPORTED_SUFFIXES
 
     if path is not None and path.suffix.lower() not in SUPPORTED_SUFFIXES:
         raise ConfigError(f"{option} {path}: use a file name ending in {', '.join(SUPPORTED_SUFFIXES)}")

@@ -1,5 +1,11 @@
-"""`perseus-ext report LOG...`: the job's measured saving from the runtime's JSONL logs; the
-analysis itself is `perseus_ext.reporting`."""
+"""`perseus-ext report LOG_OR_DIR...`: the job's measured saving from the runtime's JSONL logs
+(perseus.log_path), every rank's own saving beside it, and what warm-up, profiling and solving
+cost; the analysis itself is `perseus_ext.observability.reporting`.
+
+Example: with "log_path": "logs/perseus-{rank}.jsonl" in the job's perseus section,
+
+    perseus-ext report logs --plot timeline.png
+"""
 
 from __future__ import annotations
 
@@ -14,8 +20,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "report", help="the job's measured saving from the runtime's JSONL logs (every rank's)",
         description=__doc__.split("\n\n")[0].replace("\n", " "),
+        epilog="example: perseus-ext report logs --plot timeline.png  (logs/: where perseus.log_path "
+               "'logs/perseus-{rank}.jsonl' writes)",
     )
-    parser.add_argument("logs", nargs="+", metavar="LOG", help="JSONL logs written to perseus.log_path, one per rank")
+    parser.add_argument("logs", nargs="+", metavar="LOG_OR_DIR",
+                        help="JSONL logs written to perseus.log_path, one per rank, or the folder holding them "
+                             "(its *.jsonl files)")
     parser.add_argument("--frontier", metavar="JSON", help="frontier file (perseus.frontier_path): print the "
                         "model's saving beside the measured one")
     parser.add_argument("--job", metavar="ID", help="report this job (the logs' 'job' field) when the logs hold "
@@ -29,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from perseus_ext.commands.options import check_plotting, check_writable_file
     from perseus_ext.errors import ConfigError, PerseusError
-    from perseus_ext.reporting import analyse, format_report, plot, read_logs
+    from perseus_ext.observability.reporting import analyse, format_report, plot, read_logs
 
     if args.output:  # before reading logs of any length
         check_writable_file(args.output, "--output")

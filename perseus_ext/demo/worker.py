@@ -57,12 +57,14 @@ class _VariantRun:
         self.data = iter(deepspeed.utils.RepeatingLoader(batches))
         self.losses: list[str] = []
         self.iterations: list[dict[str, Any]] = []
+        self._mark: tuple[float, float] | None = None  # (wall time, exact energy) at the last step's start
 
     def step(self, iteration: int) -> None:
         scenario, gpu, runtime = self.scenario, self.gpu, self.runtime
         if gpu is not None and self.pipeline == scenario.straggler_pipeline:
             straggling = scenario.straggler_start <= iteration < scenario.straggler_end
             gpu.slowdown = scenario.slowdown if straggling else 1.0
+        self._close_previous()
         true_before = gpu.true_energy_j if gpu is not None else 0.0
         started = time.perf_counter()
         loss = self.engine.train_batch(self.data)
@@ -72,8 +74,25 @@ class _VariantRun:
             record["true_energy_j"] = gpu.true_energy_j - true_before
         self.iterations.append(record)
 
+    def _close_previous(self) -> None:
+        """The previous step's exact energy and period from its start to this one's
+        (`tiled_energy_j`, `period_s`). `true_energy_j`, read around the step, is what the
+        side-by-side tables compare, but the device runs on after the host returns from a step
+        (while the other variants take their turn) and that reading misses the end of its work;
+        step starts tile the device's time, every joule counted once, idle turns included, which
+        the model check takes out at the blocking power."""
+        if self.gpu is None:
+            return
+        now, energy = time.perf_counter(), self.gpu.true_energy_j
+        if self._mark is not None and self.iterations:
+            self.iterations[-1].update(tiled_energy_j=energy - self._mark[1], period_s=now - self._mark[0])
+        self._mark = (now, energy)
+
     def finish(self) -> dict[str, Any]:
         runtime = self.runtime
+        if self.gpu is not None:
+            self.gpu.device.synchronize()  # the last step's work done: its energy is all in
+        self._close_previous()
         self.engine.destroy()  # closes the runtime: clocks restored, last device records taken
         summary = runtime.summary() if runtime is not None else None
         if runtime is not None:  # what the runtime recorded from the device, per iteration

@@ -32,6 +32,7 @@ import numpy as np
 from perseus_ext.emulator.layout import JobLayout
 from perseus_ext.emulator.scenario import StragglerScenario
 from perseus_ext.errors import ConfigError, ProfileError
+from perseus_ext.planning.derived import DERIVED_KINDS, DerivationRule, derive_kinds
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier, Plan
 from perseus_ext.planning.profile import Profile
@@ -191,6 +192,11 @@ class Emulator:
     that many times the profiled layers per stage); each stage has TP GPUs, each measured
     like the profiled one and each drawing `blocking_power` watts while blocked. The paper's
     GPT-3 175B setup (time x10, energy x10 x TP) is `time_scale=10` with TP=8.
+
+    A schedule that runs kinds of computation the profile lacks (the input- and weight-gradient
+    computations of a zero-bubble schedule, the combined units of combined_1f1b) gets them
+    estimated from the forward/backward rows by `derivation` (`planning.derived`; default
+    `DerivationRule()`); `derived_kinds` lists them.
     """
 
     def __init__(
@@ -204,6 +210,7 @@ class Emulator:
         policy: OperatingPointPolicy | None = None,
         solver: FrontierSolver | None = None,
         wait_aware: bool = True,
+        derivation: DerivationRule | None = None,
     ):
         energy_scale = time_scale if energy_scale is None else energy_scale
         for name, value in (("time_scale", time_scale), ("energy_scale", energy_scale)):
@@ -211,8 +218,15 @@ class Emulator:
                 raise ConfigError(f"{name} must be a positive number, got {value!r}")
         if not (math.isfinite(blocking_power) and blocking_power >= 0):
             raise ConfigError(f"blocking power must be >= 0 watts, got {blocking_power!r}")
-        self.profile = profile
         self.layout = layout
+        self.schedule = layout.build_schedule()
+        needed = {unit.kind.value for order in self.schedule.orders for action in order
+                  for unit in (action, *action.parts)}
+        present = {instruction for _, instruction in profile.points}
+        self.derived_kinds = tuple(k for k in DERIVED_KINDS if k in needed and k not in present)
+        if self.derived_kinds:
+            profile = derive_kinds(profile, derivation, self.derived_kinds)
+        self.profile = profile
         self.blocking_power = float(blocking_power)
         self.time_scale = float(time_scale)
         self.energy_scale = float(energy_scale)
@@ -221,7 +235,6 @@ class Emulator:
             from perseus_ext.planning.solver import solve_frontier as solver
         self._solver = solver
         self.wait_aware = wait_aware
-        self.schedule = layout.build_schedule()
         tp = layout.tensor_parallel
         # One "stage" of the cost model is the stage's TP GPUs together.
         self.stage_blocking_power = self.blocking_power * tp

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from perseus_ext.errors import ConfigError
 from perseus_ext.planning.energy import resolve_blocking_power  # noqa: F401 (re-exported by perseus_ext.emulator)
@@ -24,7 +24,11 @@ class JobLayout:
     microbatches: int
     microbatch_size: int = 1
     schedule: str = ScheduleKind.ONE_F_ONE_B.value
-    chunks: int = 1  # model chunks per stage (virtual stages) of the interleaved schedule
+    chunks: int = 1  # model chunks per stage (virtual stages) of interleaved and combined_1f1b
+    # The action list of a schedule built elsewhere: a framework's own order (torch's zero-bubble
+    # and DualPipeV classes, `adapters.torch_pipelining_orders.torch_schedule`), which the
+    # planner does not produce by name. None: `schedule` is built by name.
+    actions: PipelineSchedule | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in (
@@ -42,6 +46,16 @@ class JobLayout:
                 f"{per_pipeline}; pick a global batch that every data-parallel pipeline can split "
                 f"evenly"
             )
+        if self.actions is not None:
+            built = (self.actions.kind.value, self.actions.num_stages, self.actions.num_microbatches,
+                     self.actions.num_chunks)
+            asked = (str(self.schedule), self.pipeline_parallel, self.microbatches, self.chunks)
+            if built != asked:
+                raise ConfigError(
+                    f"job layout: the action list is a {built[0]} schedule of {built[1]} stages, {built[2]} "
+                    f"microbatches and {built[3]} chunks per stage, but the layout asks for {asked[0]} with "
+                    f"{asked[1]}, {asked[2]} and {asked[3]}; build the actions for this layout"
+                )
 
     @property
     def data_parallel(self) -> int:
@@ -56,6 +70,10 @@ class JobLayout:
         return self.data_parallel * self.gpus_per_pipeline
 
     def build_schedule(self) -> PipelineSchedule:
+        """The per-stage orders one pipeline runs: the given action list, or the schedule the
+        planner builds by name (1f1b, interleaved, combined_1f1b)."""
+        if self.actions is not None:
+            return self.actions
         return build_schedule(self.schedule, self.pipeline_parallel, self.microbatches, self.chunks)
 
     def describe(self) -> dict:

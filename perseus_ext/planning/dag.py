@@ -1,10 +1,13 @@
-"""The computation DAG of one pipeline-parallel training iteration.
+"""The computation graph of one pipeline-parallel training iteration, for any schedule.
 
-Nodes are the computations of a `PipelineSchedule`; edges are (a) each stage's execution order
-and (b) the cross-stage data dependencies (a forward needs the previous virtual stage's forward
-of the same microbatch, a backward the next virtual stage's backward). Every node has at most
-two predecessors and two successors, which lets longest-path passes run level by level over
-numpy arrays — for one plan or thousands of plans at once.
+Nodes are the actions of a `PipelineSchedule` (forwards, backwards, input- and weight-gradient
+computations, combined units, gradient syncs); edges are (a) each stage's execution order and
+(b) the cross-stage data dependencies `dependencies.py` derives from the actions' kinds and the
+schedule's placement. A node may have any number of predecessors and successors: they are kept
+as CSR arrays (`pred_ptr`/`pred_idx`, `succ_ptr`/`succ_idx`), one entry per dependency, stage
+predecessor first. Longest-path passes run level by level over numpy arrays — for one plan or
+thousands of plans at once — gathering each level's predecessors slot by slot
+(`level_preds[l] = (nodes, slots)`, slot k holding each node's k-th predecessor or NO_NODE).
 """
 
 from __future__ import annotations
@@ -13,42 +16,96 @@ from functools import cached_property
 
 import numpy as np
 
-from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule
+from perseus_ext.errors import ScheduleError
+from perseus_ext.planning.dependencies import ScheduleIndex
+from perseus_ext.planning.schedule import Computation, PipelineSchedule
 
 NO_NODE = -1
 
 
-def _sort_key(c: Computation) -> tuple[int, int, int, str]:
-    return c.stage, c.chunk, c.microbatch, c.kind.value
+def _sort_key(c: Computation) -> tuple:
+    return c.stage, c.chunk, c.microbatch, c.kind.value, c.parts
+
+
+def _renumber(ptr: np.ndarray, idx: np.ndarray, order: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """CSR rows taken in `order` (rows keep their entries' order)."""
+    order = np.asarray(order, dtype=np.int64)
+    counts = np.diff(ptr)[order]
+    new_ptr = np.zeros(len(order) + 1, dtype=np.int64)
+    np.cumsum(counts, out=new_ptr[1:])
+    starts = np.repeat(ptr[:-1][order] - new_ptr[:-1], counts)
+    return new_ptr, idx[np.arange(int(new_ptr[-1])) + starts]
+
+
+def _slots(ptr: np.ndarray, idx: np.ndarray, nodes: slice) -> tuple[np.ndarray, ...]:
+    """A level's neighbours as slot arrays: slot k = each node's k-th neighbour or NO_NODE
+    (at least one slot, so a level of sources still gathers the padding row)."""
+    start, stop = ptr[nodes.start : nodes.stop], ptr[nodes.start + 1 : nodes.stop + 1]
+    degree = stop - start
+    width = max(1, int(degree.max()) if len(degree) else 1)
+    return tuple(
+        np.where(degree > k, idx[np.minimum(start + k, len(idx) - 1)] if len(idx) else NO_NODE, NO_NODE)
+        for k in range(width)
+    )
+
+
+def gather_max(table: np.ndarray, slots: tuple[np.ndarray, ...], out: np.ndarray | None = None) -> np.ndarray:
+    """Row-wise maximum of `table` over a level's slots (`out` may be the level's rows)."""
+    if len(slots) == 1:
+        if out is None:
+            return table.take(slots[0], axis=0)
+        out[...] = table.take(slots[0], axis=0)
+        return out
+    out = np.maximum(table.take(slots[0], axis=0), table.take(slots[1], axis=0), out=out)
+    for extra in slots[2:]:
+        np.maximum(out, table.take(extra, axis=0), out=out)
+    return out
+
+
+def gather_min(table: np.ndarray, slots: tuple[np.ndarray, ...], out: np.ndarray | None = None) -> np.ndarray:
+    """Row-wise minimum of `table` over a level's slots (`gather_max`'s mirror)."""
+    if len(slots) == 1:
+        if out is None:
+            return table.take(slots[0], axis=0)
+        out[...] = table.take(slots[0], axis=0)
+        return out
+    out = np.minimum(table.take(slots[0], axis=0), table.take(slots[1], axis=0), out=out)
+    for extra in slots[2:]:
+        np.minimum(out, table.take(extra, axis=0), out=out)
+    return out
 
 
 class PipelineDAG:
-    """Computation DAG with nodes numbered in a topological order."""
+    """Computation DAG with nodes numbered in a topological order (by longest-path level, then
+    stage, chunk, microbatch, kind)."""
 
     def __init__(self, schedule: PipelineSchedule):
         self.schedule = schedule
-        # Work on integer ids: hashing a Computation (its Kind enum hashes in Python) dominated
-        # building the DAG.
-        nodes = [c for order in schedule.orders for c in order]
-        ident = {c: i for i, c in enumerate(nodes)}
+        index = ScheduleIndex(schedule)
+        index.check()
+        data_node, data_producer = index.data_edges()
+        nodes = index.actions
         n = len(nodes)
-        preds: list[list[int]] = [[] for _ in range(n)]  # stage predecessor first, then data
-        start = 0
-        for order in schedule.orders:
-            for i in range(start + 1, start + len(order)):
-                preds[i].append(i - 1)
-            start += len(order)
-        for i, c in enumerate(nodes):
-            producer = schedule.producer_of(c)
-            if producer is not None:
-                preds[i].append(ident[producer])
+        # Edges as (node, producer): each stage's order first, then the data dependencies in
+        # the order of the node's parts (a stable sort by node keeps both orders).
+        first = np.zeros(n, dtype=bool)
+        first[np.cumsum([0] + [len(order) for order in schedule.orders[:-1]])] = True
+        chained = np.flatnonzero(~first)
+        heads = np.concatenate([chained, data_node])
+        tails = np.concatenate([chained - 1, data_producer])
+        by_node = np.argsort(heads, kind="stable")
+        heads, tails = heads[by_node], tails[by_node]
+        pred_ptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.bincount(heads, minlength=n), out=pred_ptr[1:])
+        by_tail = np.argsort(tails, kind="stable")
+        succ_ptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.bincount(tails, minlength=n), out=succ_ptr[1:])
+        succ_heads = heads[by_tail]
 
         # Kahn's algorithm by levels: level = number of edges on the longest path to the node.
-        succs: list[list[int]] = [[] for _ in range(n)]
-        for i, ps in enumerate(preds):
-            for p in ps:
-                succs[p].append(i)
-        remaining = [len(ps) for ps in preds]
+        succs = [succ_heads[a:b] for a, b in zip(succ_ptr[:-1].tolist(), succ_ptr[1:].tolist())]
+        succs = [x.tolist() for x in succs]
+        remaining = np.diff(pred_ptr).tolist()
         depth = [0] * n
         frontier = [i for i in range(n) if not remaining[i]]
         reached = 0
@@ -63,20 +120,20 @@ class PipelineDAG:
                         nxt.append(j)
             frontier = nxt
         if reached != n:
-            raise ValueError("schedule has a dependency cycle (deadlock); this is a planner bug")
+            stuck = [str(nodes[i]) for i in range(n) if remaining[i]][:6]
+            raise ScheduleError(
+                f"the schedule deadlocks: its stage orders and data dependencies form a cycle "
+                f"through {', '.join(stuck)}"
+            )
         order = sorted(range(n), key=lambda i: (depth[i], *_sort_key(nodes[i])))
         position = np.empty(n, dtype=np.int64)
         position[order] = np.arange(n)
 
         self.computations: list[Computation] = [nodes[i] for i in order]
-        self.index: dict[Computation, int] = {c: int(position[i]) for c, i in ident.items()}
-        self.preds = np.full((n, 2), NO_NODE, dtype=np.int64)
-        self.succs = np.full((n, 2), NO_NODE, dtype=np.int64)
-        for i in range(n):
-            for k, p in enumerate(preds[i]):
-                self.preds[position[i], k] = position[p]
-            for k, q in enumerate(succs[i]):
-                self.succs[position[i], k] = position[q]
+        self.index: dict[Computation, int] = dict(zip(nodes, position.tolist()))
+        # Renumber: node k of the new order is old node order[k]; its edges keep their order.
+        self.pred_ptr, self.pred_idx = _renumber(pred_ptr, position[tails], order)
+        self.succ_ptr, self.succ_idx = _renumber(succ_ptr, position[succ_heads], order)
         self.stage = np.array([c.stage for c in self.computations], dtype=np.int64)
         self.level = np.array(depth, dtype=np.int64)[order]
         bounds = np.flatnonzero(np.diff(self.level)) + 1
@@ -92,9 +149,37 @@ class PipelineDAG:
         return self.schedule.num_stages
 
     @cached_property
+    def in_degree(self) -> np.ndarray:
+        return np.diff(self.pred_ptr)
+
+    @cached_property
+    def out_degree(self) -> np.ndarray:
+        return np.diff(self.succ_ptr)
+
+    def predecessors(self, node: int) -> np.ndarray:
+        """Node `node`'s predecessors, one per dependency, its stage predecessor first."""
+        return self.pred_idx[self.pred_ptr[node] : self.pred_ptr[node + 1]]
+
+    def successors(self, node: int) -> np.ndarray:
+        return self.succ_idx[self.succ_ptr[node] : self.succ_ptr[node + 1]]
+
+    @cached_property
+    def pred_matrix(self) -> np.ndarray:
+        """(N, max in-degree) predecessors padded with NO_NODE (at least one column)."""
+        return self._padded(self.pred_ptr, self.pred_idx)
+
+    @cached_property
+    def succ_matrix(self) -> np.ndarray:
+        """(N, max out-degree) successors padded with NO_NODE (at least one column)."""
+        return self._padded(self.succ_ptr, self.succ_idx)
+
+    def _padded(self, ptr: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        return np.stack(_slots(ptr, idx, slice(0, len(self))), axis=1)
+
+    @cached_property
     def stage_positions(self) -> list[np.ndarray]:
         """Node indices of each stage in that stage's execution order."""
-        return [np.array([self.index[c] for c in order]) for order in self.schedule.orders]
+        return [np.array([self.index[c] for c in order], dtype=np.int64) for order in self.schedule.orders]
 
     @cached_property
     def stage_prev(self) -> np.ndarray:
@@ -113,15 +198,15 @@ class PipelineDAG:
         return nxt
 
     @cached_property
-    def level_preds(self) -> list[tuple[slice, np.ndarray, np.ndarray]]:
-        """Per level: (its nodes, their first and second predecessors), for the passes (NO_NODE
+    def level_preds(self) -> list[tuple[slice, tuple[np.ndarray, ...]]]:
+        """Per level: (its nodes, their predecessors slot by slot), for the passes (NO_NODE
         indexes the padding row that sweeps keep after the nodes)."""
-        return [(lv, self.preds[lv, 0].copy(), self.preds[lv, 1].copy()) for lv in self.levels]
+        return [(lv, _slots(self.pred_ptr, self.pred_idx, lv)) for lv in self.levels]
 
     @cached_property
-    def level_succs(self) -> list[tuple[slice, np.ndarray, np.ndarray]]:
-        """Per level: (its nodes, their first and second successors), as `level_preds`."""
-        return [(lv, self.succs[lv, 0].copy(), self.succs[lv, 1].copy()) for lv in self.levels]
+    def level_succs(self) -> list[tuple[slice, tuple[np.ndarray, ...]]]:
+        """Per level: (its nodes, their successors slot by slot), as `level_preds`."""
+        return [(lv, _slots(self.succ_ptr, self.succ_idx, lv)) for lv in self.levels]
 
     @cached_property
     def on_every_path(self) -> np.ndarray:
@@ -132,9 +217,9 @@ class PipelineDAG:
         it (from before v to after v), no computation after it has no predecessor and none
         before it has no successor (a path that avoids v would need one of the three)."""
         n = len(self)
-        has_pred, has_succ = self.preds[:, 0] != NO_NODE, self.succs[:, 0] != NO_NODE
-        before, after = np.nonzero(self.preds != NO_NODE)
-        tail = self.preds[before, after]
+        has_pred, has_succ = self.in_degree > 0, self.out_degree > 0
+        before = np.repeat(np.arange(n), self.in_degree)
+        tail = self.pred_idx
         jumps = np.zeros(n + 1, dtype=np.int64)
         np.add.at(jumps, tail + 1, 1)
         np.add.at(jumps, before, -1)
@@ -145,16 +230,18 @@ class PipelineDAG:
         return ~jumped & (index >= last_source) & (index <= first_sink)
 
     def edges(self) -> list[tuple[int, int]]:
-        return [(int(p), i) for i in range(len(self)) for p in self.preds[i] if p != NO_NODE]
+        """(predecessor, node) per dependency, node by node, stage predecessor first."""
+        heads = np.repeat(np.arange(len(self)), self.in_degree)
+        return list(zip(self.pred_idx.tolist(), heads.tolist()))
 
     def finish_times(self, durations: np.ndarray) -> np.ndarray:
         """Earliest finish time of every node; `durations` is (N,) or (N, plans)."""
         durations = np.asarray(durations, dtype=float)
         padded = np.zeros((len(self) + 1,) + durations.shape[1:])  # row -1 is "no node" = 0
-        # `take` and `out=`: a third faster than fancy indexing into new arrays, same values.
-        for lv, p0, p1 in self.level_preds:
+        # `take` and `out=`: no new arrays per level (fancy indexing would allocate them).
+        for lv, slots in self.level_preds:
             finish = padded[lv]
-            np.maximum(padded.take(p0, axis=0), padded.take(p1, axis=0), out=finish)
+            gather_max(padded, slots, out=finish)
             finish += durations[lv]
         return padded[:-1]
 
@@ -169,8 +256,8 @@ class PipelineDAG:
         padded[-1] = np.asarray(deadline) + 0.0  # "no successor": bounded by the deadline
         latest_start = np.empty_like(padded)
         latest_start[-1] = padded[-1]
-        for lv, s0, s1 in reversed(self.level_succs):
-            np.minimum(latest_start.take(s0, axis=0), latest_start.take(s1, axis=0), out=padded[lv])
+        for lv, slots in reversed(self.level_succs):
+            gather_min(latest_start, slots, out=padded[lv])
             np.subtract(padded[lv], durations[lv], out=latest_start[lv])
         return padded[:-1]
 

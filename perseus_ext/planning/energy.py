@@ -25,7 +25,7 @@ from functools import cached_property
 import numpy as np
 
 from perseus_ext.errors import ConfigError, ProfileError
-from perseus_ext.planning.dag import PipelineDAG
+from perseus_ext.planning.dag import PipelineDAG, gather_max
 from perseus_ext.planning.frontier import Plan
 from perseus_ext.planning.profile import OperatingPoints, Profile, pareto_indices
 from perseus_ext.planning.schedule import PipelineSchedule
@@ -95,34 +95,39 @@ class CostModel:
         self.switch_latency_s = float(switch_latency_s)
         self.dag = PipelineDAG(schedule)
         self.blocking_power = float(blocking_power)
-        chunks = schedule.num_chunks
         if profile.num_stages == schedule.num_virtual_stages:
-            per_virtual_stage, scale = True, 1.0
+            per_virtual_stage = True
         elif profile.num_stages == schedule.num_stages:
-            # A per-GPU profile: each of the V chunks holds 1/V of the stage's layers.
-            per_virtual_stage, scale = False, 1.0 / chunks
+            # A per-GPU profile: each of a stage's chunks holds an equal share of its layers.
+            per_virtual_stage = False
         else:
             raise ProfileError(
                 f"{profile.source} has {profile.num_stages} stages but the schedule has "
-                f"{schedule.num_stages} stages x {chunks} virtual stages; profile every stage "
+                f"{schedule.num_stages} stages x {schedule.num_chunks} virtual stages; profile every stage "
                 f"(or every virtual stage) of this pipeline"
             )
+        share = [1.0 / max(1, count) for count in schedule.chunks_per_stage]
         options = []
+        scales = []
         never_slack = self.dag.on_every_path if energy_filter_on_every_path else None
         for i, c in enumerate(self.dag.computations):
-            stage = schedule.virtual_stage(c) if per_virtual_stage else c.stage
+            if per_virtual_stage:
+                stage, scale = schedule.virtual_stage(c), 1.0
+            else:
+                stage, scale = c.stage, share[c.stage]
             op = profile[stage, c.kind.value]
             if never_slack is not None and never_slack[i]:
                 keep = np.array(pareto_indices(op.times, op.energies))
                 op = OperatingPoints(op.frequencies[keep], op.times[keep], op.energies[keep])
             options.append(op)
+            scales.append(scale)
         width = max(len(op) for op in options)
         n = len(options)
         self.num_options = np.array([len(op) for op in options])
         self.times = np.full((n, width), np.inf)
         self.energies = np.full((n, width), np.inf)
         self.frequencies = np.zeros((n, width), dtype=np.int64)
-        for i, op in enumerate(options):
+        for i, (op, scale) in enumerate(zip(options, scales)):
             k = len(op)
             self.times[i, :k] = op.times * scale
             self.energies[i, :k] = op.energies * scale
@@ -216,8 +221,8 @@ class CostModel:
         extra_energy = (np.take(self.energies, old) - np.take(self.energies, own)) / old_t
         finish = np.zeros((len(dag) + 1,) + choice.shape[1:])  # row -1: iteration start
         tau = np.zeros(choice.shape)
-        for lv, p0, p1 in dag.level_preds:
-            start = np.maximum(finish.take(p0, axis=0), finish.take(p1, axis=0))
+        for lv, slots in dag.level_preds:
+            start = gather_max(finish, slots)
             tau[lv] = np.clip(finish[prev[lv]] + (latency - start), 0.0, old_t[lv])
             finish[lv] = start + (own_t[lv] + tau[lv] * stretch[lv])
         durations = own_t + tau * stretch
@@ -241,9 +246,17 @@ class CostModel:
         """
         order, clocks = self._clocks_by_stage
         choices = np.asarray(choices)
-        # One flat gather in stage order (per-stage gathers and a stack took 3x as long).
+        # One flat gather in stage order (per-stage gathers and a stack cost more).
         freqs = np.take(clocks, choices[order] + (np.arange(len(order)) * self.frequencies.shape[1])[:, None])
-        table = np.ascontiguousarray(freqs.T).reshape(choices.shape[1], len(self.dag.stage_positions), -1)
+        lengths = {len(pos) for pos in self.dag.stage_positions}
+        if len(lengths) == 1:
+            table = np.ascontiguousarray(freqs.T).reshape(choices.shape[1], len(self.dag.stage_positions), -1)
+        else:  # stages of different lengths: shorter rows end in zeros (no clock, `Plan`)
+            table = np.zeros((choices.shape[1], len(self.dag.stage_positions), max(lengths)), dtype=np.int32)
+            start = 0
+            for stage, pos in enumerate(self.dag.stage_positions):
+                table[:, stage, : len(pos)] = freqs[start : start + len(pos)].T
+                start += len(pos)
         table.flags.writeable = False
         return [Plan(float(t), float(e), table[j]) for j, (t, e) in enumerate(zip(times, energies))]
 
@@ -257,7 +270,7 @@ class CostModel:
         """Option indices of a plan's clocks (inverse of `to_plan`)."""
         choice = np.empty(self.num_nodes, dtype=np.int64)
         for stage, pos in enumerate(self.dag.stage_positions):
-            row = plan.frequencies[stage]
+            row = plan.for_stage(stage)
             if len(row) != len(pos):
                 raise ProfileError(
                     f"plan has {len(row)} clocks for stage {stage}, the schedule {len(pos)}"

@@ -4,8 +4,10 @@
 program (HiGHS, quiet): one binary per (computation, clock), start times,
 and the iteration time as a variable so blocking energy is charged on the plan's own time.
 `exact_wait_aware` solves the wait-aware problem (the iteration ends at the deadline whatever
-the plan, so every stage pays blocking power until then). `brute_force_min_energy` enumerates every assignment and is only for the tiniest cases (it
-checks the MILP formulation itself).
+the plan, so every stage pays blocking power until then). `groups` (`groups.ClockGroups`) ties
+runs of consecutive computations to one clock as rows of the formulation: for each clock f,
+the first member's binaries at f equal each other member's. `brute_force_min_energy` enumerates
+every assignment and is only for the tiniest cases (it checks the MILP formulation itself).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from scipy import sparse
 
 from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
+from perseus_ext.planning.groups import ClockGroups
 from perseus_ext.planning.relaxation import quiet_highs, set_option
 
 
@@ -36,9 +39,12 @@ class ExactResult:
         return self.energy / self.lower_bound - 1.0
 
 
-def exact_min_energy(model: CostModel, deadline: float) -> tuple[float, np.ndarray] | None:
-    """(energy, choice) of the cheapest plan with iteration time <= deadline; None if infeasible."""
-    result = exact_solve(model, deadline)
+def exact_min_energy(
+    model: CostModel, deadline: float, groups: ClockGroups | None = None
+) -> tuple[float, np.ndarray] | None:
+    """(energy, choice) of the cheapest plan with iteration time <= deadline (each of `groups`
+    at one clock); None if infeasible."""
+    result = exact_solve(model, deadline, groups=groups)
     return None if result is None else (result.energy, result.choice)
 
 
@@ -51,11 +57,13 @@ def exact_wait_aware(model: CostModel, deadline: float) -> ExactResult | None:
 
 def exact_solve(
     model: CostModel, deadline: float, rel_gap: float = 1e-9, time_limit_s: float | None = None,
-    wait_aware: bool = False,
+    wait_aware: bool = False, groups: ClockGroups | None = None, *, relaxed: bool = False,
 ) -> ExactResult | None:
     """The MILP at one deadline; `rel_gap` / `time_limit_s` stop HiGHS early on pipelines too
     large to prove optimal (the result then carries the bound). None if infeasible.
-    `wait_aware`: blocking is charged up to the deadline instead of the plan's own time."""
+    `wait_aware`: blocking is charged up to the deadline instead of the plan's own time.
+    `groups`: runs of computations that share one clock (module docstring). `relaxed`: the
+    same formulation with the binaries relaxed to [0, 1] (`lp_bound`)."""
     n = model.num_nodes
     option_index = [(i, k) for i in range(n) for k in range(model.num_options[i])]
     nx = len(option_index)
@@ -99,6 +107,12 @@ def exact_solve(
         lower.append(-np.inf)
         upper.append(0.0)
 
+    if groups is not None:
+        for row in _group_rows(model, options_of, groups):
+            rows.append(row)
+            lower.append(0.0)
+            upper.append(0.0)
+
     a = sparse.lil_matrix((len(rows), num_vars))
     for r, row in enumerate(rows):
         for col, val in row.items():
@@ -115,7 +129,8 @@ def exact_solve(
     lp.a_matrix_.start_ = matrix.indptr
     lp.a_matrix_.index_ = matrix.indices
     lp.a_matrix_.value_ = matrix.data
-    lp.integrality_ = [highspy.HighsVarType.kInteger] * nx + [highspy.HighsVarType.kContinuous] * (n + 1)
+    if not relaxed:
+        lp.integrality_ = [highspy.HighsVarType.kInteger] * nx + [highspy.HighsVarType.kContinuous] * (n + 1)
     # Nothing on the terminal: HiGHS's log, and its MIP solver's own prints, go nowhere.
     highs = quiet_highs()
     set_option(highs, "mip_rel_gap", float(rel_gap))
@@ -126,6 +141,19 @@ def exact_solve(
     status = highs.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:
         return None
+    if relaxed:
+        if status != highspy.HighsModelStatus.kOptimal:
+            raise SolverError(f"LP at deadline {deadline}: {highs.modelStatusToString(status)}")
+        value = float(highs.getInfo().objective_function_value)
+        x = np.array(highs.getSolution().col_value)
+        choice = np.zeros(n, dtype=np.int64)
+        weights = np.zeros(n)
+        for col, (i, k) in enumerate(option_index):
+            if x[col] > weights[i]:
+                weights[i], choice[i] = x[col], k
+        if wait_aware:
+            value += p * stages * deadline
+        return ExactResult(value, choice, value)
     info = highs.getInfo()
     if info.primal_solution_status != 2:  # kSolutionStatusFeasible
         raise SolverError(
@@ -146,8 +174,45 @@ def exact_solve(
     return ExactResult(float(energy), choice, float(energy if bound is None else bound))
 
 
-def brute_force_min_energy(model: CostModel, deadline: float) -> float | None:
-    """Cheapest energy with time <= deadline by enumerating every clock assignment."""
+def lp_bound(model: CostModel, deadline: float, groups: ClockGroups | None = None,
+             wait_aware: bool = False) -> float | None:
+    """The energy of the MILP's linear relaxation at `deadline` (a lower bound on every plan
+    that meets it, with `groups` as rows of the LP too); None if no plan meets the deadline."""
+    result = exact_solve(model, deadline, wait_aware=wait_aware, groups=groups, relaxed=True)
+    return None if result is None else result.energy
+
+
+def _group_rows(model: CostModel, options_of: list[list[tuple[int, float]]], groups: ClockGroups) -> list[dict[int, float]]:
+    """Rows tying each group to one clock: per member after the first and per clock f,
+    x[first, f] - x[member, f] = 0 (a clock one of them lacks forces the other's to 0)."""
+    rows = []
+    for g, nodes in enumerate(groups.node_groups(model.dag.index)):
+        def columns(node: int) -> dict[int, int]:
+            return {int(model.frequencies[node, k]): options_of[node][k][0] for k in range(model.num_options[node])}
+
+        first = columns(int(nodes[0]))
+        common = set(first)
+        for node in nodes[1:]:
+            other = columns(int(node))
+            common &= set(other)
+            for clock in set(first) | set(other):
+                row = {}
+                if clock in first:
+                    row[first[clock]] = 1.0
+                if clock in other:
+                    row[other[clock]] = -1.0
+                rows.append(row)
+        if not common:
+            raise SolverError(
+                f"clock group {g} ({', '.join(map(str, groups.groups[g][:3]))}...) has no clock "
+                f"every member was profiled at; split the group or profile a common clock"
+            )
+    return rows
+
+
+def brute_force_min_energy(model: CostModel, deadline: float, groups: ClockGroups | None = None) -> float | None:
+    """Cheapest energy with time <= deadline by enumerating every clock assignment (with
+    `groups`, only those that keep each group at one clock)."""
     ranges = [range(k) for k in model.num_options]
     total = int(np.prod([len(r) for r in ranges]))
     if total > 2_000_000:
@@ -155,4 +220,7 @@ def brute_force_min_energy(model: CostModel, deadline: float) -> float | None:
     choices = np.array(list(itertools.product(*ranges)), dtype=np.int64).T
     times, energies = model.replay(choices)
     ok = times <= deadline + 1e-12
+    if groups is not None:
+        clocks = np.take_along_axis(model.frequencies, choices, axis=1)
+        ok &= groups.holds(clocks, model.dag.index)
     return float(energies[ok].min()) if ok.any() else None

@@ -23,9 +23,8 @@ from perseus_ext.planning.relaxation import AnchorWalk, interpolate
 from perseus_ext.planning.switching import repair_latency
 
 Replayed = tuple[np.ndarray, np.ndarray, np.ndarray]  # (choices, times, energies) of plans
-# Grid deadlines per block: the passes' (computations x plans) intermediates stay in cache
-# (measured CPU for the whole grid: 8 x 24, 818 deadlines in one block 34.6 ms, in blocks of
-# 205 22.7 ms; 8 x 96, 3,064 deadlines in blocks of 1,531 426 ms, of 383 375 ms, of 96 448 ms).
+# Grid deadlines per block: small enough that the passes' (computations x plans) intermediates
+# stay in cache, large enough that numpy's per-call cost stays small against the work.
 BLOCK_COLUMNS = 256
 _REPAIR_STRIDE = 2  # the latency repair works on every other grid deadline
 

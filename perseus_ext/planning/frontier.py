@@ -23,7 +23,9 @@ class Plan:
     `frequencies[s]` holds stage s's clocks (MHz) in that stage's execution order, so a stage
     only needs its own row to drive its GPU. It is a read-only int32 array of shape
     (stages, computations per stage): thousands of plans of thousands of computations stay
-    small and are often views into one array shared by a whole frontier.
+    small and are often views into one array shared by a whole frontier. Where stages run
+    different numbers of computations (combined units, an asymmetric layout), shorter rows end
+    in zeros, which are no clock (`for_stage` leaves them out).
     """
 
     time: float  # seconds: longest path of the DAG with the profiled times
@@ -41,7 +43,10 @@ class Plan:
 
     def for_stage(self, stage: int) -> list[int]:
         """Stage `stage`'s clocks as plain ints, in its execution order."""
-        return self.frequencies[stage].tolist()
+        row = self.frequencies[stage]
+        if len(row) and not row[-1]:
+            row = row[: int(np.count_nonzero(row))]
+        return row.tolist()
 
     def to_dict(self) -> dict:
         return {"time": self.time, "energy": self.energy, "frequencies": self.frequencies.tolist()}
@@ -194,12 +199,13 @@ class Frontier:
         table = np.stack([self.plans[j].frequencies for j in chosen])  # (plans, stages, per stage)
         per_stage = {}
         for stage in stage_ids:
-            clocks = table[:, stage, :]
+            length = len(self.baseline.for_stage(stage))  # a shorter stage's padding stays home
+            clocks = table[:, stage, :length]
             changed = clocks[1:] != clocks[:-1]
             plan_of, position = np.nonzero(changed)
             per_stage[int(stage)] = {
                 "first": clocks[0].astype(np.int16),
-                "baseline": self.baseline.frequencies[stage].astype(np.int16),
+                "baseline": self.baseline.frequencies[stage, :length].astype(np.int16),
                 "counts": np.bincount(plan_of + 1, minlength=len(chosen)).astype(np.int32),
                 "positions": position.astype(np.int32),
                 "clocks": clocks[1:][changed].astype(np.int16),
@@ -228,10 +234,14 @@ class Frontier:
                 f"compact frontier holds stages {sorted(stages)}, not all; read one stage's "
                 "clocks with compact_stage_clocks"
             )
-        table = np.stack([compact_stage_clocks(data, s) for s in range(len(stages))], axis=1)
-        table = table.astype(np.int32)
+        rows = [compact_stage_clocks(data, s) for s in range(len(stages))]
+        width = max(row.shape[1] for row in rows)
+        table = np.zeros((rows[0].shape[0], len(rows), width), dtype=np.int32)
+        baseline = np.zeros((len(rows), width), dtype=np.int32)
+        for s, row in enumerate(rows):
+            table[:, s, : row.shape[1]] = row
+            baseline[s, : row.shape[1]] = stages[s]["baseline"]
         table.flags.writeable = False
-        baseline = np.stack([stages[s]["baseline"] for s in range(len(stages))]).astype(np.int32)
         return cls(
             schedule=data["schedule"],
             blocking_power=float(data["blocking_power"]),

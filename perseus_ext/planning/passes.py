@@ -13,12 +13,13 @@ import weakref
 
 import numpy as np
 
+from perseus_ext.planning.dag import gather_max, gather_min
 from perseus_ext.planning.energy import CostModel
 
 _EPS = 1e-9
 CELLS = 4_000_000  # (computation, plan) cells per batched DAG pass (bounds peak memory)
 # Cells per batched replay: a latency-aware replay makes a dozen (N, plans) arrays, and these
-# stay in cache at this size (3-5x faster at 8 x 96 than 4M cells; a plain replay is unaffected).
+# stay in cache at this size (a plain replay is unaffected).
 REPLAY_CELLS = 400_000
 # Option indices fit in int16; a pool holds tens of thousands of plans of thousands of
 # computations, so candidates are kept in this type (a few tens of MiB).
@@ -40,7 +41,7 @@ class _OptionTables:
     clock run once per table (and, in the DAG passes, once per table and level), not per node."""
 
     def __init__(self, model: CostModel):
-        # Tables in order of first use (np.unique(axis=0) sorts rows as records: 10x slower).
+        # Tables in order of first use (np.unique(axis=0) would sort rows as records, slowly).
         keys = [row.tobytes() for row in model.times]
         first_node: dict[bytes, int] = {}
         for node, key in enumerate(keys):
@@ -196,8 +197,8 @@ def reclaim_slack(
     def forward_pass() -> None:
         latest_finish = dag.latest_finish_times(durations, deadlines)
         finish = np.zeros((len(dag) + 1, choice.shape[1]))
-        for level, (lv, p0, p1) in enumerate(dag.level_preds):
-            start = np.maximum(finish.take(p0, axis=0), finish.take(p1, axis=0))
+        for level, (lv, slots) in enumerate(dag.level_preds):
+            start = gather_max(finish, slots)
             refit(level, lv, latest_finish[lv] - start)
             np.add(start, durations[lv], out=finish[lv])
 
@@ -206,8 +207,8 @@ def reclaim_slack(
         latest_start = np.empty((len(dag) + 1, choice.shape[1]))
         latest_start[-1] = deadlines
         for level in range(len(dag.levels) - 1, -1, -1):
-            lv, s0, s1 = dag.level_succs[level]
-            end = np.minimum(latest_start.take(s0, axis=0), latest_start.take(s1, axis=0))
+            lv, slots = dag.level_succs[level]
+            end = gather_min(latest_start, slots)
             refit(level, lv, end - earliest_start[lv])
             np.subtract(end, durations[lv], out=latest_start[lv])
 

@@ -2,7 +2,11 @@
 
 The on-disk format is the Perseus/Zeus CSV `stage,instruction,frequency,time,energy`
 (seconds and joules of one computation at one SM clock in MHz). The profiling pass writes it,
-the published profiles use it, and the planner reads it through `Profile`.
+the published profiles use it, and the planner reads it through `Profile`. `instruction` names a
+computation kind (`schedule.Kind`): `forward`, `backward`, `input_gradient`,
+`weight_gradient`, `combined` or `reduce_grad`. Every stage needs its forward and its gradient
+work (`backward`, or `input_gradient` and `weight_gradient`); the other kinds are needed only by
+schedules that run them (`derived.py` estimates them from a forward/backward profile).
 
 Profiles come from users, so reading one never ends in a traceback or an unbounded allocation:
 the file size, row count, field length, stage count and every number are bounded, and each
@@ -26,10 +30,14 @@ from perseus_ext.errors import ProfileError
 logger = logging.getLogger(__name__)
 
 COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
-REQUIRED_INSTRUCTIONS = ("forward", "backward")
+REQUIRED_INSTRUCTIONS = ("forward", "backward")  # what the 1F1B and interleaved schedules run
+INSTRUCTIONS = (
+    "forward", "backward", "input_gradient", "weight_gradient", "combined", "reduce_grad",
+)  # every computation kind a schedule names (`schedule.Kind`)
+_SPLIT_GRADIENT = ("input_gradient", "weight_gradient")
 
 # Bounds far above any real pipeline, so that a corrupt or mistyped profile fails at once.
-MAX_PROFILE_BYTES = 16 * 1024 * 1024  # the published profiles are ~50 KB
+MAX_PROFILE_BYTES = 16 * 1024 * 1024  # far above a real profile (one short row per clock)
 MAX_ROWS = 250_000  # 512 stages x 2 instructions x 244 clocks
 MAX_FIELD_CHARS = 64
 MAX_STAGES = 512
@@ -76,8 +84,12 @@ class Profile:
         try:
             return self.points[key]
         except KeyError:
+            hint = ""
+            if key[1] in INSTRUCTIONS[2:5]:
+                hint = ("; measure it, or estimate it from the forward/backward rows with "
+                        "planning.derived.derive_kinds")
             raise ProfileError(
-                f"{self.source}: no measurements for stage {key[0]} instruction {key[1]!r}"
+                f"{self.source}: no measurements for stage {key[0]} instruction {key[1]!r}{hint}"
             ) from None
 
     @classmethod
@@ -131,19 +143,23 @@ class Profile:
         return profile
 
     def _check_complete(self) -> None:
+        """Every stage has its forward and its gradient work (`backward`, or `input_gradient`
+        and `weight_gradient`), and all instructions of a stage share one set of clocks."""
         stages = range(self.num_stages)
-        instructions = list(REQUIRED_INSTRUCTIONS)
         for stage in stages:
-            for instruction in instructions:
-                if (stage, instruction) not in self.points:
+            kinds = {instruction for s, instruction in self.points if s == stage}
+            split = all(k in kinds for k in _SPLIT_GRADIENT)
+            needed = ("forward",) if split else REQUIRED_INSTRUCTIONS
+            for instruction in needed:
+                if instruction not in kinds:
                     raise ProfileError(
                         f"{self.source}: stage {stage} has no {instruction!r} rows; every stage "
-                        f"0..{self.num_stages - 1} needs {', '.join(instructions)} measurements"
+                        f"0..{self.num_stages - 1} needs forward and backward measurements (or "
+                        f"forward, input_gradient and weight_gradient)"
                     )
-        for stage in stages:
             clocks = {
                 instruction: set(self.points[stage, instruction].frequencies.tolist())
-                for instruction in instructions
+                for instruction in sorted(kinds)
             }
             union = set().union(*clocks.values())
             for instruction, measured in clocks.items():
@@ -321,12 +337,12 @@ def _bounded_rows(reader: Iterable[list[str]], path: Path) -> Iterable[list[str]
             raise ProfileError(f"{where}: more than {MAX_ROWS:,} measurements; is this a profile?")
         if len(row) > 2 * len(COLUMNS):
             raise ProfileError(f"{where}: {len(row)} fields; a profile row has {len(COLUMNS)}")
-        for field in row:
-            if "\n" in field or "\r" in field:
+        for cell in row:
+            if "\n" in cell or "\r" in cell:
                 raise ProfileError(f"{where}: a quoted field spans several lines; is a '\"' unclosed?")
-            if len(field) > MAX_FIELD_CHARS:
+            if len(cell) > MAX_FIELD_CHARS:
                 raise ProfileError(
-                    f"{where}: a field of {len(field):,} characters ({field[:20]!r}...); "
+                    f"{where}: a field of {len(cell):,} characters ({cell[:20]!r}...); "
                     f"profile fields are short names and numbers"
                 )
         yield row
@@ -348,17 +364,16 @@ def _check_header(header: list[str], path: Path) -> None:
 def _parse_instruction(row: Mapping[str, object], where: str) -> str:
     raw = row.get("instruction")
     instruction = str(raw if raw is not None else "").strip()
-    if instruction in REQUIRED_INSTRUCTIONS:
+    if instruction in INSTRUCTIONS:
         return instruction
+    names = ", ".join(repr(name) for name in INSTRUCTIONS)
     if not instruction:
-        raise ProfileError(f"{where}: field 'instruction' is empty; use 'forward' or 'backward'")
+        raise ProfileError(f"{where}: field 'instruction' is empty; use one of {names}")
     import difflib  # here: only a mistake needs it (the frontier command's start-up time)
 
-    close = difflib.get_close_matches(instruction.lower(), REQUIRED_INSTRUCTIONS, n=1)
+    close = difflib.get_close_matches(instruction.lower(), INSTRUCTIONS, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ProfileError(
-        f"{where}: field 'instruction' is {instruction!r}{hint}; use 'forward' or 'backward'"
-    )
+    raise ProfileError(f"{where}: field 'instruction' is {instruction!r}{hint}; use one of {names}")
 
 
 def _parse_int(

@@ -57,10 +57,9 @@ class ConvexRelaxation:
         # finishes before b starts" (b a successor's start, or T for a sink):
         #   start_a + sum fills(a) - x_b <= -t_min_a
         t_col = n + m
-        has_pred = dag.preds != -1
-        sinks = np.flatnonzero((dag.succs == -1).all(axis=1))
-        before = np.r_[dag.preds[has_pred], sinks]
-        after = np.r_[np.nonzero(has_pred)[0], np.full(len(sinks), t_col)]
+        sinks = np.flatnonzero(dag.out_degree == 0)
+        before = np.r_[dag.pred_idx, sinks]
+        after = np.r_[np.repeat(np.arange(n), dag.in_degree), np.full(len(sinks), t_col)]
         first_fill = n + np.r_[0, np.cumsum(count)[:-1]]
         width = 2 + count[before]  # entries per row: a, b and a's fills
         rows = np.repeat(np.arange(len(before)), width)
@@ -153,8 +152,7 @@ def _simplex(lp: "highspy.HighsLp") -> "highspy.Highs":
     thread's HiGHS, with any thread count, is not touched.
 
     No presolve: only each end's first (cold) solve would run it (a warm start skips it), and
-    on this LP it reduces little (8 x 24: 737 rows to 658) for its cost: the cold solves at
-    T_min and T* take 17 and 5 ms without it, 35 and 20 ms with it.
+    on this LP it removes few rows for more than it saves on the cold solves.
     """
     highs = quiet_highs()
     set_option(highs, "solver", "simplex")
@@ -232,11 +230,10 @@ class AnchorWalk:
 
     DENSE_SHARE = 0.4
     # Most simplex iterations, and the cold start, lie near T_min, and the anchors are denser
-    # there. The low end takes the fastest 40 % of the range, so the high end is done first
-    # (8 x 24: ~105 against ~130 ms) and rounds the grid blocks below it as the low end walks
-    # past them (`first_pass.py`). With 30 %, the low end was done first and the blocks it
-    # could take next lay where the high end was still walking: solve 178 against 169 ms
-    # (median of 20 side by side at 8 x 24), 8 x 96 the same within noise.
+    # there. The low end takes the fastest 40 % of the range, so the high end is done first and
+    # rounds the grid blocks below it as the low end walks past them (`first_pass.py`); with a
+    # smaller share the low end finished first while the blocks it could take next lay where
+    # the high end was still walking.
     LOW_END_SHARE = 0.4
 
     def __init__(

@@ -1,39 +1,32 @@
-"""Per-stage execution order of one training iteration for the supported pipeline schedules.
+"""Per-stage execution order of one training iteration: the ordered action list a schedule runs.
 
 A schedule is a list, one entry per pipeline stage, of the computations that stage runs in
 order. Computations are small immutable data objects (like DeepSpeed's pipeline instructions),
 so the planner, the runtime and the framework adapters can all speak about "the 7th computation
-of stage 2" without importing a framework.
+of stage 2" without importing a framework. Any schedule is one such list plus its placement
+(which stage and model chunk hold each virtual stage, `PipelineSchedule.placement`):
+`one_f_one_b`, `interleaved` and `combined_1f1b` produce them here, and a framework adapter
+converts the actions its schedule executes (a torch.distributed.pipelining schedule's, say) into
+`Computation`s and calls `schedule_from_actions`. The dependency rules that turn a schedule into
+the iteration graph live in `dependencies.py`, for every producer alike.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 from perseus_ext.errors import ScheduleError
+from perseus_ext.planning.actions import Computation, Kind, combined
+from perseus_ext.planning.dependencies import check_schedule, data_inputs
 
-
-class Kind(str, enum.Enum):
-    """What a computation does; the value is the profile CSV's `instruction` name."""
-
-    FORWARD = "forward"
-    BACKWARD = "backward"
-
-
-@dataclass(frozen=True, order=True)
-class Computation:
-    """One forward or backward of one microbatch through one model chunk on one stage."""
-
-    stage: int
-    chunk: int
-    microbatch: int
-    kind: Kind
-
-    def __str__(self) -> str:
-        letter = "F" if self.kind is Kind.FORWARD else "B"
-        chunk = f"c{self.chunk}" if self.chunk else ""
-        return f"{letter}{self.microbatch}{chunk}@s{self.stage}"
+__all__ = [
+    "BUILT_IN", "Computation", "Kind", "PipelineSchedule", "ScheduleKind", "ScheduleSummary",
+    "build_schedule", "combined", "combined_1f1b", "interleaved", "looped_placement",
+    "one_f_one_b", "schedule_from_actions", "v_shape_placement",
+]
 
 
 class ScheduleKind(str, enum.Enum):
@@ -41,41 +34,91 @@ class ScheduleKind(str, enum.Enum):
 
     ONE_F_ONE_B = "1f1b"  # DeepSpeed TrainSchedule == Megatron-core non-interleaved 1F1B
     INTERLEAVED = "interleaved"  # Megatron-core virtual-pipeline 1F1B
+    COMBINED_1F1B = "combined_1f1b"  # Megatron-core interleaved 1F1B with combined F+B steps
+    ZERO_BUBBLE = "zero_bubble"  # torch ScheduleInterleavedZeroBubble (looped, I/W split)
+    ZBV = "zbv"  # torch ScheduleZBVZeroBubble (V-shaped, I/W split)
+    DUALPIPE_V = "dualpipev"  # torch ScheduleDualPipeV (V-shaped, overlapped F+B)
+    CUSTOM = "custom"  # any other action list with its placement
+
+
+# Schedules `build_schedule` produces itself; the others come from a framework's action list.
+BUILT_IN = (ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED, ScheduleKind.COMBINED_1F1B)
+
+
+def looped_placement(num_stages: int, num_chunks: int) -> tuple[tuple[int, int], ...]:
+    """Megatron's and torch's looped layout: virtual stage v is chunk v // S of stage v % S."""
+    return tuple((v % num_stages, v // num_stages) for v in range(num_stages * num_chunks))
+
+
+def v_shape_placement(num_stages: int) -> tuple[tuple[int, int], ...]:
+    """The V-shaped layout of ZB-V and DualPipeV: stage s holds virtual stages s (its chunk 0)
+    and 2S - 1 - s (its chunk 1), so the last stage runs both middle virtual stages."""
+    down = [(s, 0) for s in range(num_stages)]
+    up = [(s, 1) for s in reversed(range(num_stages))]
+    return tuple(down + up)
 
 
 @dataclass(frozen=True)
 class PipelineSchedule:
-    """The computations of one iteration: `orders[s]` is stage s's execution order."""
+    """The computations of one iteration: `orders[s]` is stage s's execution order.
+
+    `placement[v]` is the (stage, chunk) holding virtual stage v, the v-th slice of the model
+    from input to loss; empty means the looped layout (`looped_placement`). `num_chunks` is
+    the most chunks any stage holds.
+    """
 
     kind: ScheduleKind
     num_stages: int
     num_microbatches: int
     num_chunks: int
     orders: tuple[tuple[Computation, ...], ...]
+    placement: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.placement:
+            object.__setattr__(self, "placement", looped_placement(self.num_stages, self.num_chunks))
+
+    def __getstate__(self) -> dict:
+        """Pickled without the lookups it caches (they are rebuilt on first use)."""
+        return {name: self.__dict__[name] for name in self.__dataclass_fields__}
 
     @property
     def num_virtual_stages(self) -> int:
-        return self.num_stages * self.num_chunks
+        return len(self.placement)
+
+    @cached_property
+    def _virtual_of(self) -> dict[tuple[int, int], int]:
+        return {where: v for v, where in enumerate(self.placement)}
+
+    @cached_property
+    def chunks_per_stage(self) -> tuple[int, ...]:
+        """How many model chunks each stage holds (asymmetric layouts differ per stage)."""
+        counts = [0] * self.num_stages
+        for stage, _ in self.placement:
+            counts[stage] += 1
+        return tuple(counts)
 
     def virtual_stage(self, c: Computation) -> int:
-        """Position of `c`'s model chunk in the whole model (Megatron's layout: chunk-major)."""
-        return c.chunk * self.num_stages + c.stage
+        """Position of `c`'s model chunk in the whole model (a combined unit: its first part's)."""
+        try:
+            return self._virtual_of[c.stage, c.chunk]
+        except KeyError:
+            raise ScheduleError(
+                f"{c} runs chunk {c.chunk} of stage {c.stage}, which the schedule's placement "
+                f"does not hold"
+            ) from None
+
+    def at(self, virtual_stage: int, microbatch: int, kind: Kind) -> Computation:
+        """The computation of `kind` for `microbatch` on virtual stage `virtual_stage`."""
+        stage, chunk = self.placement[virtual_stage]
+        return Computation(stage, chunk, microbatch, kind)
 
     def producer_of(self, c: Computation) -> Computation | None:
-        """The computation on another virtual stage whose output `c` consumes (None: the
-        first forward of the model reads the data loader)."""
-        v = self.virtual_stage(c)
-        if c.kind is Kind.FORWARD:
-            if v == 0:
-                return None
-            v -= 1
-            kind = Kind.FORWARD
-        elif v == self.num_virtual_stages - 1:
-            kind = Kind.FORWARD  # the loss: backward of the last stage needs its own forward
-        else:
-            v += 1
-            kind = Kind.BACKWARD
-        return Computation(v % self.num_stages, v // self.num_stages, c.microbatch, kind)
+        """The computation on another virtual stage whose output `c` consumes first (None: the
+        first forward of the model reads the data loader, or `c` consumes nothing from
+        another stage); `dependencies.data_inputs` lists all of them."""
+        inputs = data_inputs(self, c)
+        return inputs[0] if inputs else None
 
     def summary(self) -> ScheduleSummary:
         """What a frontier was solved for (`Frontier.schedule`), without the orders."""
@@ -163,6 +206,22 @@ def _interleaved_table(num_microbatches: int, num_chunks: int, group: int) -> li
     return table
 
 
+def _table_actions(stage: int, table: list[tuple[int, int]], num_chunks: int
+                   ) -> tuple[Callable[[int], Computation], Callable[[int], Computation]]:
+    """The k-th forward and the k-th backward of `stage` in megatron-core's schedule table
+    ((microbatch, chunk) pairs in forward order; backwards walk the chunks in reverse)."""
+
+    def forward(k: int) -> Computation:
+        microbatch, chunk = table[k]
+        return Computation(stage, chunk, microbatch, Kind.FORWARD)
+
+    def backward(k: int) -> Computation:
+        microbatch, chunk = table[k]
+        return Computation(stage, num_chunks - 1 - chunk, microbatch, Kind.BACKWARD)
+
+    return forward, backward
+
+
 def interleaved(
     num_stages: int,
     num_microbatches: int,
@@ -207,13 +266,7 @@ def interleaved(
             warmup = (num_stages - stage - 1) * 2 + (num_chunks - 1) * group
         warmup = min(warmup, total)
 
-        def fwd(k: int) -> Computation:
-            m, c = table[k]
-            return Computation(stage, c, m, Kind.FORWARD)
-
-        def bwd(k: int) -> Computation:
-            m, c = table[k]
-            return Computation(stage, num_chunks - 1 - c, m, Kind.BACKWARD)
+        fwd, bwd = _table_actions(stage, table, num_chunks)
 
         order = [fwd(k) for k in range(warmup)]
         for k in range(total - warmup):
@@ -226,17 +279,107 @@ def interleaved(
     )
 
 
-def build_schedule(
-    kind: str | ScheduleKind, num_stages: int, num_microbatches: int, num_chunks: int = 1
+def combined_1f1b(
+    num_stages: int,
+    num_microbatches: int,
+    num_chunks: int,
+    microbatch_group_size: int | None = None,
 ) -> PipelineSchedule:
-    """Build a schedule by name (`1f1b` or `interleaved`), as the CLI and configs name them."""
+    """Megatron-core's interleaved 1F1B with `--overlap-moe-expert-parallel-comm`: the steady
+    state runs each forward together with a backward as one combined step
+    (`combined_1f1b_schedule_for_interleaved_pipelining`), and every stage warms up with one
+    forward more than the interleaved schedule so the two halves of a step never depend on
+    each other. Cool-down backwards and warm-up forwards run alone."""
+    base = interleaved(num_stages, num_microbatches, num_chunks, microbatch_group_size)
+    if num_chunks < 2:
+        raise ScheduleError(
+            "Megatron-core runs combined_1f1b over several pipeline stages only with virtual "
+            "stages; give at least 2 model chunks per stage"
+        )
+    group = num_stages if microbatch_group_size is None else microbatch_group_size
+    table = _interleaved_table(num_microbatches, num_chunks, group)
+    total = len(table)
+    orders = []
+    for stage in range(num_stages):
+        warmup = min((num_stages - stage - 1) * 2 + (num_chunks - 1) * group + 1, total)
+
+        fwd, bwd = _table_actions(stage, table, num_chunks)
+
+        order = [fwd(k) for k in range(warmup)]
+        order += [combined(fwd(warmup + k), bwd(k)) for k in range(total - warmup)]
+        order += [bwd(k) for k in range(total - warmup, total)]
+        orders.append(tuple(order))
+    return PipelineSchedule(
+        ScheduleKind.COMBINED_1F1B, num_stages, num_microbatches, num_chunks, tuple(orders),
+        base.placement,
+    )
+
+
+def schedule_from_actions(
+    orders: list[list[Computation]] | tuple[tuple[Computation, ...], ...],
+    placement: tuple[tuple[int, int], ...] | list[tuple[int, int]] | None = None,
+    kind: str | ScheduleKind = ScheduleKind.CUSTOM,
+) -> PipelineSchedule:
+    """The schedule of an ordered action list: `orders[s]` is what stage s runs, in order;
+    `placement[v]` the (stage, chunk) of virtual stage v (default: looped over the chunks the
+    actions name). Checked at once against every dependency rule (`dependencies.py`): an action
+    list that could not run (a backward before its forward on a stage, a microbatch missing on
+    a virtual stage, a gradient sync before the stage's last gradient) is a `ScheduleError`
+    naming the action."""
     try:
         kind = ScheduleKind(kind)
     except ValueError:
         names = ", ".join(k.value for k in ScheduleKind)
+        raise ScheduleError(f"unknown schedule kind {kind!r}; use one of: {names}") from None
+    orders = tuple(tuple(order) for order in orders)
+    if not orders:
+        raise ScheduleError("an action list needs at least one stage")
+    for stage, order in enumerate(orders):
+        for action in order:
+            if not isinstance(action, Computation):
+                raise ScheduleError(f"stage {stage}'s actions must be Computation objects, got {action!r}")
+            if action.stage != stage:
+                raise ScheduleError(f"{action} is listed in stage {stage}'s actions")
+    units = [u for order in orders for a in order for u in a.units]
+    work = [u for u in units if u.kind is not Kind.REDUCE_GRAD]
+    if not work:
+        raise ScheduleError("an action list needs at least one forward")
+    num_chunks = 1 + max(u.chunk for u in units)
+    if placement is None:
+        placement = looped_placement(len(orders), num_chunks)
+    placement = tuple((int(s), int(c)) for s, c in placement)
+    if len(set(placement)) != len(placement):
+        raise ScheduleError(f"placement {placement} names one (stage, chunk) twice")
+    if any(not 0 <= s < len(orders) for s, _ in placement):
+        raise ScheduleError(f"placement {placement} names a stage outside 0..{len(orders) - 1}")
+    chunks = 1 + max(c for _, c in placement)
+    schedule = PipelineSchedule(
+        kind, len(orders), 1 + max(u.microbatch for u in work), chunks, orders, placement,
+    )
+    check_schedule(schedule)
+    return schedule
+
+
+def build_schedule(
+    kind: str | ScheduleKind, num_stages: int, num_microbatches: int, num_chunks: int = 1
+) -> PipelineSchedule:
+    """Build a schedule by name (`1f1b`, `interleaved` or `combined_1f1b`), as the CLI and
+    configs name them; the other kinds come from a framework's action list
+    (`schedule_from_actions`)."""
+    try:
+        kind = ScheduleKind(kind)
+    except ValueError:
+        names = ", ".join(k.value for k in BUILT_IN)
         raise ScheduleError(f"unknown schedule {kind!r}; use one of: {names}") from None
     if kind is ScheduleKind.ONE_F_ONE_B:
         if num_chunks != 1:
             raise ScheduleError("virtual stages need the 'interleaved' schedule")
         return one_f_one_b(num_stages, num_microbatches)
-    return interleaved(num_stages, num_microbatches, num_chunks)
+    if kind is ScheduleKind.INTERLEAVED:
+        return interleaved(num_stages, num_microbatches, num_chunks)
+    if kind is ScheduleKind.COMBINED_1F1B:
+        return combined_1f1b(num_stages, num_microbatches, num_chunks)
+    raise ScheduleError(
+        f"the {kind.value!r} schedule is built from the framework's own action list "
+        f"(planning.schedule.schedule_from_actions), not by name"
+    )

@@ -73,7 +73,7 @@ _GAP_TARGET, _GAP_POLISH_MIN_PLANS, _GAP_POLISH_ROUNDS = 1e-3, 8, 6
 _FILL_BIN = 0.5  # gap-fill bin width as a fraction of the resolution
 _MERGE_FASTEST, _MERGE_SAMPLE = 64, 64  # Pareto plans the latency merge pass works on
 # Fewer plans than this go through a pass on one thread: below it, handing the GIL back and
-# forth costs what the second thread gains (8 x 24, 632 plans: 1.05 of the wall time).
+# forth costs what the second thread gains.
 _SPLIT_COLUMNS = 1024
 
 
@@ -275,8 +275,7 @@ class FrontierSolver:
         0.18 % at 1.05 x T, where the MILP closes 0.03 % above the LP); and a polished plan
         mostly improves its own deadline (the frontier there falls by ~400 J per second of
         deadline). So the budget is spread evenly over every uncertified deadline, and the
-        deadlines between two polished plans start from both (measured against polishing every
-        deadline: docs/solver.md)."""
+        deadlines between two polished plans start from both."""
         model = self.model
         plans = min(self.options.gap_polish_budget // model.num_nodes**2, len(grid))
         if plans < _GAP_POLISH_MIN_PLANS:

@@ -257,4 +257,4 @@ def solve_stage_constant(
 def is_stage_constant(plan: Plan) -> bool:
     """Whether every stage runs one clock for its whole iteration."""
     freqs = plan.frequencies
-    return bool((freqs == freqs[:, :1]).all())
+    return bool(((freqs == freqs[:, :1]) | (freqs == 0)).all())

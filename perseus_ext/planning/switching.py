@@ -71,10 +71,20 @@ def _move_effects(
     nxt = dag.stage_next[node]
     has_next = nxt >= 0
     nxt_safe = np.where(has_next, nxt, 0)
-    # The successor's start: its other predecessor's end, or the moved node's new end.
-    preds = dag.preds[nxt_safe]
-    other = np.where(preds[:, 0] == node, preds[:, 1], preds[:, 0])
-    other_end = np.where(other != NO_NODE, finish[np.maximum(other, 0), plan], 0.0)
+    # The successor's start: its other predecessors' ends, or the moved node's new end (one
+    # dependency on the moved node is the stage order; a second one, a data dependency that
+    # coincides with it, still counts the node's old end, as the estimate always has).
+    preds = dag.pred_matrix[nxt_safe]
+    if preds.shape[-1] == 2:  # at most two dependencies per node (1F1B, interleaved)
+        other = np.where(preds[..., 0] == node, preds[..., 1], preds[..., 0])
+        other_end = np.where(other != NO_NODE, finish[np.maximum(other, 0), plan], 0.0)
+    else:
+        is_node = preds == np.asarray(node)[..., None]
+        first = is_node & (np.cumsum(is_node, axis=-1) == 1)
+        others = np.where(first, NO_NODE, preds)
+        other_end = np.where(
+            others != NO_NODE, finish[np.maximum(others, 0), np.asarray(plan)[..., None]], 0.0
+        ).max(axis=-1)
     nxt_start = np.maximum(new_end, other_end)
     nxt_carried = model.carry_from_prev[nxt_safe, option]
     nxt_d, nxt_e = _with_clock(model, nxt_safe, choice[nxt_safe, plan], nxt_start, new_end, nxt_carried)

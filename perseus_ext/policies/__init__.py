@@ -2,8 +2,8 @@
 cost (on the frontier or as a global power limit), and Zeus' batch-size optimizer.
 
 `build_policy(section)` turns the `perseus.policy` config section into a policy; keys are
-documented in docs/policies.md and in `perseus_ext.policies.section` (the schema); the
-factories are `perseus_ext.policies.config.PolicyConfig`'s.
+documented in docs/policies.md and in `perseus_ext.config.policy` (the section's model); the
+factories are in `perseus_ext.policies.factories`.
 """
 
 from perseus_ext.policies.base import (
@@ -22,7 +22,7 @@ from perseus_ext.policies.carbon import (
     HTTPCarbonSignal,
 )
 from perseus_ext.policies.chase import CarbonCost, CarbonLedger, CarbonReport, ChasePolicy
-from perseus_ext.policies.config import PolicyConfig, build_policy
+from perseus_ext.policies.factories import build_policy
 from perseus_ext.policies.cost import CostWeights, EnergyTimeCost, ZeusCost
 from perseus_ext.policies.power_limit import PowerLimitOptimizer
 from perseus_ext.policies.recurring_job import (
@@ -52,7 +52,6 @@ __all__ = [
     "HTTPCarbonSignal",
     "OperatingPointPolicy",
     "PerseusEarlyStop",
-    "PolicyConfig",
     "PowerLimitOptimizer",
     "RecurringJob",
     "RunOutcome",

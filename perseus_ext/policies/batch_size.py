@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 import numpy as np
 from sqlalchemy import Connection, or_, select
 
+from perseus_ext.config.policy import DEFAULT_LEASE_S
 from perseus_ext.errors import ConfigError
 from perseus_ext.policies.bso_store import (
     DEFAULT_NETWORK_TIMEOUT_S,
@@ -46,8 +47,6 @@ from perseus_ext.policies.cost import ZeusCost, check_positive
 
 #: Relative cost noise assumed while no batch size has two observations to estimate it from.
 DEFAULT_RELATIVE_STD = 0.1
-#: A run that has not sent a heartbeat for this long is taken for crashed (seconds).
-DEFAULT_LEASE_S = 600.0
 
 BATCH_SIZE_KEY = "perseus.policy.batch_size"
 RUNNING, EXPIRED = "running", "expired"

@@ -48,6 +48,8 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
 
+from perseus_ext.config.policy import DEFAULT_NETWORK_TIMEOUT_S
+from perseus_ext.config.policy import MAX_STORE_LOCATION_CHARS as MAX_LOCATION_CHARS
 from perseus_ext.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -58,12 +60,6 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 2
 STORE_KEY = "perseus.policy.batch_size.store"
 TIMEOUT_KEY = "perseus.policy.batch_size.timeout_s"
-MAX_LOCATION_CHARS = 4096  # PATH_MAX
-# A PostgreSQL store's connect timeout (the whole start-up: a server that accepts and never
-# answers fails in this long, not in minutes) and how long sent data may stay unacknowledged
-# (a host gone mid-transaction). Not a statement timeout: writers wait for each other's row
-# locks, which takes as long as it takes.
-DEFAULT_NETWORK_TIMEOUT_S = 5.0
 #: Any constant: the PostgreSQL advisory lock that serialises schema creation and migration.
 _SCHEMA_LOCK_ID = 0x5045525345
 _SQLITE_LOCKED_RETRY_S = 0.01
@@ -166,6 +162,16 @@ def _printable(text: object) -> str:
     return text if text.isprintable() else repr(text)
 
 
+def _unlockable(path: Path) -> bool:
+    """Whether a read-only reader must open the WAL-mode file without its shared-memory lock
+    file: another user's store, in a folder this user may not write, whose `-wal` is gone (the
+    last writer checkpointed it into the file and removed it). SQLite would have to create the
+    `-shm` file to read it ("attempt to write a readonly database"); with no `-wal` the file
+    holds every committed run, so reading it as immutable is exact."""
+    wal = path.with_name(path.name + "-wal")
+    return not os.access(path.parent, os.W_OK) and not wal.exists()
+
+
 class Store:
     """One process's handle on a batch-size store. Thread-safe; reopens itself after a fork."""
 
@@ -226,7 +232,7 @@ class Store:
                                  f"file (e.g. {_printable(path / 'bso.db')}) in {STORE_KEY}")
             if not path.is_file():
                 raise StoreError(f"batch-size store {shown} does not exist; check {STORE_KEY}")
-            url = f"sqlite:///file:{path}?mode=ro&uri=true"
+            url = f"sqlite:///file:{path}?mode=ro{'&immutable=1' * _unlockable(path)}&uri=true"
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             url = self.url

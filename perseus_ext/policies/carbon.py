@@ -33,14 +33,13 @@ from typing import Callable, Mapping
 import numpy as np
 
 from perseus_ext.background import start_background
-from perseus_ext.errors import ConfigError
+from perseus_ext.config.policy import DEFAULT_MAX_RESPONSE_BYTES
+from perseus_ext.errors import ConfigError, PerseusError
 
 logger = logging.getLogger(__name__)
 
 TIME_COLUMNS = ("timestamp", "time", "datetime")
 INTENSITY_COLUMNS = ("carbon_intensity", "intensity", "gco2_per_kwh")
-#: Largest HTTP response body read (bytes); a carbon or budget reading is a few hundred.
-DEFAULT_MAX_RESPONSE_BYTES = 1 << 20
 MAX_REDIRECTS = 5
 _REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 _READ_CHUNK_BYTES = 65536
@@ -295,7 +294,7 @@ def extract_field(document: object, field: str | None) -> object:
     return value
 
 
-class FetchError(Exception):
+class FetchError(PerseusError):
     """One fetch of an endpoint failed (the poller logs it and keeps the last value)."""
 
 

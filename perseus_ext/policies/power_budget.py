@@ -21,7 +21,6 @@ plans: the policy then runs the lowest-power one and says so once.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import time
@@ -30,6 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from perseus_ext.config.policy import BudgetScope
 from perseus_ext.errors import ConfigError
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier, Plan
@@ -44,13 +44,6 @@ BUDGET_KEY = "perseus.policy.budget"
 POWER_BUDGET = SignalQuantity(
     "power budget", "power budget", "W", BUDGET_KEY, ("budget_w", "power_w", "watts")
 )
-
-
-class BudgetScope(str, enum.Enum):
-    """What a budget in watts covers."""
-
-    GPU = "gpu"  # the average GPU of the job
-    JOB = "job"  # all of the job's GPUs together
 
 
 class PowerBudget:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from perseus_ext.runtime.config import PerseusConfig, SimulatedWorkload
+from perseus_ext.config import PerseusConfig, SimulatedWorkload
 
 if TYPE_CHECKING:
-    from perseus_ext.runtime.phase import Phase
+    from perseus_ext.observability.phase import Phase
     from perseus_ext.runtime.runtime import PerseusRuntime
 
 __all__ = ["PerseusConfig", "PerseusRuntime", "Phase", "SimulatedWorkload"]
@@ -23,7 +23,7 @@ def __getattr__(name: str) -> Any:
 
         return PerseusRuntime
     if name == "Phase":
-        from perseus_ext.runtime.phase import Phase
+        from perseus_ext.observability.phase import Phase
 
         return Phase
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

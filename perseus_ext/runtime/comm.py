@@ -161,10 +161,10 @@ class ControlPlane:
         self.stats[f"{group} payload bytes"] += floats * FLOAT_BYTES
 
     def straggler_exchange(self, own_s: float | None, announced_factor: float,
-                           announced_time_s: float) -> ExchangeResult:
+                           announced_time_s: float, wait_noise_s: float = 0.0) -> ExchangeResult:
         """One straggler check, waited for at once (`StragglerExchange` spreads it over
         iteration boundaries instead)."""
-        exchange = StragglerExchange(self, own_s, announced_factor, announced_time_s)
+        exchange = StragglerExchange(self, own_s, announced_factor, announced_time_s, wait_noise_s)
         result = None
         while result is None:
             result = exchange.advance()
@@ -344,24 +344,28 @@ class Pending:
 
 class ExchangeResult(NamedTuple):
     """What one straggler check tells every rank (seconds of compute per iteration): this
-    pipeline's time (None: no measurement yet), the fastest and the slowest pipeline's, and the
-    largest slowdown announced anywhere, as a factor of the normal time and as a time (0: none)."""
+    pipeline's time (None: no measurement yet), the fastest and the slowest pipeline's, the
+    largest slowdown announced anywhere, as a factor of the normal time and as a time (0: none),
+    and the largest iteration-to-iteration spread of a wait at the gradient sync among this
+    pipeline's ranks (seconds; what a recovery verdict between checks must stand out of)."""
 
     mine_s: float | None
     fastest_s: float
     slowest_s: float
     announced_factor: float
     announced_time_s: float
+    wait_noise_s: float = 0.0
 
 
 class StragglerExchange:
     """One straggler check as two reductions that each run between two iteration boundaries.
 
     Boundary n starts the element-wise max within the pipeline (own time, announced factor,
-    announced time); `advance()` at n + 1 collects it (the pipeline's time is its slowest
-    stage's) and starts the max among the DP peers of (pipeline time, -pipeline time,
-    announcements); `advance()` at n + 2 returns (this pipeline's time, the fastest pipeline's,
-    the slowest one's, the largest announced factor, the largest announced time). Every rank
+    announced time, own wait noise); `advance()` at n + 1 collects it (the pipeline's time is
+    its slowest stage's, its wait noise its noisiest rank's) and starts the max among the DP
+    peers of (pipeline time, -pipeline time, announcements); `advance()` at n + 2 returns (this
+    pipeline's time, the fastest pipeline's, the slowest one's, the largest announced factor,
+    the largest announced time, the pipeline's wait noise). Every rank
     advances at the same boundaries, so all issue the same collectives in the same order and
     no agreement on "which iteration does the answer belong to" is needed. A pipeline whose
     ranks have no measurement yet is left out (its time is None when it is this one)."""
@@ -369,20 +373,22 @@ class StragglerExchange:
     MISSING = -math.inf
 
     def __init__(self, comm: ControlPlane, own_s: float | None, announced_factor: float,
-                 announced_time_s: float) -> None:
+                 announced_time_s: float, wait_noise_s: float = 0.0) -> None:
         self._comm = comm
         own = self.MISSING if own_s is None else own_s
-        self._pending = comm.start_max("pipeline", [own, announced_factor, announced_time_s])
+        self._pending = comm.start_max("pipeline", [own, announced_factor, announced_time_s, wait_noise_s])
         self._pipeline_time: float | None = None
+        self._wait_noise_s = 0.0
 
     def advance(self) -> ExchangeResult | None:
         """The next step; the check's result after the second call, None before."""
         if self._pipeline_time is None:
-            mine, factor, time_s = self._pending.result()
+            mine, factor, time_s, self._wait_noise_s = self._pending.result()
             self._pipeline_time = mine
             self._pending = self._comm.start_max(
                 "peers", [mine, -mine if mine != self.MISSING else self.MISSING, factor, time_s])
             return None
         job = self._pending.result()
         mine = self._pipeline_time
-        return ExchangeResult(None if mine == self.MISSING else mine, -job[1], job[0], job[2], job[3])
+        return ExchangeResult(None if mine == self.MISSING else mine, -job[1], job[0], job[2], job[3],
+                              self._wait_noise_s)

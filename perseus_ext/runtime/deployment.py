@@ -14,6 +14,18 @@ Measurements come from device-side records, which arrive an iteration or so afte
 check simply uses the records that have arrived. A frontier with a wait-aware extension keeps one
 plan numbering; the policy sees the extension only when there is a deadline (the iteration then
 ends at the deadline anyway), the ordinary frontier otherwise.
+
+Returning is not left to the checks alone: a pipeline slowed for a measured straggler holds the
+whole job up from the moment the straggler recovers, so at every iteration boundary each of its
+ranks reads that iteration's wait at the gradient sync (`straggler.RecoveryWatch`) and, when the
+wait says this pipeline has become the slowest, goes back to the plan it ran with no straggler
+from the next iteration on: the recovered iteration is the only one run slowed, and no collective
+is added. Every rank judges the same iteration by the same rule on the check's shared figures and
+its own wait; on a deterministic device they agree, and where host noise makes one stage see it an
+iteration before another, that stage's return makes the other the slowest, which it sees at the
+next iteration (the next check re-agrees the plan in any case). The checks keep their
+hysteresis: slowing down again takes `straggler_confirmations` checks, and checks whose
+measurements predate the return never count towards them.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ import datetime
 import logging
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from perseus_ext.errors import PerseusError
@@ -30,15 +43,18 @@ from perseus_ext.planning.frontier import Frontier, Plan, StagePlanTable
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
 from perseus_ext.runtime.comm import ControlPlane, ExchangeResult, Pending, StragglerExchange
-from perseus_ext.runtime.config import PerseusConfig
+from perseus_ext.config import PerseusConfig
 from perseus_ext.runtime.baseline import BaselineProbes
-from perseus_ext.runtime.phase import Phase
-from perseus_ext.runtime.records import IterationRecord, IterationSetting, MeasuredProfile, PlanChoice, PlanSwitch
-from perseus_ext.runtime.straggler import SlowdownTracker
+from perseus_ext.observability.phase import Phase
+from perseus_ext.observability.iteration import IterationRecord, IterationSetting
+from perseus_ext.runtime.records import MeasuredProfile, PlanChoice, PlanSwitch
+from perseus_ext.runtime.straggler import HeldStraggler, RecoveryWatch, SlowdownTracker
 
 logger = logging.getLogger(__name__)
 
 CHECK_BOUNDARIES = 3  # iteration boundaries from a straggler check's start to its plan switch
+NOISE_MARGINS = 2.0  # a slowed plan ends at least this many wait spreads before the straggler
+RECORD_KEEP = 8  # this rank's latest device records kept for the recovery verdict
 MODEL_DISAGREEMENT = 0.10  # warn when the fastest pipeline's compute time is this far off the model
 
 
@@ -72,6 +88,15 @@ class PlanDeployment:
         self._recent_times: list[float] = []
         self._clock_cache: dict[tuple[int, int], tuple] = {}
         self._model_warned = False
+        self.watch = RecoveryWatch()
+        self._records: dict[int, IterationRecord] = {}  # this rank's latest, by iteration
+        self._returns = 0  # recoveries found between checks (RecoveryWatch), for stale checks
+        # Waits at the unslowed plan, kept until a check covering their iterations finds no
+        # straggler (then they teach the watch what waiting for nobody looks like) or finds one.
+        self._unvetted_free: list[tuple[int, float]] = []
+        self._unslowed_index = 0  # the plan agreed for "no deadline", to go back to
+        self._last_iteration = -1
+        self._check_applied_at: int | None = None  # the boundary where a check last changed the plan
 
     @property
     def plan(self) -> Plan:
@@ -126,16 +151,17 @@ class PlanDeployment:
         from the first straggler check on."""
         self._agree(iteration, None, factor=1.0, reason="deploy")
 
-    def on_iteration(self, iteration: int, records: list[IterationRecord], announced: SlowdownAnnouncement | None) -> None:
+    def on_iteration(self, iteration: int, records: list[IterationRecord], announced: SlowdownAnnouncement | None,
+                     await_records: Callable[[int], list[IterationRecord]] | None = None) -> None:
         """End of a deployed iteration on every rank: feed records, move the straggler checks in
-        flight one step on, start a check when due."""
-        fastest = self.frontier.fastest.time
-        for record in records:
-            self._recent_times.append(record.time_s)
-            if record.setting.plan is not None and not record.setting.fell_back:
-                planned = self.frontier.plans[record.setting.plan].time
-                self._check_times.append(record.compute_s - (planned - fastest))
-        del self._recent_times[:-10]
+        flight one step on, start a check when due, or go back to the fastest plan when this
+        pipeline has become the slowest. `await_records(i)`: waits (bounded) until iteration i's
+        device record is in and returns every record that came meanwhile; asked only while a
+        plan slowed for a straggler is in force (None, or nothing returned: no verdict)."""
+        self._last_iteration = iteration
+        self._ingest(records)
+        for stale in [i for i in self._records if i < iteration - RECORD_KEEP]:
+            del self._records[stale]
         self._deployed_iterations += 1
         for check in list(self._checks):
             if check.advance(iteration):
@@ -144,35 +170,118 @@ class PlanDeployment:
         if (self._deployed_iterations + CHECK_BOUNDARIES) % interval == 0:
             self._start_check(announced)
         if self._deployed_iterations % interval == 0:
+            if self._check_applied_at != iteration:  # a check that kept the plan: judge the wait too
+                self._watch(iteration, await_records)
             return  # a straggler check's plan switch lands here
+        if self._watch(iteration, await_records):
+            return
         if self._policy_check_at is not None and self._deployed_iterations >= self._policy_check_at:
             self._agree(iteration, self._deadline, factor=self.tracker.factor,
                         reason=f"{self.policy.name} re-evaluated (period {self.policy.period_s:g} s)")
+
+    def _ingest(self, records: list[IterationRecord]) -> None:
+        """Device records in: straggler-check times, recent iteration times, free waits."""
+        fastest = self.frontier.fastest.time
+        for record in records:
+            self._recent_times.append(record.time_s)
+            self._records[record.iteration] = record
+            if record.setting.plan is not None and not record.setting.fell_back:
+                planned = self.frontier.plans[record.setting.plan].time
+                self._check_times.append(record.compute_s - (planned - fastest))
+                if record.setting.plan == self._unslowed_index and record.setting.factor == 1.0:
+                    self._unvetted_free.append((record.iteration, record.time_s - record.compute_s))
+        del self._recent_times[:-10]
+
+    def _watch(self, iteration: int, await_records: Callable[[int], list[IterationRecord]] | None) -> bool:
+        """The recovery verdict on the iteration that just ended, the same one on every rank of
+        the pipeline; True when this pipeline went back to its unslowed plan.
+
+        Waiting for the iteration's device record is a host-device synchronisation, which
+        deployed iterations otherwise never do; here it is free: this pipeline waits for the
+        straggler at every gradient sync anyway, longer than the host takes to launch the next
+        iteration's first computation, and the wait it leaves is what the verdict measures."""
+        if self.watch.held is None or self.index == self._unslowed_index:
+            return False
+        record = self._records.get(iteration)
+        if record is None and await_records is not None:
+            self._ingest(await_records(iteration))
+            record = self._records.get(iteration)
+        if record is None or record.setting.fell_back or record.phase is not Phase.DEPLOYED:
+            return False
+        wait = record.time_s - record.compute_s
+        extra = self._planned_time(record.setting) - self.frontier.fastest.time
+        if record.setting.plan == self.index and self.watch.observe_held(wait, extra):
+            return False
+        threshold = self.watch.threshold_s(extra)
+        if threshold is None or not self.watch.became_slowest(wait, extra):
+            return False
+        held_wait = 2 * threshold - self.watch.free_wait_s  # the midpoint's upper end
+        self.tracker.recovered()
+        self.watch.hold(None)
+        self._deadline = None
+        self._returns += 1
+        self._plan_factor = 1.0
+        self._switch(iteration, self._unslowed_index, factor=1.0,
+                     reason=f"this pipeline became the slowest: it waited {1000 * wait:.1f} ms at the gradient "
+                            f"sync in iteration {record.iteration}, {1000 * held_wait:.1f} ms while the straggler lasted")
+        return True
+
+    def _straggler_gone(self, lead_s: float) -> bool:
+        """Whether this rank's latest unslowed iteration waited at the gradient sync for less
+        than half the straggler's `lead_s` the check measured: its measurements reach back before
+        the straggler recovered (a check window spans `straggler_check_interval` iterations), so
+        slowing down now would slow the job. Only the pipeline leader's view picks the plan."""
+        latest = max((r for r in self._records.values() if not r.setting.fell_back
+                      and r.setting.plan in (None, self._unslowed_index)), key=lambda r: r.iteration, default=None)
+        if latest is None or not self.watch.has_free_wait:
+            return False
+        extra = self._planned_time(latest.setting) - self.frontier.fastest.time
+        return latest.time_s - latest.compute_s < self.watch.free_wait_s + 0.5 * (lead_s - extra)
+
+    def _planned_time(self, setting: IterationSetting) -> float:
+        """The model time of what an iteration ran: its plan, or all max clocks (a probe)."""
+        return self.frontier.plans[setting.plan].time if setting.plan is not None else self.frontier.baseline.time
 
     def _start_check(self, announced: SlowdownAnnouncement | None) -> None:
         own = statistics.median(self._check_times) if self._check_times else None
         self._check_times = []
         announced = announced or SlowdownAnnouncement()
-        exchange = StragglerExchange(self.comm, own, announced.factor, announced.time_s)
-        self._checks.append(_CheckInFlight(self, exchange))
+        exchange = StragglerExchange(self.comm, own, announced.factor, announced.time_s, self.watch.noise_s)
+        self._checks.append(_CheckInFlight(self, exchange, self._returns, self._last_iteration + 1))
 
-    def _decide(self, exchanged: ExchangeResult) -> tuple[float, str] | None:
-        """A check's exchanged times -> (slowdown factor, reason); None keeps the plan (no device
-        record yet on this pipeline). Sets the deadline the policy plans for."""
-        mine, normal, slowest, factor_announced, time_announced = exchanged
+    def _decide(self, exchanged: ExchangeResult, returns_at_start: int, window_end: int) -> _Decision | None:
+        """A check's exchanged times -> the slowdown to plan for; None keeps the plan (no device
+        record yet on this pipeline). Sets the deadline the policy plans for. A check whose
+        measurements began before this pipeline last went back to its fastest plan may keep or
+        lower the slowdown, never raise it (they describe the straggler that has gone)."""
+        mine, normal, slowest, factor_announced, time_announced, wait_noise = exchanged
         if mine is None:
             return None
         self._check_model(normal)
         straggler = max(slowest, factor_announced * normal, time_announced)
         # This pipeline may take (straggler - mine) longer without slowing the job down.
         ratio = 1.0 + (straggler - mine) / self.frontier.fastest.time
+        if ratio < 1.0 + self.config.straggler_threshold:  # nobody to wait for in the check's window
+            for iteration, wait in self._unvetted_free:
+                if iteration < window_end:
+                    self.watch.observe_free(iteration, wait)
+            self._unvetted_free = [(i, w) for i, w in self._unvetted_free if i >= window_end]
+        else:
+            self._unvetted_free = []
+        if returns_at_start != self._returns or (ratio > self.tracker.factor and self._straggler_gone(slowest - mine)):
+            ratio = min(ratio, self.tracker.factor)
         self.tracker.update(ratio)
         factor = self.tracker.factor
         # The held factor may be up to `hysteresis` above the latest ratio; planning that much
-        # below it keeps this pipeline from ever becoming the slowest one.
-        margin = self.config.straggler_hysteresis
-        self._deadline = None if factor <= 1.0 else self.frontier.fastest.time * (factor - margin)
-        return factor, f"slowest pipeline {straggler:.4f} s, this one {mine:.4f} s"
+        # below it keeps this pipeline from ever becoming the slowest one. The plan also ends a
+        # few of the pipeline's wait spreads early, so that the wait it leaves at the gradient
+        # sync shows when the straggler recovers (`RecoveryWatch`); 0 on a deterministic device.
+        fastest = self.frontier.fastest.time
+        margin_s = max(self.config.straggler_hysteresis * fastest, NOISE_MARGINS * wait_noise)
+        self._deadline = None if factor <= 1.0 else fastest * factor - margin_s
+        measured = slowest >= straggler and factor > 1.0
+        held = HeldStraggler(slowest, mine, wait_noise) if measured else None
+        return _Decision(factor, f"slowest pipeline {straggler:.4f} s, this one {mine:.4f} s", held)
 
     def _check_model(self, measured_s: float) -> None:
         """Straggler targets are model times: warn once when the model misjudges the fastest
@@ -213,6 +322,8 @@ class PlanDeployment:
         self._plan_factor = factor
         interval = choice.reevaluate_in_iterations
         self._policy_check_at = None if interval is None else self._deployed_iterations + interval
+        if self._deadline is None:
+            self._unslowed_index = choice.index
         self._switch(iteration, choice.index, factor=factor, reason=reason)
 
     def _policy_interval(self) -> int | None:
@@ -247,11 +358,14 @@ class _CheckInFlight:
     trip: each collective had a whole iteration to finish. The plan switches at the last
     boundary, on every rank of the pipeline alike."""
 
-    def __init__(self, deployment: PlanDeployment, exchange: StragglerExchange) -> None:
+    def __init__(self, deployment: PlanDeployment, exchange: StragglerExchange, returns_at_start: int,
+                 window_end: int) -> None:
         self._deployment = deployment
         self._exchange: StragglerExchange | None = exchange
+        self._returns_at_start = returns_at_start
+        self._window_end = window_end  # the first iteration its measurements cannot include
         self._choice: Pending | None = None
-        self._decision: tuple[float, str] | None = None
+        self._decision: _Decision | None = None
 
     def advance(self, iteration: int) -> bool:
         """One step at this boundary; True when the check is over."""
@@ -261,7 +375,7 @@ class _CheckInFlight:
             if exchanged is None:
                 return False
             self._exchange = None
-            self._decision = deployment._decide(exchanged)
+            self._decision = deployment._decide(exchanged, self._returns_at_start, self._window_end)
             if self._decision is None:  # every rank of this pipeline agrees: the time is the pipeline's
                 return True
             proposal = deployment._propose(deployment._deadline)
@@ -270,10 +384,32 @@ class _CheckInFlight:
             self._choice = deployment.comm.start_broadcast_pipeline(values, 2)
             return False
         index, interval = self._choice.result()
-        factor, reason = self._decision
+        decision = self._decision
+        if deployment._returns != self._returns_at_start:
+            # Measured before this pipeline found itself the slowest: the straggler they saw is gone.
+            return True
+        held = decision.held
+        if held is not None and int(index) != deployment._unslowed_index and deployment.index == deployment._unslowed_index \
+                and deployment._straggler_gone(held.slowest_s - held.mine_s):
+            return True  # the straggler recovered since the check decided: no slowing down for it
+        before = deployment.index
         deployment._apply(iteration, PlanChoice(int(index), None if interval < 0 else int(interval)),
-                          factor=factor, reason=reason)
+                          factor=decision.factor, reason=decision.reason)
+        if deployment.index != before:
+            deployment._check_applied_at = iteration
+        deployment.watch.hold(decision.held)
         return True
+
+
+@dataclass(frozen=True)
+class _Decision:
+    """A straggler check's outcome on one rank: the slowdown planned for, why, and the measured
+    straggler it holds this pipeline for (None: none measured, e.g. an announced one, which
+    only its withdrawal ends)."""
+
+    factor: float
+    reason: str
+    held: HeldStraggler | None
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from perseus_ext.runtime.records import IterationRecord
+from perseus_ext.observability.iteration import IterationRecord
 
 
 class EmissionsAccount:

@@ -21,7 +21,7 @@ from perseus_ext.measurement.gpu.timeline import SwitchLatency
 from perseus_ext.planning.frontier import Frontier, StagePlanTable
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.runtime.comm import ControlPlane
-from perseus_ext.runtime.config import PerseusConfig
+from perseus_ext.config import PerseusConfig
 from perseus_ext.runtime.profile_store import ProfileStore
 from perseus_ext.runtime.records import MeasuredProfile, SolveOutcome, SolveProblem
 from perseus_ext.runtime.shipping import StageFrontier, ship, shipped_bytes

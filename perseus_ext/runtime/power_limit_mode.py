@@ -17,10 +17,12 @@ from typing import Any, Callable
 
 from perseus_ext.actuation.clock_control import ClockControl
 from perseus_ext.measurement.gpu import GPU
-from perseus_ext.policies import CarbonLedger, PolicyConfig, PowerLimitOptimizer
+from perseus_ext.config.policy import PolicySection
+from perseus_ext.policies import CarbonLedger, PowerLimitOptimizer
 from perseus_ext.policies.chase import CarbonCost
+from perseus_ext.policies.factories import build_power_limit_optimizer
 from perseus_ext.runtime.comm import ControlPlane
-from perseus_ext.runtime.records import IterationRecord
+from perseus_ext.observability.iteration import IterationRecord
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ class PowerLimitMode:
     """The power-limit optimizer of one rank, fed one device record per iteration."""
 
     def __init__(self, optimizer: PowerLimitOptimizer, limits: ControlledPowerLimits,
-                 policy_config: PolicyConfig, comm: ControlPlane) -> None:
+                 policy_config: PolicySection, comm: ControlPlane) -> None:
         self.optimizer = optimizer
         self.limits = limits
         self.policy_config = policy_config
@@ -80,7 +82,7 @@ class PowerLimitMode:
         self.carbon_ledger = CarbonLedger(optimizer.cost) if isinstance(optimizer.cost, CarbonCost) else None
 
     @classmethod
-    def start(cls, gpu: GPU | None, controller: ClockControl, policy_config: PolicyConfig, comm: ControlPlane,
+    def start(cls, gpu: GPU | None, controller: ClockControl, policy_config: PolicySection, comm: ControlPlane,
               *, can_take_part: bool, settle: Callable[[], None]) -> "PowerLimitMode | None":
         """End of warm-up, on every rank: all ranks start the optimizer, or none does."""
         initial_w = None
@@ -93,7 +95,7 @@ class PowerLimitMode:
         limits = optimizer = None
         if can_control:
             limits = ControlledPowerLimits(gpu, controller, initial_w, settle)
-            optimizer = policy_config.build_power_limit_optimizer(limits, all_reduce=comm.all_sum)
+            optimizer = build_power_limit_optimizer(policy_config, limits, all_reduce=comm.all_sum)
         (started,) = comm.all_min([float(optimizer is not None and optimizer.profiling)])
         if not started:
             if optimizer is not None:

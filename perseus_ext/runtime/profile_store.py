@@ -20,8 +20,8 @@ from perseus_ext.errors import ConfigError, PerseusError
 from perseus_ext.inputs import validation_problem
 from perseus_ext.planning.profile import load_profile
 from perseus_ext.planning.schedule import PipelineSchedule
-from perseus_ext.runtime.config import PREFIX, PerseusConfig, ProfileSidecar
-from perseus_ext.runtime.config import profile_sidecar as sidecar_path
+from perseus_ext.config import PREFIX, PerseusConfig, ProfileSidecar
+from perseus_ext.config.sections import profile_sidecar as sidecar_path
 from perseus_ext.runtime.records import MeasuredProfile
 
 if TYPE_CHECKING:

@@ -1,7 +1,8 @@
 """Online profiling of one stage during real training iterations.
 
 The stage runs whole iterations at one candidate clock (fastest first), records the start and end
-of every forward and backward, and reads the GPU energy counter at every computation boundary.
+of every computation (forward and backward, or on split-backward schedules also the input- and
+weight-gradient computations; one profile row per kind the stage ran), and reads the GPU energy counter at every computation boundary.
 The counter is coarse (it changes every ~100 ms), so single computations cannot be metered.
 Instead its updates are located in time from the reads at computation boundaries, and
 consecutive updates delimit windows of exactly known energy (`measurement/counter_updates.py`).
@@ -41,6 +42,9 @@ from scipy.interpolate import UnivariateSpline
 from perseus_ext.measurement.counter_updates import build_windows
 from perseus_ext.measurement.windows import EnergyEstimator, MeasurementError, WindowRecord
 from perseus_ext.planning.schedule import Kind
+
+# The kinds a stage's rows are measured for, in the order they are summed (`_block_time`).
+TIMED_KINDS = (Kind.FORWARD.value, Kind.BACKWARD.value, Kind.INPUT_GRADIENT.value, Kind.WEIGHT_GRADIENT.value)
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +91,8 @@ def coarse_stride(clocks: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class ClockEstimate:
-    """Per-clock figures of one forward + one backward: the basis of the stop decision."""
+    """Per-clock figures of one computation of each kind the stage runs (one forward + one
+    backward on 1F1B): the basis of the stop decision."""
 
     clock: int
     energy_j: float
@@ -132,7 +137,7 @@ class StageProfiler:
         self.durations: dict[tuple[str, int], list[float]] = {}
         self.reads: list[tuple[float, int | None]] = []
         self.computations: list[tuple[int, float, float]] = []  # (clock, start, end)
-        self.block_energy: dict[int, float] = {}  # clock -> estimated J of one forward+backward
+        self.block_energy: dict[int, float] = {}  # clock -> estimated J of one computation of each kind
         self.gaps: list[float] = []  # host work between consecutive computations, waits excluded
         self.local_gaps: list[float] = []  # those before a computation whose input is local
         self.waits_s: list[float] = []  # device waits for an input, never counted as overhead
@@ -275,11 +280,24 @@ class StageProfiler:
     def _median_time(self, kind: str, clock: int) -> float:
         return statistics.median(self.durations[kind, clock])
 
+    @property
+    def timed_kinds(self) -> list[str]:
+        """The computation kinds this stage ran while profiling, in `TIMED_KINDS` order (forward
+        and backward on 1F1B; forward, input and weight gradient on a zero-bubble schedule)."""
+        seen = {kind for kind, _ in self.durations}
+        unknown = sorted(seen - set(TIMED_KINDS))
+        if unknown:
+            raise MeasurementError(f"stage {self.stage}: the profiler times {', '.join(TIMED_KINDS)} "
+                                   f"computations, not {', '.join(unknown)}")
+        return [kind for kind in TIMED_KINDS if kind in seen]
+
     def _block_time(self, clock: int) -> float | None:
-        """Seconds of one forward + one backward at `clock`, None if either is missing."""
-        if ("forward", clock) not in self.durations or ("backward", clock) not in self.durations:
+        """Seconds of one computation of each timed kind at `clock` (one forward + one backward
+        on 1F1B), None if a kind is missing there."""
+        kinds = self.timed_kinds
+        if not kinds or any((kind, clock) not in self.durations for kind in kinds):
             return None
-        return self._median_time("forward", clock) + self._median_time("backward", clock)
+        return sum(self._median_time(kind, clock) for kind in kinds)
 
     @property
     def windows(self) -> list[WindowRecord]:
@@ -347,7 +365,7 @@ class StageProfiler:
         return untrusted
 
     def _power_model_energies(self) -> dict[int, float]:
-        """J of one forward + one backward per clock from the smoothed power model."""
+        """J of one computation of each timed kind per clock from the smoothed power model."""
         powers, _ = self._power_model()
         return {clock: power * seconds for clock, power in powers.items()
                 if (seconds := self._block_time(clock)) is not None}
@@ -379,15 +397,17 @@ class StageProfiler:
     def measurements(self, only: list[int] | None = None) -> StageMeasurements:
         """The stage's profile rows (restricted to clocks `only`, if given).
 
-        A computation's energy is the smoothed power at its clock times its median duration.
-        Forward and backward share the power of their clock: within an iteration they always
-        come in equal numbers, so windows separate them only with many more profiling
-        iterations, and GPUs draw nearly the same power for both (the published A100 profiles
-        differ by ~1%). Profiled clocks below the minimum-energy clock are kept (the planner
+        One row per timed kind (`timed_kinds`) and clock where every timed kind ran. A
+        computation's energy is the smoothed power at its clock times its median duration.
+        All kinds share the power of their clock: within an iteration they come in fixed
+        proportions, so windows separate them only with many more profiling iterations, and
+        GPUs draw nearly the same power for each (the published A100 profiles' forward and
+        backward differ by ~1%). Profiled clocks below the minimum-energy clock are kept (the planner
         decides which are useful), but not the clocks whose estimate is not confident
         (`untrusted_clocks`).
         """
-        clocks = [c for c in self.profiled_clocks if ("backward", c) in self.durations
+        kinds = self.timed_kinds
+        clocks = [c for c in self.profiled_clocks if all((kind, c) in self.durations for kind in kinds)
                   and (only is None or c in only)]
         if not clocks:
             raise MeasurementError(f"stage {self.stage}: no computation was profiled")
@@ -400,7 +420,7 @@ class StageProfiler:
         energies = {
             (kind, clock): powers[clock] * self._median_time(kind, clock)
             for clock in clocks if clock in powers
-            for kind in ("forward", "backward")
+            for kind in kinds
         }
         blocking = max(blocking, 0.0)
         overhead = self.overhead_s or 0.0

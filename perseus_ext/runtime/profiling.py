@@ -22,7 +22,7 @@ from perseus_ext.measurement.windows import EnergyMeter, MeasurementError
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.runtime.comm import ControlPlane, Member
-from perseus_ext.runtime.config import PREFIX, PerseusConfig
+from perseus_ext.config import PREFIX, PerseusConfig
 from perseus_ext.runtime.profiler import StageMeasurements, StageProfiler
 from perseus_ext.runtime.rank_setup import RankSetup
 from perseus_ext.runtime.records import MeasuredProfile

@@ -13,15 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from perseus_ext.actuation.controller import FrequencyController
+from perseus_ext.config import PREFIX, PerseusConfig
+from perseus_ext.config.policy import PolicyMode, PolicySection
 from perseus_ext.errors import ConfigError
 from perseus_ext.measurement.gpu import GPU, GPUError, open_gpu
 from perseus_ext.measurement.gpu.timeline import DeviceTimeline, SwitchLatency
 from perseus_ext.measurement.gpu.timeline_factory import gpu_switch_latency, open_timeline
 from perseus_ext.measurement.pacing import ComputationPacer, NoPacing, SimulatedWorkloadPacer
 from perseus_ext.planning.schedule import PipelineSchedule
-from perseus_ext.policies import PolicyConfig
 from perseus_ext.policies.base import OperatingPointPolicy, StragglerPolicy
-from perseus_ext.runtime.config import PREFIX, PerseusConfig
+from perseus_ext.policies.factories import build_policy
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +36,13 @@ class RankSetup:
     gpu: GPU | None
     candidate_clocks: list[int]
     communication_clock: int | None
-    policy_config: PolicyConfig | None
+    policy_config: PolicySection | None
     policy: OperatingPointPolicy | None  # None in power-limit mode
     latency: SwitchLatency
 
     @property
     def power_limit_mode(self) -> bool:
-        return self.policy_config is not None and self.policy_config.mode == "power_limit"
+        return self.policy_config is not None and self.policy_config.mode is PolicyMode.POWER_LIMIT
 
     @classmethod
     def prepare(cls, config: PerseusConfig, *, gpu: GPU | None, policy: OperatingPointPolicy | None,
@@ -50,7 +51,7 @@ class RankSetup:
             gpu = _open_gpu(config, local_rank)
         candidates, communication = _check_clocks(config, gpu)
         policy_config = config.policy
-        power_limit_mode = policy_config is not None and policy_config.mode == "power_limit"
+        power_limit_mode = policy_config is not None and policy_config.mode is PolicyMode.POWER_LIMIT
         if power_limit_mode:
             if policy is not None:
                 raise ConfigError(f"{PREFIX}.policy.mode 'power_limit' picks a power limit, not frontier "
@@ -89,7 +90,7 @@ class RankSetup:
 
 def _open_gpu(config: PerseusConfig, local_rank: int) -> GPU | None:
     try:
-        return open_gpu(config.gpu, local_rank=local_rank, seed=config.seed)
+        return open_gpu(config.gpu_spec, local_rank=local_rank, seed=config.seed)
     except GPUError as err:
         logger.warning("perseus-ext: cannot open the GPU (%s); DRY-RUN at default clocks", err)
         return None
@@ -118,9 +119,9 @@ def _unsupported(gpu: GPU, key: str, clock: int, supported: list[int]) -> str:
             f"{supported[-1]}-{supported[0]} MHz; nearest {nearest} MHz)")
 
 
-def _check_power_limits(policy_config: PolicyConfig, gpu: GPU | None) -> None:
+def _check_power_limits(policy_config: PolicySection, gpu: GPU | None) -> None:
     """Explicit `policy.power_limit.limits_w` must fit this GPU."""
-    listed = policy_config.power_limit.get("limits_w")
+    listed = policy_config.power_limit.limits_w
     if listed is None or gpu is None:
         return
     low, high = gpu.power_limit_range_w()
@@ -130,7 +131,7 @@ def _check_power_limits(policy_config: PolicyConfig, gpu: GPU | None) -> None:
                           f"power-limit range {low:g}-{high:g} W")
 
 
-def _frontier_policy(parsed: PolicyConfig | None, gpu: GPU | None) -> OperatingPointPolicy:
+def _frontier_policy(parsed: PolicySection | None, gpu: GPU | None) -> OperatingPointPolicy:
     """The `policy` sub-section as a frontier policy (None: Perseus' straggler policy). Cost
     policies price time at one GPU's maximum power limit, read from `gpu` unless the section
     sets `max_power_w`."""
@@ -139,7 +140,7 @@ def _frontier_policy(parsed: PolicyConfig | None, gpu: GPU | None) -> OperatingP
     max_power = None
     if gpu is not None and parsed.max_power_w is None:
         max_power = float(gpu.power_limit_range_w()[1])
-    return parsed.build_policy(max_power)
+    return build_policy(parsed, gpu_max_power_w=max_power)
 
 
 def describe_gpu(gpu: Any) -> str:

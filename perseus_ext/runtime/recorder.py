@@ -4,16 +4,17 @@ The host finishes launching an iteration long before the GPU finishes running it
 cannot be written at `iteration_end`. Instead the recorder asks the controller's worker to
 observe the iteration's start, compute-end and end markers (time and energy counter when the
 device reaches them), and turns an iteration into an `IterationRecord` once all three have been
-observed -- usually one iteration later. Records go to the history, the JSONL log (appended, so
-a restarted job keeps its earlier lines) and one concise line every `log_interval` iterations
+observed -- usually one iteration later. Records go to the history, the rank's feed (what the
+metrics writers read: `observability.feed`), the JSONL log (`observability.log_row.LogRow`,
+appended, so a restarted job keeps its earlier lines) and one concise line every `log_interval` iterations
 (INFO on rank 0, DEBUG elsewhere, so a job's console shows one line, not one per stage): what the
 iteration really ran (a fallen-back rank says so whatever the phase), its time and energy, and the
-saving measured against the baseline probes so far.
+saving of this rank's stage measured against the baseline probes so far -- labelled as the stage's,
+since the job's (energy summed over every GPU) differs and is known only at close.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,8 +25,11 @@ from perseus_ext.actuation.clock_control import ClockControl
 from perseus_ext.actuation.sequencer import IterationTrace
 from perseus_ext.measurement.coverage import estimate_coverage
 from perseus_ext.measurement.gpu.timeline import DeviceMarker, SwitchLatency
-from perseus_ext.runtime.baseline import Comparison, label_of
-from perseus_ext.runtime.records import IterationRecord, IterationSetting
+from perseus_ext.observability.feed import RankFeed
+from perseus_ext.observability.iteration import IterationRecord, IterationSetting
+from perseus_ext.observability.log_row import LogRow
+from perseus_ext.observability.run_figures import label_of
+from perseus_ext.observability.saving_estimate import Comparison
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +52,10 @@ class RunRecorder:
     def __init__(self, controller: ClockControl, *, rank: int, pipeline: int, stage: int, latency: SwitchLatency,
                  log_path: str | None, log_interval: int, job_id: str | None = None,
                  on_record: Callable[[IterationRecord], None] | None = None,
-                 saving: Callable[[], Comparison | None] | None = None) -> None:
+                 saving: Callable[[], Comparison | None] | None = None, feed: RankFeed | None = None,
+                 default_clock_mhz: float | None = None) -> None:
+        """default_clock_mhz: the clock an iteration at default clocks is planned to run (the
+        GPU's maximum; None when the GPU cannot say)."""
         self.controller = controller
         self.rank, self.pipeline, self.stage = rank, pipeline, stage
         self.job_id = job_id  # every row names its job: `perseus-ext report` never merges two jobs
@@ -60,6 +67,8 @@ class RunRecorder:
         self._clock_before: int | None = None  # the clock in force before self._changes[0]
         self._on_record = on_record
         self._saving = saving
+        self.feed = feed
+        self.default_clock_mhz = default_clock_mhz
         self.log_failure: str | None = None  # why the log stopped (clocks are planned on regardless)
         self._log_path: Path | None = None
         self._log_file = None
@@ -151,12 +160,28 @@ class RunRecorder:
             setting=pending.setting, rank=self.rank, pipeline=self.pipeline, stage=self.stage,
             time_s=end_s - start_s, compute_s=compute_s - start_s, energy_j=energy,
             coverage=self._coverage(pending), wall_time=pending.wall_time,
+            clock_mhz=self._planned_clock_mhz(pending),
         )
         self.history.append(record)
         self._write(record)
         if self._on_record is not None:
             self._on_record(record)
+        if self.feed is not None:
+            self.feed.publish(record)
         return record
+
+    def _planned_clock_mhz(self, pending: _Pending) -> float | None:
+        """The SM clock the iteration was planned to run: the profiled clock, the mean of the
+        plan's clocks over the stage's computations (as the sequencer issued them), else the
+        default clock."""
+        setting = pending.setting
+        if setting.profiled_clock_mhz is not None:
+            return float(setting.profiled_clock_mhz)
+        if setting.plan is not None and pending.trace is not None:
+            clocks = [mhz for mhz in pending.trace.planned_clocks if mhz is not None]
+            if clocks:
+                return sum(clocks) / len(clocks)
+        return self.default_clock_mhz
 
     def _coverage(self, pending: _Pending) -> float | None:
         """Estimated from device timestamps and the controller's issue times (what a real GPU
@@ -173,19 +198,9 @@ class RunRecorder:
         return tally.coverage
 
     def _write(self, record: IterationRecord) -> None:
-        setting = record.setting
         if self._log_file is not None:
-            row = {
-                "timestamp": record.wall_time, "job": self.job_id, "iteration": record.iteration, "rank": record.rank,
-                "pipeline": record.pipeline, "stage": record.stage, "phase": setting.phase.value,
-                "setting": setting.describe(), "plan": setting.plan,
-                "profiled_clock_mhz": setting.profiled_clock_mhz, "power_limit_w": setting.power_limit_w,
-                "factor": setting.factor, "fell_back": setting.fell_back, "probe": setting.probe,
-                "time_s": record.time_s,
-                "compute_s": record.compute_s, "energy_j": record.energy_j, "coverage": record.coverage,
-            }
             try:
-                self._log_file.write(json.dumps(row) + "\n")
+                self._log_file.write(LogRow.of_record(record, self.job_id).to_json_line() + "\n")
                 self._log_file.flush()
             except OSError as err:
                 self._log_failed("cannot write to", err)
@@ -193,8 +208,10 @@ class RunRecorder:
             logger.log(logging.INFO if self.rank == 0 else logging.DEBUG, "%s", self.log_line(record))
 
     def log_line(self, record: IterationRecord) -> str:
-        """'perseus-ext it 200 [deployed, plan 3, x1.15] 0.5120 s 612.3 J, coverage 97.0%,
-        saving 23.1% [19.0, 27.2] (12 probes) (rank 0)'."""
+        """'perseus-ext it 200 [deployed, plan 3, x1.15] 0.5120 s 612.3 J, coverage 97.0% (rank 0:
+        stage 1, pipeline 0); saving of this stage, not the job's (that comes at close): 23.1%
+        [19.0, 27.2] (12 probes)'. The saving is this GPU's own: a stage with slack saves more than
+        the busiest one, so it is never labelled as the job's figure, and a thin interval says so."""
         setting = record.setting
         label = label_of(setting.phase.value, setting.fell_back, setting.probe)
         what = [label] if label != setting.phase.value or setting.describe() == "default" else [label, setting.describe()]
@@ -204,18 +221,24 @@ class RunRecorder:
                  + (f"{record.energy_j:.1f} J" if record.energy_j is not None else "n/a J")]
         if record.coverage is not None:
             parts.append(f"coverage {100 * record.coverage:.1f}%")
+        line = ", ".join(parts) + f" (rank {self.rank}: stage {self.stage}, pipeline {self.pipeline})"
         estimate = self._saving() if self._saving is not None and not setting.fell_back else None
         if estimate is not None:
-            parts.append(f"saving {estimate.describe()}")
-        return ", ".join(parts) + f" (rank {self.rank})"
+            line += f"; saving of this stage, not the job's (that comes at close): {estimate.describe_with_evidence()}"
+        return line
 
     def close(self, timeout_s: float) -> None:
-        """Record what the device still runs (the controller is flushed first), close the log."""
-        self.controller.flush(timeout_s)
-        self.collect()
-        if self._log_file is not None:
-            try:
-                self._log_file.close()
-            except OSError as err:
-                self._log_failed("cannot write to", err)
-            self._log_file = None
+        """Record what the device still runs (the controller is flushed first), close the log,
+        then the feed (its readers write the last records)."""
+        try:
+            self.controller.flush(timeout_s)
+            self.collect()
+            if self._log_file is not None:
+                try:
+                    self._log_file.close()
+                except OSError as err:
+                    self._log_failed("cannot write to", err)
+                self._log_file = None
+        finally:
+            if self.feed is not None:
+                self.feed.close()

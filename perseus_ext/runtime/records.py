@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from perseus_ext.planning.frontier import Frontier
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
-from perseus_ext.runtime.phase import Phase
 
 
 @dataclass(frozen=True)
@@ -85,54 +84,3 @@ class PlanSwitch:
     reason: str
     plan_time_s: float
     plan_energy_j: float
-
-
-@dataclass(frozen=True)
-class IterationSetting:
-    """What one iteration ran at, known when the host launches it."""
-
-    iteration: int
-    phase: Phase
-    plan: int | None = None  # frontier plan index (deployed)
-    profiled_clock_mhz: int | None = None  # the candidate clock (profiling)
-    power_limit_w: float | None = None  # the limit in force (power-limit mode)
-    factor: float | None = None  # the slowdown factor planned for (deployed)
-    fell_back: bool = False  # this rank ran default clocks because it fell back
-    probe: bool = False  # a deployed iteration run at default clocks on purpose (baseline probe)
-
-    def describe(self) -> str:
-        if self.fell_back:
-            return "default (fallback)"
-        if self.probe:
-            return "default (baseline probe)"
-        if self.plan is not None:
-            return f"plan {self.plan}"
-        if self.profiled_clock_mhz is not None:
-            return f"profile {self.profiled_clock_mhz} MHz"
-        if self.power_limit_w is not None:
-            return f"limit {self.power_limit_w:g} W"
-        return "default"
-
-
-@dataclass(frozen=True)
-class IterationRecord:
-    """One iteration as the device ran it: times from device markers, energy from the counter
-    read when the device reached them."""
-
-    setting: IterationSetting
-    rank: int
-    pipeline: int
-    stage: int
-    time_s: float  # iteration start to end on the device
-    compute_s: float  # iteration start to the end of this stage's computations
-    energy_j: float | None
-    coverage: float | None  # share of planned compute time at its planned clock (estimated)
-    wall_time: float  # Unix time the host finished launching the iteration
-
-    @property
-    def iteration(self) -> int:
-        return self.setting.iteration
-
-    @property
-    def phase(self) -> Phase:
-        return self.setting.phase

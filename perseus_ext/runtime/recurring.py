@@ -28,10 +28,12 @@ from perseus_ext.errors import ConfigError
 from perseus_ext.policies.batch_size import RunOutcome
 from perseus_ext.policies.carbon import CarbonSignal, ExternalSignal, HTTPCarbonSignal
 from perseus_ext.policies.chase import ChasePolicy
-from perseus_ext.policies.power_budget import BudgetScope, PowerBudgetPolicy
+from perseus_ext.policies.factories import start_recurring_job, target_metric
+from perseus_ext.config.policy import BudgetScope
+from perseus_ext.policies.power_budget import PowerBudgetPolicy
 from perseus_ext.policies.recurring_job import PerseusEarlyStop, RecurringJob, RunReport, TargetMetric
 from perseus_ext.runtime.comm import ControlPlane
-from perseus_ext.runtime.config import PREFIX, PerseusConfig
+from perseus_ext.config import PREFIX, PerseusConfig
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ def _gpu_max_power_w(config: PerseusConfig, local_rank: int) -> float | None:
     from perseus_ext.measurement.gpu import GPUError, open_gpu
 
     try:
-        gpu = open_gpu(config.gpu, local_rank=local_rank, seed=config.seed)
+        gpu = open_gpu(config.gpu_spec, local_rank=local_rank, seed=config.seed)
     except GPUError as err:
         raise ConfigError(f"{PREFIX}.policy.max_power_w is needed to price runs: the GPU cannot be "
                           f"opened to read its maximum power limit ({err}); set it in watts") from None
@@ -120,7 +122,7 @@ def choose_batch_size(config: PerseusConfig, *, num_gpus: int, local_rank: int =
     job = None
     if rank == 0:
         try:
-            job = policy.start_recurring_job(num_gpus=num_gpus, gpu_max_power_w=_gpu_max_power_w(config, local_rank))
+            job = start_recurring_job(policy, num_gpus=num_gpus, gpu_max_power_w=_gpu_max_power_w(config, local_rank))
             decision = job.decision
             answer = (RunAssignment(decision.run_id, decision.job_id, decision.batch_size,
                                     decision.cost_limit, decision.phase), None)
@@ -230,7 +232,7 @@ class JobCoordinator:
         if not recurring and holder is None:
             return None
         prepared = _claim(prepared) if recurring else None
-        target = config.policy.target_metric if recurring else None
+        target = target_metric(config.policy) if recurring else None
         return cls(comm, gpu, prepared=prepared, target=target, signal_holder=holder)
 
     @property

@@ -1,18 +1,14 @@
 """What a rank reports about its run, and when: the summary on demand (built from a fresh typed
 `RunSnapshot`), written once at close with the job's figures (`summary.close_summary`), or at once
-without any collective when SIGINT/SIGTERM interrupts the run (`summary.write_interrupted_summary`);
-then the close hooks (metrics writers flush their last iterations there)."""
+without any collective when SIGINT/SIGTERM interrupts the run (`summary.write_interrupted_summary`)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 from perseus_ext.runtime.comm import ControlPlane
 from perseus_ext.runtime.summary import RunSnapshot, build_summary, close_summary, write_interrupted_summary
-
-logger = logging.getLogger(__name__)
 
 
 class RunReport:
@@ -23,7 +19,6 @@ class RunReport:
         self.summary_path = summary_path
         self.interrupted: dict[str, Any] | None = None  # the signal that interrupted the run
         self._written: dict[str, Any] | None = None
-        self._close_hooks: list[Callable[[], None]] = []
 
     def summary(self) -> dict[str, Any]:
         """The summary written (at close or interruption), else one built now."""
@@ -37,9 +32,6 @@ class RunReport:
                             "clocks_restored": clocks_restored}
         self._written = write_interrupted_summary(self._snapshot, self.interrupted, self.summary_path)
 
-    def on_close(self, hook: Callable[[], None]) -> None:
-        self._close_hooks.append(hook)
-
     def write_at_close(self, comm: ControlPlane, *, job_id: str, control_timeout_s: float,
                        control_plane_failed: bool) -> None:
         """The summary with the job's figures (a bounded wait for the other ranks)."""
@@ -47,9 +39,3 @@ class RunReport:
                                       control_timeout_s=control_timeout_s,
                                       control_plane_failed=control_plane_failed, interrupted=self.interrupted)
 
-    def run_close_hooks(self) -> None:
-        for hook in self._close_hooks:
-            try:
-                hook()
-            except Exception:
-                logger.exception("perseus-ext: a close hook failed")

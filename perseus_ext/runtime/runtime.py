@@ -11,7 +11,10 @@ all-reduce, and `iteration_end()`. The runtime is a phase machine over collabora
 `RankParts` (wiring.py) builds: `RankSetup`, `ClockSequencer` (clocks ordered by device markers),
 `ComputationPacer`, `RunRecorder`, `ProfilingRun`, `PipelineSolve`, `PlanDeployment`,
 `PowerLimitMode` (whole-iteration mode: `whole_iteration.py`). Deployed iterations never synchronise the
-host with the device. Phase changes are decided from collective results only, so every rank
+host with the device, with one bounded exception: while its pipeline runs a plan slowed for a
+straggler (and so waits for the straggler at every gradient sync anyway), a rank's iteration end
+waits, at most `LATE_RECORD_WAIT_S`, for that iteration's device record, which tells whether
+the straggler has recovered (`PlanDeployment`); a rank that fell back never waits. Phase changes are decided from collective results only, so every rank
 changes phase at the same iteration. Nothing raises into the training step: a failure logs its
 traceback once and the rank falls back to default clocks while still taking part in the
 collectives, so it cannot hang the others.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,16 +33,17 @@ from perseus_ext.actuation.exit_guard import forget_interrupt, on_interrupt
 from perseus_ext.errors import PerseusError
 from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
-from perseus_ext.runtime.config import PerseusConfig
+from perseus_ext.config import PerseusConfig
 from perseus_ext.runtime.deployment import PlanDeployment, SlowdownAnnouncement, parse_announcement
-from perseus_ext.runtime.phase import Phase
+from perseus_ext.observability.phase import Phase
 from perseus_ext.runtime.power_limit_mode import PowerLimitMode
 from perseus_ext.runtime.profiling import ProfilingRun
 from perseus_ext.runtime.rank_setup import describe_gpu
 from perseus_ext.runtime.run_report import RunReport
 from perseus_ext.runtime import whole_iteration
 from perseus_ext.runtime.recurring import PreparedRun
-from perseus_ext.runtime.records import IterationSetting, MeasuredProfile
+from perseus_ext.observability.iteration import IterationRecord, IterationSetting
+from perseus_ext.runtime.records import MeasuredProfile
 from perseus_ext.runtime.summary import RunSnapshot
 from perseus_ext.runtime.wiring import RankParts
 from perseus_ext.measurement.gpu import GPU
@@ -47,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 5.0
 RECORD_WAIT_S = 5.0  # power-limit mode: longest wait for the previous iteration's device record
+LATE_RECORD_WAIT_S = 2.0  # deployed, slowed for a straggler: longest wait for the iteration's own record
+RECORD_POLL_S = 0.001
 
 
 def _hook(method: Callable[..., None]) -> Callable[..., None]:
@@ -299,10 +306,26 @@ class PerseusRuntime:
         elif self.phase is Phase.SOLVING:
             self._solving_step()
         elif self.phase is Phase.DEPLOYED:
-            self.deployment.on_iteration(self.iteration, records, self._announced)
+            self.deployment.on_iteration(self.iteration, records, self._announced, await_records=self._await_records)
         elif self.phase is Phase.POWER_LIMIT:
             if self._phase_iterations > 1:  # fed one iteration late: its device record is in by now
                 self.power_limit.step(self.iteration, self.recorder.wait_for(self.iteration - 1, RECORD_WAIT_S))
+
+    def _await_records(self, iteration: int) -> list[IterationRecord]:
+        """Every device record that comes until `iteration`'s is in (at most
+        `LATE_RECORD_WAIT_S`), seen by the baseline probes too; never waits on a rank that fell
+        back (its device may be what failed)."""
+        arrived: list[IterationRecord] = []
+        if self.fallback_reason is not None:
+            return arrived
+        deadline = time.perf_counter() + LATE_RECORD_WAIT_S
+        while True:
+            new = self.recorder.collect()
+            self.probes.observe(new)
+            arrived += new
+            if any(r.iteration == iteration for r in arrived) or time.perf_counter() > deadline:
+                return arrived
+            time.sleep(RECORD_POLL_S)
 
     def _end_warmup(self) -> None:
         if self.setup.power_limit_mode:
@@ -413,11 +436,6 @@ class PerseusRuntime:
         return self.parts.snapshot(self.stage, self.config, self.phase, self.fallback_reason, self.profiling,
                                    self.deployment, self.power_limit)
 
-    def on_close(self, hook: Callable[[], None]) -> None:
-        """Run `hook` at close, after the last device records and the summary (metrics writers
-        flush their last iterations there)."""
-        self.report.on_close(hook)
-
     def _close_policy(self) -> None:
         if self.policy is not None:
             self.policy.close()
@@ -442,7 +460,6 @@ class PerseusRuntime:
                 step()
             except Exception:
                 logger.exception("perseus-ext: %s failed", what)
-        self.report.run_close_hooks()
         if self.job is not None:
             self.job.close()  # reports the batch-size run (rank 0); never raises
         if not self.control_plane_failed:  # a failed group may still hold a collective

@@ -12,7 +12,9 @@ which this pipeline's plan may be longer than the fastest plan without slowing t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
@@ -53,3 +55,144 @@ class SlowdownTracker:
         self._pending = 0
         self.factor = target
         return True
+
+    def recovered(self) -> None:
+        """The pipeline found itself the slowest between checks (`RecoveryWatch`) and went back
+        to its fastest plan: slowing down again takes `confirmations` checks in a row, as it
+        does from the start, so a verdict that came too early cannot make plans flap."""
+        self.factor = 1.0
+        self._pending = 0
+
+
+FREE_WAIT_SAMPLES = 16  # recent waits at the fastest plan with no straggler, per rank
+FREE_WAIT_QUANTILE = 0.25  # of those: the wait with nobody to wait for, the host's noise mostly left out
+NOISE_QUANTILE = 0.5  # of the changes from one free wait to the next: how far one iteration strays
+HELD_CALIBRATION = 2  # held iterations whose median wait calibrates a rank's own lead
+NOISE_LEADS = 2.0  # a verdict needs the predicted lead above this many times the spread
+
+
+@dataclass(frozen=True)
+class HeldStraggler:
+    """What the straggler check that slowed this pipeline measured, the same on every rank of the
+    pipeline (it comes from the check's collectives): the slowest pipeline's compute time and
+    this pipeline's, each normalised to the fastest plan (seconds per iteration)."""
+
+    slowest_s: float
+    mine_s: float
+    wait_noise_s: float = 0.0  # the pipeline's noisiest rank's spread of waits (ExchangeResult)
+
+    def wait_s(self, planned_extra_s: float) -> float:
+        """The wait at the gradient sync a rank of this pipeline should see while the straggler
+        lasts, running a setting whose model time is `planned_extra_s` above the fastest plan."""
+        return self.slowest_s - self.mine_s - planned_extra_s
+
+
+@dataclass
+class RecoveryWatch:
+    """Tells a pipeline slowed for a measured straggler that it has become the slowest one.
+
+    Why: the straggler's recovery shows at the gradient sync an iteration after it happens,
+    while the straggler checks see it only once a whole check window of records lies after it;
+    meanwhile the slowed pipeline holds up the whole job. Each rank reads its own wait at the
+    gradient sync (iteration time minus compute time on the device): while the straggler lasts
+    it is the straggler's lead over the slowed plan, which the check that chose the plan
+    predicts (`HeldStraggler.wait_s`, the planning margin at least); once nobody is slower it
+    falls to what the rank waits with nobody to wait for (`free_wait_s`, learnt at the fastest
+    plan with no straggler). The verdict needs the wait below the midpoint of the two levels,
+    and a predicted lead that stands out of the pipeline's iteration-to-iteration noise (its
+    noisiest rank's, from the check); otherwise the straggler checks decide, as before.
+
+    No collective of its own: the inputs are this rank's device records and the check's result,
+    which every rank of the pipeline holds alike (the noise rides the check's pipeline
+    reduction); every rank judges the same iteration (the previous one) by the same rule, so the
+    ranks of a pipeline reach the same verdict whenever their waits tell the same story -- on a
+    deterministic device always: the straggler's recovery shortens the wait of every stage that
+    was waiting for it at once.
+    """
+
+    _free: list[tuple[int, float]] = field(default_factory=list)  # (iteration, wait), oldest first
+    held: HeldStraggler | None = None
+    # This rank's wait in its first held iterations (median) less the pipeline-level prediction:
+    # a stage that ends its computations earlier than the pipeline's last one waits for the
+    # straggler's same stage, whose lead differs (None: not calibrated yet, no verdict before).
+    _offset_s: float | None = None
+    _held_offsets: list[float] = field(default_factory=list)
+    _held_seen: int = 0  # held iterations read so far
+    _evidence_s: float = 0.0  # how far below the midpoint the waits have added up to (CUSUM)
+
+    def observe_free(self, iteration: int, wait_s: float) -> None:
+        """A wait at the unslowed plan in a window a check found free of stragglers."""
+        self._free.append((iteration, wait_s))
+        del self._free[:-FREE_WAIT_SAMPLES]
+
+    @property
+    def has_free_wait(self) -> bool:
+        return bool(self._free)
+
+    @property
+    def free_wait_s(self) -> float:
+        waits = [w for _, w in self._free]
+        return float(np.quantile(waits, FREE_WAIT_QUANTILE)) if waits else 0.0
+
+    @property
+    def noise_s(self) -> float:
+        """How far one iteration's free wait strays from the next (the median of the
+        absolute differences of consecutive ones: a straggler's onset, a level shift, moves it
+        little); 0 before two samples."""
+        waits = [w for _, w in self._free]
+        return float(np.quantile(np.abs(np.diff(waits)), NOISE_QUANTILE)) if len(waits) > 1 else 0.0
+
+    def hold(self, held: HeldStraggler | None) -> None:
+        """A plan slowed for a measured straggler is in force (None: no longer). Each check
+        renews the held straggler; this rank's offset, a property of its stage, is kept until
+        the pipeline stops being held (a renewal must not calibrate on a recovered iteration)."""
+        if held is None:
+            self._offset_s = None
+            self._held_offsets = []
+            self._held_seen = 0
+            self._evidence_s = 0.0
+        self.held = held
+
+    def observe_held(self, wait_s: float, planned_extra_s: float) -> bool:
+        """The first `HELD_CALIBRATION` iterations run while held calibrate this rank's own lead
+        (one disturbed iteration does not set it); True while they do. The very first is left
+        out: its clocks are still changing and it started when the previous iteration's sync
+        released it, not in step with the straggler. A wait with no lead at all before any
+        calibration (within the noise of the free wait: a check that measured the straggler
+        landed after it recovered) calibrates nothing; the prediction stands and that
+        iteration is judged like any other."""
+        if self.held is None or self._offset_s is not None:
+            return False
+        self._held_seen += 1
+        if self._held_seen == 1:
+            return True
+        if not self._held_offsets and wait_s - self.free_wait_s <= NOISE_LEADS * self.held.wait_noise_s:
+            self._offset_s = 0.0
+            return False
+        self._held_offsets.append(wait_s - self.free_wait_s - self.held.wait_s(planned_extra_s))
+        if len(self._held_offsets) >= HELD_CALIBRATION:
+            self._offset_s = float(np.median(self._held_offsets))
+        return True
+
+    def threshold_s(self, planned_extra_s: float) -> float | None:
+        """The wait below which the iteration says "this pipeline is the slowest", for a setting
+        `planned_extra_s` slower than the fastest plan; None when the lead predicted for it does
+        not stand out of the noise (the verdict is then left to the straggler checks)."""
+        if self.held is None or self._offset_s is None:
+            return None
+        lead = self.held.wait_s(planned_extra_s) + self._offset_s
+        if lead <= NOISE_LEADS * self.held.wait_noise_s or lead <= 0.0:
+            return None
+        return self.free_wait_s + 0.5 * lead
+
+    def became_slowest(self, wait_s: float, planned_extra_s: float) -> bool:
+        """The verdict on one more iteration. Waits below the midpoint add up as evidence and
+        waits above it take it back (a cumulative sum); the verdict comes once the evidence
+        exceeds the pipeline's wait noise: at the first recovered iteration on a deterministic
+        device (noise 0), or where one iteration's wait only just dips below the midpoint, after
+        a second one confirms it -- one noisy iteration does not make plans flap."""
+        threshold = self.threshold_s(planned_extra_s)
+        if threshold is None:
+            return False
+        self._evidence_s = max(0.0, self._evidence_s + threshold - wait_s)
+        return self._evidence_s > self.held.wait_noise_s

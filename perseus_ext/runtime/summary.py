@@ -3,7 +3,7 @@
 Figures say what really happened: iterations after a fallback count as default-clock iterations
 of a fallen-back rank, not as deployed ones (`final_phase` is then "fallback"), and coverage is
 reported only for iterations that ran a plan. The saving is measured against the baseline probes
-(`perseus_ext.runtime.baseline`), with its confidence interval; the frontier's figure stays
+(`perseus_ext.observability.run_figures`), with its confidence interval; the frontier's figure stays
 beside it, labelled as a model; warm-up, profiling and solving are their own cost (`phase_costs`),
 never mixed into the saving.
 
@@ -27,16 +27,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from perseus_ext.actuation.silence import SilentEpisode
-from perseus_ext.runtime.baseline import (
-    FALLBACK,
-    PROBE,
-    Comparison,
-    RunFigures,
-    Sample,
-    no_saving_reason,
-)
-from perseus_ext.runtime.phase import Phase
-from perseus_ext.runtime.records import IterationRecord, PlanSwitch
+from perseus_ext.observability.iteration import IterationRecord
+from perseus_ext.observability.phase import Phase
+from perseus_ext.observability.run_figures import FALLBACK, MIXED, PROBE, RunFigures, Sample
+from perseus_ext.observability.summary_text import job_line, summary_line, zeusd_line
+from perseus_ext.runtime.records import PlanSwitch
+
+__all__ = ["RunSnapshot", "build_summary", "close_summary"]
 
 if TYPE_CHECKING:
     from perseus_ext.measurement.gpu.timeline import CoverageTally
@@ -261,7 +258,6 @@ def job_figures(samples: list[Sample]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ the job at close
 JOB_SUMMARY_WAIT_S = 60.0  # longest wait for the other ranks at close (capped by control_timeout_s)
 LABELS = tuple(phase.value for phase in Phase) + (PROBE, FALLBACK)  # a rank's iteration labels, coded
-MIXED = "mixed"  # ranks ran different settings in one iteration (as `baseline.job_samples` says)
 
 
 SUMMED_RANK_FIGURES = 4  # fell back, coverage, coverage known, hooks fell silent; then the maxed one
@@ -284,7 +280,7 @@ def _encode(samples: list[Sample], length: int, rank_figures: list[float]) -> tu
 
 
 def _decode(sums: list[float], maxes: list[float], length: int, ranks: int) -> list[Sample]:
-    """The job's samples (`baseline.job_samples` over every rank): iterations every rank
+    """The job's samples (`run_figures.job_samples` over every rank): iterations every rank
     recorded, energy summed, time of the slowest, one label if all ranks ran it."""
     job = []
     for k in range(length):
@@ -297,11 +293,44 @@ def _decode(sums: list[float], maxes: list[float], length: int, ranks: int) -> l
     return job
 
 
+# Each rank's own figures, in its slot of one summed vector (the others add zeros; NaN: unknown).
+RANK_FIELDS = ("pipeline", "stage", "iterations", "saving", "saving_low", "saving_high", "probes", "probes_needed",
+               "fell_back_at_iteration", "clock_coverage")
+
+
+def _own_row(summary: dict[str, Any]) -> list[float]:
+    """This rank's row of the per-rank table (`RANK_FIELDS`), None as NaN."""
+    overall = summary["measured"]["all"] or {}
+    coverage = summary["clock_coverage"]["exact"] or summary["clock_coverage"]["estimated"]
+    values = (summary["pipeline"], summary["stage"], summary["iterations"], overall.get("saving"),
+              overall.get("saving_low"), overall.get("saving_high"), overall.get("probes"),
+              overall.get("probes_needed"), summary["fell_back_at_iteration"], coverage)
+    return [math.nan if value is None else float(value) for value in values]
+
+
+def _rank_entries(summed: list[float], ranks: list[int]) -> list[dict[str, Any]]:
+    """Every rank's row, decoded: what the job summary's per-rank table prints."""
+    width = len(RANK_FIELDS)
+    entries = []
+    for slot, rank in enumerate(ranks):
+        row = dict(zip(RANK_FIELDS, (None if math.isnan(v) else v for v in summed[slot * width:(slot + 1) * width])))
+        whole = {key: None if row[key] is None else round(row[key])
+                 for key in ("pipeline", "stage", "iterations", "probes", "probes_needed", "fell_back_at_iteration")}
+        measured = None if row["saving"] is None else {
+            "saving": row["saving"], "saving_low": row["saving_low"], "saving_high": row["saving_high"],
+            "probes": whole["probes"], "probes_needed": whole["probes_needed"]}
+        entries.append({"rank": rank, "pipeline": whole["pipeline"], "stage": whole["stage"],
+                        "iterations": whole["iterations"], "measured": measured,
+                        "fell_back_at_iteration": whole["fell_back_at_iteration"],
+                        "clock_coverage": row["clock_coverage"]})
+    return entries
+
+
 def gather_job_summary(comm: "ControlPlane", run: RunSnapshot, summary: dict[str, Any], *, job_id: str,
                        control_timeout_s: float) -> tuple[dict[str, Any] | None, str | None]:
     """(the job's figures, None), identical on every rank, or (None, why not). Every rank whose
     control plane still works calls it at close: three reductions over the control plane, of
-    eight numbers per iteration. Every rank gives up after a bounded wait (`JOB_SUMMARY_WAIT_S`,
+    eight numbers per iteration and ten per rank (its own figures, for the per-rank table). Every rank gives up after a bounded wait (`JOB_SUMMARY_WAIT_S`,
     at most `control_timeout_s`); never raises."""
     samples = [Sample.of_record(r) for r in run.history]
     coverage = summary["clock_coverage"]["exact"] or summary["clock_coverage"]["estimated"]
@@ -310,6 +339,10 @@ def gather_job_summary(comm: "ControlPlane", run: RunSnapshot, summary: dict[str
                     float(len(summary["silent_hooks"]["episodes"]) > 0),
                     -math.inf if fell_back_at is None else -float(fell_back_at)]
     ranks = len(comm.members)
+    member_ranks = [member.rank for member in comm.members]
+    own_slot = member_ranks.index(comm.rank) if comm.rank in member_ranks else 0
+    own_rows = [0.0] * (ranks * len(RANK_FIELDS))
+    own_rows[own_slot * len(RANK_FIELDS):(own_slot + 1) * len(RANK_FIELDS)] = _own_row(summary)
 
     # Bounded: a rank whose peers died or never close must still exit, and the groups themselves
     # time out only after control_timeout_s (by default half an hour). A shorter timeout is left
@@ -319,7 +352,7 @@ def gather_job_summary(comm: "ControlPlane", run: RunSnapshot, summary: dict[str
     try:
         (length,) = comm.all_reduce_by([max((s.iteration for s in samples), default=-1) + 1], "max", deadline_s)
         sums, maxes = _encode(samples, int(length), rank_figures)
-        sums, maxes = comm.all_reduce_by(sums, "sum", deadline_s), comm.all_reduce_by(maxes, "max", deadline_s)
+        sums, maxes = comm.all_reduce_by(sums + own_rows, "sum", deadline_s), comm.all_reduce_by(maxes, "max", deadline_s)
     except Exception as err:
         return None, f"gathering the ranks' figures failed: {err}"
     try:
@@ -327,6 +360,7 @@ def gather_job_summary(comm: "ControlPlane", run: RunSnapshot, summary: dict[str
     except Exception as err:  # the figures are complete; only the exit's ordering is at stake
         logger.debug("perseus-ext: settling the ranks after the job summary failed: %s", err)
     length = int(length)
+    sums, rank_rows = sums[:len(sums) - len(own_rows)], sums[len(sums) - len(own_rows):]
     fell_back, coverage_sum, coverage_count, silenced = sums[-SUMMED_RANK_FIGURES:]
     first_fallback = maxes[-1]
     job = job_figures(_decode(sums[:-SUMMED_RANK_FIGURES], maxes[:-1], length, ranks))
@@ -338,6 +372,7 @@ def gather_job_summary(comm: "ControlPlane", run: RunSnapshot, summary: dict[str
         first_fallback_iteration=None if first_fallback == -math.inf else round(-first_fallback),
         clock_coverage=coverage_sum / coverage_count if coverage_count else None,
         model_intrinsic_saving=summary["model"]["intrinsic_saving"] if "model" in summary else None,
+        per_rank=_rank_entries(rank_rows, member_ranks),
     )
     return job, None
 
@@ -387,110 +422,3 @@ def log_summary(summary: dict[str, Any], summary_path: str | None, job_error: st
     elif job_error is not None:
         logger.warning("perseus-ext: no job summary (%s); per-rank figures are in the summaries, or "
                        "run perseus-ext report on every rank's log", job_error)
-
-
-def zeusd_line(summary: dict[str, Any]) -> str | None:
-    """A warning line when zeusd could not be used or clock changes through it failed on this
-    rank, None otherwise."""
-    zeusd = summary.get("zeusd")
-    if not zeusd or not (zeusd["failures"] or zeusd["control_fault"]):
-        return None
-    if zeusd["control_fault"]:
-        return (f"perseus-ext: rank {summary['rank']}: zeusd could not be used, clocks stayed at default: "
-                f"{zeusd['control_fault']}")
-    return (f"perseus-ext: rank {summary['rank']}: {zeusd['failures']} clock change(s) through {zeusd['endpoint']} "
-            f"failed ({zeusd['writes']} succeeded); after the first failure perseus-ext stopped changing this GPU's "
-            f"clocks and restored its defaults (or, if that failed too, handed the restore to its watchdog). "
-            f"Last error: {zeusd['last_error']}")
-
-
-def summary_line(summary: dict[str, Any]) -> str:
-    """One rank's result in one line: what really ran, the measured saving with its interval,
-    the model's figure labelled as such, and what the probes and the lifecycle cost."""
-    head = f"perseus-ext: rank {summary['rank']} summary: {summary['iterations']} iterations"
-    costs = summary["phase_costs"]
-    if costs:
-        head += " (" + ", ".join(f"{label} {group['iterations']}" for label, group in costs.items()) + ")"
-    if summary["fallback_reason"] is not None:
-        return (f"{head}; fell back to default clocks at iteration {summary['fell_back_at_iteration']} "
-                f"({summary['fallback_reason']}): no saving to report")
-    default = summary["default_per_iteration"]
-    if summary["mode"] == "observe":
-        if default["energy_j"] is None:
-            return f"{head}; observe mode: no energy readings"
-        return (f"{head}; observe mode at default clocks: energy/iteration {default['energy_j']:.1f} J, "
-                f"time/iteration {default['time_s']:.4f} s")
-    parts = [head]
-    if summary["measured"]["all"] is not None:
-        parts += _measured_parts(summary["measured"])
-    elif summary.get("energy_saving_vs_default") is not None:
-        parts.append(f"energy saving {100 * summary['energy_saving_vs_default']:.1f}% vs "
-                     f"{summary['saving_source']}")
-    elif summary["final_phase"] == "deployed":
-        parts.append(f"no measured saving: {no_saving_reason(summary['phase_costs'], summary['baseline_fraction'])}")
-    else:
-        parts.append(f"final phase {summary['final_phase']}: no plan ran, so no saving")
-    if "model" in summary:
-        parts.append(f"model: {100 * summary['model']['intrinsic_saving']:.1f}% intrinsic")
-    coverage = summary["clock_coverage"]["exact"] or summary["clock_coverage"]["estimated"]
-    if coverage is not None:
-        parts.append(f"clock coverage {100 * coverage:.1f}%")
-    return "; ".join(parts)
-
-
-def _measured_parts(measured: dict[str, Any]) -> list[str]:
-    """The saving and time change against the baseline probes, with their intervals, and what
-    the probes cost."""
-    overall = measured["all"]
-    time_ci = ("" if overall["time_change_low"] is None else
-               f" [{100 * overall['time_change_low']:+.1f}, {100 * overall['time_change_high']:+.1f}]")
-    parts = [f"measured vs baseline probes: energy/iteration {overall['default_energy_j']:.1f} J -> "
-             f"{overall['deployed_energy_j']:.1f} J, saving {Comparison(**overall).describe()}, "
-             f"time/iteration {overall['default_time_s']:.4f} s -> {overall['deployed_time_s']:.4f} s "
-             f"({100 * overall['time_change']:+.1f}%{time_ci})"]
-    cost = measured["probe_cost"]
-    if cost["share_of_energy"] is not None:
-        parts.append(f"probes cost {100 * cost['share_of_energy']:.2f}% of the energy")
-    return parts
-
-
-def job_line(job: dict[str, Any]) -> str:
-    """The job's result in one line (rank 0 logs it at close): energy per iteration summed over
-    every GPU, time of the slowest rank, the saving against the baseline probes with its
-    interval and the time it cost; the model's figure labelled as such."""
-    costs = job["phase_costs"]
-    head = (f"perseus-ext: job summary ({job['ranks']} rank{'s' * (job['ranks'] != 1)}, energy summed over "
-            f"the GPUs, time of the slowest): {job['iterations']} iterations")
-    if costs:
-        head += " (" + ", ".join(f"{label} {group['iterations']}" for label, group in costs.items()) + ")"
-    fallback = (f"the first at iteration {job['first_fallback_iteration']}; their errors say why"
-                if job["fell_back_ranks"] else None)
-    if job["fell_back_ranks"] == job["ranks"]:
-        return f"{head}; every rank fell back to default clocks ({fallback}): no saving to report"
-    default = job["default_per_iteration"]
-    parts = [head]
-    if job["mode"] == "observe":
-        parts.append("observe mode: no energy readings" if default["energy_j"] is None else
-                     f"observe mode at default clocks: energy/iteration {default['energy_j']:.1f} J, "
-                     f"time/iteration {default['time_s']:.4f} s")
-    elif job["measured"]["all"] is not None:
-        parts += _measured_parts(job["measured"])
-    elif job["power_limit_mode"] and "power_limit" in costs and costs["power_limit"]["energy_per_iteration_j"]:
-        warmup = costs.get("warmup", {}).get("energy_per_iteration_j")
-        parts.append(f"power-limit mode (no baseline probes): energy/iteration "
-                     f"{costs['power_limit']['energy_per_iteration_j']:.1f} J under the limits"
-                     + (f", {warmup:.1f} J in warm-up at default clocks (unpaired)" if warmup else ""))
-    elif job["final_phase"] == "deployed":
-        parts.append(f"no measured saving: {no_saving_reason(job['phase_costs'], job['baseline_fraction'])}")
-    else:
-        parts.append(f"final phase {job['final_phase']}: no plan ran, so no saving")
-    if job["fell_back_ranks"]:
-        parts.append(f"{job['fell_back_ranks']} of {job['ranks']} ranks fell back to default clocks ({fallback})")
-    if job.get("silenced_ranks"):
-        parts.append(f"on {job['silenced_ranks']} of {job['ranks']} ranks the hooks fell silent while a clock "
-                     f"was held and default clocks were restored (silent_hooks in their summaries says why)")
-    if job["model_intrinsic_saving"] is not None:
-        parts.append(f"model: {100 * job['model_intrinsic_saving']:.1f}% intrinsic (pipeline 0's fastest plan)")
-    if job["clock_coverage"] is not None:
-        parts.append(f"clock coverage {100 * job['clock_coverage']:.1f}% (mean over the ranks)")
-    return "; ".join(parts)

@@ -2,8 +2,8 @@
 
 `PerseusRuntime` is a phase machine over these parts; building them (which checks the rank's
 place in the pipeline, opens the device, agrees on a job id with the other ranks and links the
-recorder to the emissions account and the baseline probes) is kept here so the phase machine
-reads as phases only.
+recorder to the emissions account, the baseline probes and the rank's metrics feed) is kept here
+so the phase machine reads as phases only.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from perseus_ext.measurement.pacing import ComputationPacer
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
 from perseus_ext.measurement.gpu import GPU
+from perseus_ext.observability.feed import RankFeed, RankIdentity
+from perseus_ext.observability.phase import Phase
 from perseus_ext.runtime.baseline import BaselineProbes
 from perseus_ext.runtime.comm import ControlPlane, check_pipeline_rank
-from perseus_ext.runtime.config import PerseusConfig
+from perseus_ext.config import PerseusConfig
 from perseus_ext.runtime.emissions import EmissionsAccount
 from perseus_ext.runtime.hook_watch import HookWatch
 from perseus_ext.runtime.pipeline_solve import PipelineSolve
@@ -32,7 +34,6 @@ from perseus_ext.runtime.profile_store import ProfileStore
 from perseus_ext.runtime.rank_setup import RankSetup, describe_gpu
 from perseus_ext.runtime.recorder import RunRecorder
 from perseus_ext.runtime.deployment import PlanDeployment
-from perseus_ext.runtime.phase import Phase
 from perseus_ext.runtime.power_limit_mode import PowerLimitMode
 from perseus_ext.runtime.profiling import ProfilingRun
 from perseus_ext.runtime.recurring import JobCoordinator, PreparedRun
@@ -61,6 +62,7 @@ class RankParts:
     probes: BaselineProbes
     recorder: RunRecorder
     job: JobCoordinator | None  # the job-wide exchange (batch-size run, early stop, shared signal)
+    feed: RankFeed  # what the rank publishes for its metrics writers (observability.feed)
     # `pacer` is the first schedule's; PerseusRuntime.reschedule builds the next one's
 
     @classmethod
@@ -91,12 +93,15 @@ class RankParts:
                               schedule, stage_constant=whole_iterations)
         emissions = EmissionsAccount(setup.policy)
         probes = BaselineProbes(config.baseline_fraction, config.straggler_check_interval)
+        feed = RankFeed(RankIdentity(job_id, comm.rank, local_rank, comm.pipeline, stage), config.prometheus,
+                        probes.estimate)
         recorder = RunRecorder(controller, rank=comm.rank, pipeline=comm.pipeline, stage=stage,
                                latency=setup.latency, log_path=config.log_path, log_interval=config.log_interval,
-                               job_id=job_id, on_record=emissions.on_record, saving=probes.estimate)
+                               job_id=job_id, on_record=emissions.on_record, saving=probes.estimate, feed=feed,
+                               default_clock_mhz=_max_clock_mhz(setup.gpu))
         job = JobCoordinator.create(config, comm, setup.gpu, setup.policy, prepared_run)
         return cls(setup, controller, comm, job_id, timeline, pacer, sequencer, hooks, solve, emissions,
-                   probes, recorder, job)
+                   probes, recorder, job, feed)
 
     def announce_ready(self, stage: int, schedule: PipelineSchedule) -> None:
         """The line every rank would repeat: rank 0's at INFO, the others' at DEBUG."""
@@ -133,3 +138,11 @@ class RankParts:
 
         gpu = self.setup.gpu
         return gpu.report() if isinstance(gpu, ZeusdGPU) else None
+
+
+def _max_clock_mhz(gpu: GPU | None) -> float | None:
+    """The GPU's highest SM clock (what default clocks run); None when it cannot say."""
+    try:
+        return float(gpu.supported_sm_clocks()[0]) if gpu is not None else None
+    except Exception:  # a GPU that cannot answer: no clock figure, training goes on
+        return None

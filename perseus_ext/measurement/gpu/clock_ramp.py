@@ -68,11 +68,6 @@ class ClockTrajectory:
     def value_at(self, t: float) -> float:
         return self._values[max(0, bisect.bisect_right(self._times, t) - 1)]
 
-    @property
-    def final_mhz(self) -> float:
-        """The clock once every placed request has landed."""
-        return self._values[-1]
-
     def segments(
         self, start_s: float, end_s: float = math.inf
     ) -> Iterator[tuple[float, float, float]]:

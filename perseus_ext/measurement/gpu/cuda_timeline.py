@@ -18,18 +18,30 @@ the offset estimate afresh.
 
 The host/device offset. Every time the host notices a marker reached (a successful query or
 wait) at perf_counter time n, n - d bounds the offset from above (the device got there no later
-than the host noticed). The device's clock drifts against the host's (tens of ppm, either way),
-so the offset is modelled as a line, offset(d) = level + rate · d: the rate is fitted to the
-lowest bound of each `BUCKET_S` of device time, over the last `RATE_BUCKETS` buckets that hold
-one, and the level is the lowest rate-corrected bound of the last `WINDOW_BUCKETS` of them. An offset taken as the
-smallest bound ever seen (this module's first version) falls behind a device clock that runs
-slow, by the drift: 30 s a week at 50 ppm.
+than the host noticed, and the notice comes some random delay later). The device's clock runs
+at a rate against the host's that is off by tens of ppm, either way, and that rate wanders (the
+host clock, CLOCK_MONOTONIC, is slewed by NTP; the device's oscillator follows its
+temperature), a few ppm over hours. So the offset is fitted as the *lower envelope* of the
+bounds over the last `WINDOW_S` of device time (a time window, so its span does not depend on
+how long iterations are): the line, or once the bounds span `CURVED_SPAN_S` the parabola, that
+lies below every bound and is as high as possible on average (the linear program of Moon,
+Skelly and Towsley, "Estimation and removal of clock skew from network delay measurements",
+INFOCOM 1999, with a curvature term for the wandering rate). With notice delays that are
+one-sided, the envelope is pinned by the luckiest notices, not by their mean; the curvature
+keeps a 20-minute window true when the rate changes by a few ppm an hour. Beyond the newest
+bound the fit is extended along its tangent. The bounds are kept as the lowest of each
+`BUCKET_S` of device time and the fit is refreshed every `REFIT_S` of device time (a small LP;
+between fits a bound below the fit lowers it at once). After a long link (`LONG_LINK_S`, a pause
+of the job) the estimate starts afresh from the pause on; markers before it keep the fit they
+had.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
+import math
 import threading
 import time
 from typing import Any
@@ -38,30 +50,72 @@ from perseus_ext.measurement.gpu.timeline import DeviceMarker, DeviceTimeline
 
 POLL_S = 0.001  # query interval of a wait with a timeout (event.synchronize cannot time out); each query takes the GIL
 ANCHOR_MAX_AGE_S = 10.0  # without iteration starts: any marker noticed this long after the anchor becomes one
-LONG_LINK_S = 60.0  # an anchor-to-anchor link this long (float32 ms step ~4 us) restarts the offset estimate
-BUCKET_S = 1.0  # device time over which the lowest offset bound is kept
-WINDOW_BUCKETS = 120  # latest buckets holding a bound that the offset's level is taken from (rate-corrected)
-RATE_BUCKETS = 600  # latest buckets holding a bound that the drift rate is fitted to
-REFIT_EVERY = 16  # new buckets between two fits of the rate (a fit reads the WINDOW_BUCKETS)
-MIN_RATE_SPAN_S = 10.0  # no rate is fitted over a shorter span
+# An anchor-to-anchor link this long restarts the offset estimate: its float32 milliseconds are
+# rounded by up to 4 us at 120 s, but by up to 0.5 ms after a 3 h pause.
+LONG_LINK_S = 120.0
+WINDOW_S = 1200.0  # device time the offset's envelope is fitted over
+CURVED_SPAN_S = 600.0  # bounds spanning this much are fitted with a curvature (a wandering rate)
+BUCKET_S = 4.0  # device time over which only the lowest bound is kept (<= 300 bounds per fit)
+REFIT_S = 120.0  # device time between two fits (between them: the tangent, lowered by any bound below it)
+MIN_RATE_SPAN_S = 10.0  # no rate is fitted over a shorter span (the previous rate is kept)
 MAX_RATE = 1e-3  # |drift| above 1000 ppm is noise in the bounds, not a clock
 
 
+@dataclasses.dataclass(frozen=True)
+class OffsetFit:
+    """host time − device time around device times [first_d, last_d]: a parabola
+    `level + rate·t + curvature·t²` in t = d − last_d, extended along its tangents outside."""
+
+    first_d: float
+    last_d: float
+    level: float = math.inf  # offset at last_d
+    rate: float = 0.0  # its derivative at last_d (the drift, e.g. 5e-5 = 50 ppm)
+    curvature: float = 0.0  # half its second derivative (per s)
+
+    def offset_s(self, d: float) -> float:
+        t = min(max(d, self.first_d), self.last_d) - self.last_d
+        inside = self.level + self.rate * t + self.curvature * t * t
+        return inside + (self.rate + 2.0 * self.curvature * t) * (d - self.last_d - t)
+
+    def lowered_to(self, d: float, bound: float) -> OffsetFit:
+        """The same fit moved down so that it lies below `bound` at d as well."""
+        gap = bound - self.offset_s(d)
+        return dataclasses.replace(self, level=self.level + gap) if gap < 0 else self
+
+
+def _envelope(d: list[float], bound: list[float], *, curved: bool) -> tuple[float, float, float] | None:
+    """(level, rate, curvature) of the lower envelope, at the newest d: the line (or parabola)
+    below every bound with the highest mean (Moon et al.'s LP); None when the LP finds none."""
+    import numpy as np
+    from scipy.optimize import linprog
+
+    x, y = np.asarray(d), np.asarray(bound)
+    span = float(x[-1] - x[0])
+    u = (x - x[-1]) / span  # in [-1, 0]: a well-conditioned LP whatever the units
+    floor = float(y.min())
+    columns = [np.ones_like(u), u, u * u] if curved else [np.ones_like(u), u]
+    a = np.stack(columns, axis=1)
+    result = linprog(-a.sum(axis=0), A_ub=a, b_ub=y - floor, bounds=[(None, None)] * len(columns), method="highs")
+    if result.status != 0:
+        return None
+    level, slope, bend = (*result.x, 0.0)[:3]
+    rate = slope / span
+    if abs(rate) > MAX_RATE:
+        return None
+    return floor + level, rate, bend / (span * span)
+
+
 class OffsetEstimate:
-    """host time − device time as a line over device time, from notice bounds; thread-safe to
-    read (one tuple), written under the timeline's lock. Every update costs O(1) but a fit of
-    the rate (every `REFIT_EVERY` new buckets: a pass over `WINDOW_BUCKETS`), whichever thread
-    notices a marker, the training thread included."""
+    """host time − device time from notice bounds; thread-safe to read (one immutable fit per
+    segment), written under the timeline's lock. An update costs O(1), but every `REFIT_S` of
+    device time a fit (a linear program over at most WINDOW_S / BUCKET_S bounds, about 2 ms),
+    on whichever thread notices the marker."""
 
     def __init__(self) -> None:
         self._buckets: collections.deque[list[float]] = collections.deque()  # [index, d, bound]
-        self._line: tuple[float, float] = (float("inf"), 0.0)  # (level, rate)
-        self._new_buckets = 0
-        self._appended = 0
-        # least-squares sums over the buckets, of x = d - origin[0] and y = bound - origin[1]
-        # (centred: a week of device time and a host clock since boot would lose digits)
-        self._origin: tuple[float, float] | None = None
-        self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # n, Σx, Σy, Σxx, Σxy
+        self._fit = OffsetFit(first_d=0.0, last_d=0.0)
+        self._fitted_at_d = -math.inf
+        self._before: tuple[float, OffsetFit] | None = None  # (restart's d, the fit until then)
 
     def add(self, d: float, bound: float) -> None:
         """A marker at device time d was noticed at host time d + bound."""
@@ -70,68 +124,51 @@ class OffsetEstimate:
         if buckets and index <= buckets[-1][0]:
             last = buckets[-1]
             if index == last[0] and bound < last[2]:
-                self._count(last, -1.0)
                 last[1], last[2] = d, bound
-                self._count(last, 1.0)
-            self._lower(d, bound)
-            return
-        if self._origin is None:
-            self._origin = (d, bound)
-        if len(buckets) == RATE_BUCKETS:
-            self._count(buckets.popleft(), -1.0)
-        bucket = [index, d, bound]
-        buckets.append(bucket)
-        self._count(bucket, 1.0)
-        self._appended += 1
-        if self._appended % RATE_BUCKETS == 0:  # added and removed that often: sum afresh
-            self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]
-            for each in buckets:
-                self._count(each, 1.0)
-        self._new_buckets += 1
-        if self._new_buckets >= REFIT_EVERY or len(buckets) < REFIT_EVERY:
-            self._refit()
         else:
-            self._lower(d, bound)
-
-    def _count(self, bucket: list[float], sign: float) -> None:
-        x, y = bucket[1] - self._origin[0], bucket[2] - self._origin[1]
-        sums = self._sums
-        sums[0] += sign
-        sums[1] += sign * x
-        sums[2] += sign * y
-        sums[3] += sign * x * x
-        sums[4] += sign * x * y
-
-    def _lower(self, d: float, bound: float) -> None:
-        level, rate = self._line
-        self._line = (min(level, bound - rate * d), rate)
+            buckets.append([index, d, bound])
+            while buckets[0][1] < d - WINDOW_S:
+                buckets.popleft()
+        fit = self._fit
+        # Refit every REFIT_S, or sooner while the fit spans little (a young fit's tangent is
+        # only good for a fraction of its span): extrapolation stays short either way.
+        if d - self._fitted_at_d >= min(REFIT_S, 0.1 * (fit.last_d - fit.first_d)) or math.isinf(fit.level):
+            self._refit()
+            self._fitted_at_d = d
+        else:
+            self._fit = fit.lowered_to(d, bound)
 
     def _refit(self) -> None:
         buckets = self._buckets
-        rate = self._line[1]
-        self._new_buckets = 0
-        n, sx, sy, sxx, sxy = self._sums
-        if n >= 3 and buckets[-1][1] - buckets[0][1] >= MIN_RATE_SPAN_S:
-            spread = sxx - sx * sx / n
-            if spread > 0:
-                rate = max(-MAX_RATE, min(MAX_RATE, (sxy - sx * sy / n) / spread))
-        recent = itertools.islice(buckets, max(0, len(buckets) - WINDOW_BUCKETS), None)
-        self._line = (min(b[2] - rate * b[1] for b in recent), rate)
+        d = [bucket[1] for bucket in buckets]
+        bound = [bucket[2] for bucket in buckets]
+        span = d[-1] - d[0]
+        found = None
+        if len(d) >= 3 and span >= MIN_RATE_SPAN_S:
+            found = _envelope(d, bound, curved=span >= CURVED_SPAN_S and len(d) >= 8)
+        if found is None:  # too few bounds yet: the last rate, at the level of the lowest bound
+            rate = self._fit.rate
+            found = (min(b - rate * (x - d[-1]) for x, b in zip(d, bound)), rate, 0.0)
+        self._fit = OffsetFit(d[0], d[-1], *found)
 
-    def restart(self) -> None:
-        """Forget the bounds (the device clock's coordinate may have shifted); keep the rate."""
+    def restart(self, at_d: float) -> None:
+        """Forget the bounds from device time `at_d` on (the device clock's coordinate may have
+        shifted there); earlier markers keep the fit they had, later ones start from its rate."""
+        self._before = (at_d, self._fit)
         self._buckets.clear()
-        self._sums = [0.0, 0.0, 0.0, 0.0, 0.0]
-        self._origin = None
-        self._line = (float("inf"), self._line[1])
+        self._fit = dataclasses.replace(self._fit, level=math.inf)
+        self._fitted_at_d = -math.inf
 
     def offset_s(self, d: float) -> float:
-        level, rate = self._line
-        return level + rate * d
+        before = self._before
+        if before is not None and d < before[0]:
+            return before[1].offset_s(d)
+        return self._fit.offset_s(d)
 
     @property
     def rate(self) -> float:
-        return self._line[1]
+        """The drift at the newest bound (host seconds per device second, minus one)."""
+        return self._fit.rate
 
 
 class CudaTimeline(DeviceTimeline):
@@ -187,7 +224,7 @@ class CudaTimeline(DeviceTimeline):
                     self._anchor_event, self._anchor_seq, self._anchor_d = marker.event, marker.seq, d
                     self.anchors += 1
                     if link_s >= LONG_LINK_S:
-                        self.offset.restart()
+                        self.offset.restart(d)
             self.offset.add(d, at_s - d)
         return d
 

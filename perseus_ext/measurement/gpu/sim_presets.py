@@ -1,11 +1,14 @@
 """The simulated GPU models: each preset's curve parameters and limits (the physics is in
 `simulated.py`'s docstring and docs/device.md). Its own module so that the simulated device
-(`sim_device.py`) and the simulated GPU (`simulated.py`) both read it without importing each other."""
+(`sim_device.py`) and the simulated GPU (`simulated.py`) both read it without importing each other.
+The presets' names are the config's (`perseus_ext.config.gpu.SimPreset`: the door checks a spec
+without loading these curves)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from perseus_ext.config.gpu import SimPreset
 from perseus_ext.measurement.gpu.common import GPUError
 from perseus_ext.measurement.gpu.timeline import SwitchLatency
 from perseus_ext.planning.energy import BLOCKING_POWER_W
@@ -61,8 +64,8 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "a100_sxm": Preset(
-        key="a100_sxm",
+    SimPreset.A100_SXM.value: Preset(
+        key=SimPreset.A100_SXM.value,
         name="NVIDIA A100-SXM4-80GB (simulated)",
         max_clock_mhz=1410,
         min_clock_mhz=210,
@@ -76,8 +79,8 @@ PRESETS: dict[str, Preset] = {
         power_limit_range_w=(100.0, 500.0),
         source="fitted to examples/profiles/{gpt3-175b,bloom}-a100_sxm.csv",
     ),
-    "a40": Preset(
-        key="a40",
+    SimPreset.A40.value: Preset(
+        key=SimPreset.A40.value,
         name="NVIDIA A40 (simulated)",
         max_clock_mhz=1740,
         min_clock_mhz=210,
@@ -91,8 +94,8 @@ PRESETS: dict[str, Preset] = {
         power_limit_range_w=(100.0, 300.0),
         source="fitted to examples/profiles/{gpt3-175b,bloom}-a40.csv",
     ),
-    "h100": Preset(
-        key="h100",
+    SimPreset.H100.value: Preset(
+        key=SimPreset.H100.value,
         name="NVIDIA H100 80GB HBM3 (simulated)",
         max_clock_mhz=1980,
         min_clock_mhz=345,
@@ -101,7 +104,7 @@ PRESETS: dict[str, Preset] = {
         static_fraction=0.21,
         voltage_floor=0.72,
         memory_bound_fraction=0.22,
-        # Measured (docs/device.md, runs 5-6): an H100 80GB HBM3 waiting in spin kernels, as
+        # Measured (docs/device.md, "Real-GPU check"): an H100 80GB HBM3 waiting in spin kernels, as
         # NCCL's kernels wait for a peer, at the driver's 1980 MHz drew 124 W (an H200 127 W).
         idle_power_w=124.0,
         default_power_limit_w=700.0,

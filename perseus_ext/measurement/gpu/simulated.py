@@ -42,7 +42,7 @@ from perseus_ext.measurement.gpu.common import (
 from perseus_ext.measurement.gpu.restore_spec import SimRestoreSpec
 from perseus_ext.measurement.gpu.sim_board import DEFAULT_TRANSFER_S, Board
 from perseus_ext.measurement.gpu.sim_device import SimDevice, SimulatedTimeline
-from perseus_ext.measurement.gpu.sim_presets import PRESETS, Preset, find_preset
+from perseus_ext.measurement.gpu.sim_presets import PRESETS, find_preset
 from perseus_ext.measurement.gpu.timeline import SwitchLatency
 
 

@@ -1,4 +1,4 @@
-"""Typed configuration sections whose every mistake becomes one line of a ConfigError.
+"""The rules of the config models: every mistake becomes one line of a ConfigError.
 
 Why one module: the runtime's `perseus` section and the policies' `perseus.policy` section share
 their rules (an integer >= 1, a positive number of watts, unknown keys, a writable path), so each
@@ -66,9 +66,10 @@ def value_error(text: str) -> PydanticCustomError:
     return PydanticCustomError(VALUE_ERROR, "{text}", {"text": text})
 
 
-def statement_error(text: str) -> PydanticCustomError:
-    """A mistake across keys (`text` names them in full, e.g. perseus.straggler_hysteresis)."""
-    return PydanticCustomError(STATEMENT_ERROR, "{text}", {"text": text})
+def statement_error(text: str, keys: Iterable[str] = ()) -> PydanticCustomError:
+    """A mistake across keys: `text` names them in full (e.g. perseus.straggler_hysteresis),
+    `keys` lists them, in full, for the ConfigError's `keys` (none: the error's location)."""
+    return PydanticCustomError(STATEMENT_ERROR, "{text}", {"text": text, "keys": list(keys)})
 
 
 class StrChoice(str, enum.Enum):
@@ -373,24 +374,25 @@ def keyed(typed_dict: type, *, example: Mapping[str, Any], why_required: str = "
 
 def dataclass_section(
     load: Callable[[], type],
-    bounds: Mapping[str, Any],
+    bounds: Callable[[], Mapping[str, Any]],
     *,
     where: str,
     example: Mapping[str, Any],
     errors: tuple[type[Exception], ...],
 ) -> Any:
     """A plain dataclass (kept free of pydantic) validated at the door: keys are its fields,
-    values are checked against `bounds` (a typed annotation per field), then the dataclass is
+    values are checked against `bounds()` (a typed annotation per field), then the dataclass is
     built; an error its constructor raises (from `errors`) names the keys its message mentions.
-    `load` imports the dataclass on first use, so a config without this section never pays
-    for its module (the solver's pulls in scipy and HiGHS)."""
+    `load` and `bounds` run on first use, so a config without this section never pays for
+    the dataclass's module."""
 
     @functools.cache
     def entries_of(cls: type) -> tuple[list[str], TypeAdapter]:
         hints = typing.get_type_hints(cls)
+        rules = bounds()
         fields = [f.name for f in dataclasses.fields(cls) if f.init]
         entries = typing_extensions.TypedDict(
-            f"{cls.__name__}Section", {n: bounds.get(n, hints[n]) for n in fields}, total=False
+            f"{cls.__name__}Section", {n: rules.get(n, hints[n]) for n in fields}, total=False
         )
         return fields, TypeAdapter(keyed(entries, example=example))
 
@@ -406,7 +408,7 @@ def dataclass_section(
             return cls(**values)
         except errors as err:
             keys = [f"{where}.{name}" for name in fields if name in str(err)] or [where]
-            raise statement_error(f"{', '.join(keys)}: {err}") from None
+            raise statement_error(f"{', '.join(keys)}: {err}", keys) from None
 
     return PlainValidator(build)
 
@@ -434,9 +436,24 @@ def describe(error: ValidationError, root: str) -> str:
     return f"{len(lines)} mistakes in {root}:\n" + "\n".join(f"- {line}" for line in lines)
 
 
+def _keys(error: Mapping[str, Any], root: str) -> list[str]:
+    """The full keys one pydantic error is about: its location's names (list positions
+    dropped), the unknown or missing keys it names, or the keys a cross-key statement lists in
+    `ctx["keys"]`; none for a statement about the whole section that lists none."""
+    ctx = error.get("ctx") or {}
+    path = ".".join([root, *(str(part) for part in error["loc"] if not isinstance(part, int))])
+    if error["type"] == KEYS_ERROR:
+        return [f"{path}.{key}" for key in (*ctx.get("unknown", ()), *ctx.get("missing", ()))]
+    if error["type"] == STATEMENT_ERROR and ctx.get("keys"):
+        return [str(key) for key in ctx["keys"]]
+    return [path] if error["loc"] else []
+
+
 def parse(model: type[BaseModel], data: Any, *, root: str) -> Any:
-    """`model` validated from `data`, or a ConfigError describing every mistake."""
+    """`model` validated from `data`, or a ConfigError describing every mistake and carrying
+    the keys they are about (`ConfigError.keys`)."""
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(describe(err, root)) from None
+        problems = err.errors(include_url=False)
+        raise ConfigError(describe(err, root), keys=[key for problem in problems for key in _keys(problem, root)]) from None

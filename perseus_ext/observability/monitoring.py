@@ -11,27 +11,33 @@ an iteration late) as scalars stepped by the iteration number:
   `perseus/baseline_probe` (0/1), `perseus/plan` (the frontier plan, -1 at default clocks) and
   `perseus/clock_coverage` (share of the plan's compute time at its planned clock);
 * `perseus/power_w`: the iteration's average GPU power; `perseus/clock_mhz`: its planned SM
-  clock (the profiled clock, the plan's compute-time mean for this stage, the max clock at default);
+  clock (the profiled clock, the mean of the plan's clocks over the stage's computations, the
+  max clock at default);
 * `perseus/straggler_factor`: the slowdown the pipeline plans for (1 = fastest plan);
 * `perseus/saving`, `perseus/saving_low`, `perseus/saving_high`: the energy saving measured
   against the baseline probes so far, with its 95 % interval.
 
-The figures are the writing rank's (DeepSpeed's monitor writes on global rank 0, Megatron's
-writers live on the last rank); the job's figure is rank 0's line at close and `perseus-ext
-report`'s. DeepSpeed's monitor gets them stepped by samples, as DeepSpeed steps its own
-(`Train/Samples/*`). The records still in flight at the end are written when the runtime closes.
-Every rank also feeds its Prometheus exporter when `perseus.prometheus` (or its environment
-variable) asks for one (`perseus_ext.prometheus`). A failing writer is logged once and dropped:
-metrics never break training.
+The writer reads the rank's feed (`observability.feed.RankFeed`: typed records the runtime
+publishes), never the runtime itself. The figures are the writing rank's (DeepSpeed's monitor
+writes on global rank 0, Megatron's writers live on the last rank); the job's figure is rank 0's
+line at close and `perseus-ext report`'s. DeepSpeed's monitor gets them stepped by samples, as
+DeepSpeed steps its own (`Train/Samples/*`). The records still in flight at the end are written
+when the rank records its last iterations at close. Every rank also feeds its Prometheus exporter
+when `perseus.prometheus` (or its environment variable) asks for one
+(`perseus_ext.observability.prometheus`). A failing writer is logged once and dropped: metrics
+never break training.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Callable, Iterable
 
-from perseus_ext.runtime.phase import Phase
-from perseus_ext.runtime.records import IterationRecord
+from perseus_ext.background import start_background
+from perseus_ext.observability.feed import RankFeed
+from perseus_ext.observability.iteration import IterationRecord
+from perseus_ext.observability.phase import Phase
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +47,12 @@ PHASE_CODES = {phase: code for code, phase in enumerate(Phase)}
 Sink = Callable[[list[tuple[str, float, int]]], None]  # (name, value, step) events
 
 
-def record_events(record: IterationRecord, clock_mhz: float | None = None) -> list[tuple[str, float, int]]:
-    """The scalars of one device record (`clock_mhz`: its planned clock, when known)."""
+def record_events(record: IterationRecord) -> list[tuple[str, float, int]]:
+    """The scalars of one device record."""
     setting, step = record.setting, record.iteration
-    power_w = record.energy_j / record.time_s if record.energy_j is not None and record.time_s > 0 else None
     values: dict[str, float | None] = {
         "energy_per_iteration_j": record.energy_j, "time_per_iteration_s": record.time_s,
-        "power_w": power_w, "clock_mhz": clock_mhz,
+        "power_w": record.power_w, "clock_mhz": record.clock_mhz,
         "phase": PHASE_CODES[setting.phase], "fell_back": float(setting.fell_back),
         "baseline_probe": float(setting.probe), "plan": -1 if setting.plan is None else setting.plan,
         "clock_coverage": record.coverage, "straggler_factor": setting.factor,
@@ -126,34 +131,31 @@ def megatron_sinks(tensorboard_writer: Any = None, wandb_writer: Any = None) -> 
 
 
 class IterationMetrics:
-    """Writes each new device record of `runtime` (a `PerseusRuntime`) to the sinks, and to
-    this rank's Prometheus exporter when one is configured; registers `close` with the runtime,
-    so the last records reach every sink when it closes."""
+    """Writes each new device record of a rank's feed (`RankFeed`, which the runtime publishes)
+    to the sinks, and to this rank's Prometheus exporter when one is configured; closes with the
+    feed, so the last records reach every sink when the rank has recorded them."""
 
-    def __init__(self, runtime: Any, sinks: Iterable[Sink | None]) -> None:
-        self.runtime = runtime
+    def __init__(self, feed: RankFeed, sinks: Iterable[Sink | None]) -> None:
+        self.feed = feed
         self.sinks = [sink for sink in sinks if sink is not None]
-        self._written = 0  # records of runtime.history already written
-        self._max_clock_mhz = _max_clock(runtime)
-        self.exporter = _prometheus_exporter(runtime)
+        self.exporter = _prometheus_exporter(feed)
         if self.exporter is not None:
             self.sinks.append(self.exporter)
-        on_close = getattr(runtime, "on_close", None)
-        if on_close is not None:
-            on_close(self.close)
+        feed.on_close(self.close)
 
     def write(self) -> None:
         """Called by the adapters at every iteration end; never raises."""
-        history = self.runtime.history
-        if not self.sinks or self._written >= len(history):
+        if not self.sinks:
+            return
+        batch = self.feed.take()
+        if not batch.records:
             return
         events: list[tuple[str, float, int]] = []
-        for record in history[self._written:]:
-            events += record_events(record, self._clock_mhz(record))
-        self._written = len(history)
-        estimate = self.runtime.probes.estimate()
+        for record in batch.records:
+            events += record_events(record)
+        estimate = batch.saving
         if estimate is not None:
-            step = history[-1].iteration
+            step = batch.records[-1].iteration
             events += [(PREFIX + name, float(value), step) for name, value in (
                 ("saving", estimate.saving), ("saving_low", estimate.saving_low),
                 ("saving_high", estimate.saving_high)) if value is not None]
@@ -165,44 +167,31 @@ class IterationMetrics:
                 self.sinks.remove(sink)
 
     def close(self) -> None:
-        """The records the device finished last, then the exporter's last push; never raises."""
+        """The records the device finished last, then the exporter's last push; never raises.
+
+        Called when the rank has recorded its last iteration, before it restores the clocks and
+        gathers the job's summary: the push (seconds against a gateway that does not answer)
+        runs on a thread of its own so neither waits for it, and the thread is not a daemon, so
+        the process does not exit before the job's final figures are pushed."""
         self.write()
         if self.exporter is not None:
-            try:
-                self.exporter.close()
-            except Exception:
-                logger.exception("perseus-ext: closing the Prometheus exporter failed")
+            start_background(threading.Thread(target=self._close_exporter, name="perseus-prometheus-close",
+                                              daemon=False))
 
-    def _clock_mhz(self, record: IterationRecord) -> float | None:
-        setting = record.setting
-        if setting.profiled_clock_mhz is not None:
-            return float(setting.profiled_clock_mhz)
-        deployment = getattr(self.runtime, "deployment", None)
-        if setting.plan is not None and deployment is not None:
-            try:
-                clocks = deployment.stage_clocks(record.stage, setting.plan)
-            except (IndexError, KeyError):  # a plan of a frontier since replaced
-                return None
-            return sum(clocks) / len(clocks) if clocks else None
-        return self._max_clock_mhz  # default clocks
+    def _close_exporter(self) -> None:
+        try:
+            self.exporter.close()
+        except Exception:
+            logger.exception("perseus-ext: closing the Prometheus exporter failed")
 
 
-def _max_clock(runtime: Any) -> float | None:
-    gpu = getattr(runtime, "gpu", None)
-    try:
-        return float(gpu.supported_sm_clocks()[0]) if gpu is not None else None
-    except Exception:  # a GPU that cannot answer: no clock figure, training goes on
-        return None
-
-
-def _prometheus_exporter(runtime: Any) -> Any:
+def _prometheus_exporter(feed: RankFeed) -> Any:
     """This rank's exporter (perseus.prometheus or its environment variable), else None."""
-    from perseus_ext.prometheus import PrometheusExporter, RankLabels, export_target
+    from perseus_ext.observability.prometheus import PrometheusExporter, RankLabels, export_target
 
-    config = getattr(runtime, "config", None)
-    target = export_target(getattr(config, "prometheus", None), getattr(runtime, "local_rank", 0))
+    identity = feed.identity
+    target = export_target(feed.prometheus, identity.local_rank)
     if target is None:
         return None
-    comm = runtime.comm
-    labels = RankLabels(target.job or runtime.job_id, comm.rank, runtime.stage, comm.pipeline)
+    labels = RankLabels(target.job or identity.job_id, identity.rank, identity.stage, identity.pipeline)
     return PrometheusExporter(target, labels)

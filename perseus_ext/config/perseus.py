@@ -4,41 +4,33 @@ Why: the section arrives inside a framework config (a DeepSpeed JSON file, Megat
 every mistake knowable without a GPU must fail at `deepspeed.initialize` / Megatron `install`
 with a message naming `perseus.<key>` (nested: `perseus.policy.eta`,
 `perseus.solver.min_grid_points`) and the fix, not hours later inside a training step. The
-`policy` and `solver` sub-sections come out typed (`PolicyConfig`, `SolverOptions`), output
-paths are checked to be writable, and a saved profile's blocking power is read here. What needs
-the GPU or the pipeline (are the candidate clocks supported? which clock is "min"? does a saved
-profile fit this pipeline and GPU?) is the runtime's.
+`gpu` spec, the `policy` and `solver` sub-sections come out typed (`GpuSpec`, `PolicySection`,
+`SolverOptions`), output paths are checked to be writable, and a saved profile's side file is
+read here. What needs the GPU or the pipeline (are the candidate clocks supported? which clock
+is "min"? does a saved profile fit this pipeline and GPU?) is the runtime's.
 
 The same model generates the Megatron `--perseus-<key>` flags
 (`perseus_ext.adapters.megatron_args`) and the key table of README.md and docs/deepspeed.md
-(`key_table_markdown`). This module imports no torch.
+(`perseus_ext.config.key_table`). Validating a section imports neither torch nor numpy nor a
+database driver (the import contract forbids them here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import json
-import math
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, PrivateAttr, TypeAdapter, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, PlainSerializer, PrivateAttr, model_validator
 
-from perseus_ext.errors import ConfigError, SolverError
-from perseus_ext.measurement.gpu import ENV_SPEC as GPU_ENV
-from perseus_ext.measurement.gpu import check_gpu_spec
-from perseus_ext.planning.options import BOUNDS as SOLVER_OPTION_BOUNDS
-from perseus_ext.planning.options import SolverOptions
-from perseus_ext.policies.config import PolicyConfig
-from perseus_ext.schema import (
+from perseus_ext.config.gpu import ENV_GPU, GpuSpec, gpu_spec_from_env, is_simulated, parse_gpu_spec
+from perseus_ext.config.policy import PolicySection
+from perseus_ext.config.rules import (
     Rule,
     Section,
     StrChoice,
     choice,
     dataclass_section,
-    field_rule,
     flag,
     integer,
     listing,
@@ -46,17 +38,25 @@ from perseus_ext.schema import (
     output_path,
     parse,
     rank_template,
-    require_writable,
     show,
     statement_error,
     text,
     value_error,
 )
+from perseus_ext.config.sections import (
+    PREFIX,
+    PrometheusConfig,
+    ProfileSidecar,
+    SimulatedWorkload,
+    check_profile_path,
+    saved_sidecar,
+)
+from perseus_ext.errors import ConfigError, SolverError
 
+if TYPE_CHECKING:
+    from perseus_ext.planning.options import SolverOptions
 
-PREFIX = "perseus"
 CONTROL_TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # a second .. a week
-MAX_COMPUTATION_S = 3600.0  # a simulated microbatch forward/backward longer than an hour is a typo
 
 
 class Mode(StrChoice):
@@ -67,17 +67,27 @@ class Mode(StrChoice):
 
 
 # ------------------------------------------------------------------------------ solver options
-def _solver_bounds() -> dict[str, Any]:
+def _solver_options() -> type:
+    """The solver's option dataclass, imported when a section has a `solver` key (it is plain
+    Python: its module imports nothing heavier than `math`)."""
+    from perseus_ext.planning.options import SolverOptions
+
+    return SolverOptions
+
+
+def solver_bounds() -> dict[str, Any]:
     """Door rules of every `SolverOptions` field, from the solver's own bounds (one table:
     `perseus_ext.planning.options.BOUNDS`): beyond them its grid or LP count (and its memory)
     explodes or the option is meaningless (e.g. a negative grid)."""
+    from perseus_ext.planning.options import BOUNDS
+
     rules: dict[str, Any] = {}
-    for option in dataclasses.fields(SolverOptions):
+    for option in dataclasses.fields(_solver_options()):
         default = option.default
         if isinstance(default, bool):
             rules[option.name] = flag(example=default)
             continue
-        low, high = SOLVER_OPTION_BOUNDS[option.name]
+        low, high = BOUNDS[option.name]
         if isinstance(default, int):
             rules[option.name] = integer(int(low), int(high), example=default)
         else:
@@ -85,207 +95,18 @@ def _solver_bounds() -> dict[str, Any]:
     return rules
 
 
-SOLVER_BOUNDS: dict[str, Any] = _solver_bounds()
-
 _SOLVER_EXAMPLE = {"min_grid_points": 300}
 
 
-# ------------------------------------------------------------------------------ simulated workload
-Seconds = number(example=0.02, unit="seconds", above=0, at_most=MAX_COMPUTATION_S)
-_ONE_DURATION = TypeAdapter(Seconds)
-_PER_STAGE_DURATIONS = TypeAdapter(listing(Seconds, what="numbers of seconds", example=[0.02, 0.03]))
-
-
-def _per_stage_seconds(value: Any) -> tuple[float, ...]:
-    """One duration for every stage, or one per stage."""
-    if isinstance(value, (list, tuple)):
-        return _PER_STAGE_DURATIONS.validate_python(value)
-    return (_ONE_DURATION.validate_python(value),)
-
-
-PerStageSeconds = Annotated[
-    tuple[float, ...],
-    PlainValidator(_per_stage_seconds),
-    Rule(f"a number of seconds in (0, {MAX_COMPUTATION_S:g}] or a list of them (one per stage)", 0.02),
-]
-
-
-class SimulatedWorkload(Section):
-    """Seconds one forward/backward of one microbatch takes at the max clock, per stage.
-
-    Only used with a simulated GPU: the runtime paces each computation to this duration at the
-    current clock (the real CPU work counts towards it), so energy and time follow the GPU model
-    while the training math is untouched.
-    """
-
-    example: ClassVar[dict[str, Any]] = {"forward_seconds": 0.02, "backward_seconds": 0.04}
-
-    forward_seconds: Annotated[PerStageSeconds, Field(description="one microbatch's forward at the max clock")]
-    backward_seconds: Annotated[PerStageSeconds, Field(description="one microbatch's backward at the max clock")]
-
-    def seconds(self, stage: int, kind: str) -> float:
-        table = self.forward_seconds if kind == "forward" else self.backward_seconds
-        return table[stage] if len(table) > 1 else table[0]
-
-    def check_stages(self, num_stages: int) -> None:
-        for name in ("forward_seconds", "backward_seconds"):
-            values = getattr(self, name)
-            if len(values) not in (1, num_stages):
-                raise ConfigError(
-                    f"{PREFIX}.simulated_workload.{name} has {len(values)} entries but the "
-                    f"pipeline has {num_stages} stages; give one number or one per stage"
-                )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"forward_seconds": list(self.forward_seconds), "backward_seconds": list(self.backward_seconds)}
-
-
-# ------------------------------------------------------------------------------ Prometheus
-PROMETHEUS_PORT_ENV = "PERSEUS_PROMETHEUS_PORT"  # the base port, when the section gives none
-PUSHGATEWAY_ENV = "PERSEUS_PUSHGATEWAY"  # the Pushgateway URL, when the section gives none
-Port = integer(1, 65535, example=9400, what="a TCP port")
-
-
-def _gateway_url(url: str) -> str:
-    """A Pushgateway address: `http(s)://host[:port]` or `host:port` (prometheus-client's forms)."""
-    from urllib.parse import urlsplit
-
-    target = url if "://" in url else f"http://{url}"
-    try:
-        parts = urlsplit(target)
-        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
-    except ValueError:
-        ok = False
-    if not ok:
-        raise value_error(f"{show(url)} is not a Pushgateway address; e.g. \"http://pushgateway:9091\"")
-    return url
-
-
-class PrometheusConfig(Section):
-    """Per-rank metrics for Prometheus: an HTTP endpoint each rank serves (scraped), and/or
-    pushes to a Pushgateway (short jobs that end between two scrapes)."""
-
-    example: ClassVar[dict[str, Any]] = {"port": 9400}
-
-    port: Annotated[Port | None, Field(
-        description="base port of the /metrics endpoints: local rank r serves on port + r")] = None
-    address: Annotated[text(example="127.0.0.1", what="an address to listen on"), Field(
-        description="interface the endpoints listen on")] = "0.0.0.0"
-    pushgateway: Annotated[
-        Annotated[text(example="http://pushgateway:9091", what="a Pushgateway URL"), AfterValidator(_gateway_url)] | None,
-        Field(description="Pushgateway every rank pushes to (grouped by job and rank)")] = None
-    push_interval_s: Annotated[number(example=15, unit="seconds", above=0, at_most=86400), Field(
-        description="seconds between pushes while training; the last push is at close")] = 15.0
-    job: Annotated[text(example="gpt3-13b", what="a job name") | None, Field(
-        description="the `job` label (default: the job id perseus-ext draws, the same on every rank)")] = None
-
-    @model_validator(mode="after")
-    def _somewhere_to_go(self) -> PrometheusConfig:
-        if self.port is None and self.pushgateway is None and not os.environ.get(PROMETHEUS_PORT_ENV) \
-                and not os.environ.get(PUSHGATEWAY_ENV):
-            raise statement_error(
-                f"{PREFIX}.prometheus exports nowhere: give {PREFIX}.prometheus.port (each rank serves "
-                f"/metrics on port + local rank) or {PREFIX}.prometheus.pushgateway, e.g. {{\"port\": 9400}}"
-            )
-        return self
-
-
-# ------------------------------------------------------------------------------ saved profiles
-SIDECAR_LIMIT_BYTES = 1 << 20  # a sidecar is a few hundred bytes; anything huge is not ours
-
-
-def profile_sidecar(path: str | Path) -> Path:
-    """Where the blocking power measured with a saved profile is kept (the CSV has no column)."""
-    return Path(f"{path}.json")
-
-
-class ProfileSidecar(BaseModel):
-    """`<profile_path>.json`: what the profile CSV cannot hold (profile_store.py writes it)."""
-
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, frozen=True, extra="ignore")
-
-    blocking_power_w: Annotated[float, Field(gt=0.0, le=1e5)] | None = None  # per GPU
-    gpus_per_stage: Annotated[int, Field(ge=1, le=1 << 16)] | None = None
-    gpu: Annotated[str, Field(max_length=256)] | None = None
-
-
-def read_profile_sidecar(profile_path: str | Path, fix: str) -> ProfileSidecar | None:
-    """The side file of a saved profile (None when there is none), through the bounded reader:
-    at most 1 MB of UTF-8 JSON nested at most 16 deep, typed fields (finite, positive); any
-    problem is one ConfigError naming perseus.profile_path, the side file, the field and `fix`."""
-    from pydantic import ValidationError
-
-    from perseus_ext.inputs import CONFIG_DEPTH, InputError, parse_json, read_text, validation_problem
-
-    path = profile_sidecar(profile_path)
-    if not path.exists():
-        return None
-    what = f"side file of {PREFIX}.profile_path"
-    try:
-        data = parse_json(read_text(path, what=what, limit_bytes=SIDECAR_LIMIT_BYTES, fix=fix), path=path, what=what,
-                          fix=fix, max_depth=CONFIG_DEPTH)
-        if not isinstance(data, dict):
-            raise InputError(path, f"must hold a JSON object, got {type(data).__name__}", fix)
-        try:
-            return ProfileSidecar.model_validate(data)
-        except ValidationError as err:
-            field, problem = validation_problem(err)
-            raise InputError(path, problem, fix, field=field) from None
-    except InputError as err:
-        raise ConfigError(f"{PREFIX}.profile_path {profile_path}: {err}") from None
-
-
-def _saved_sidecar(profile_path: str, *, need_blocking_power: bool) -> ProfileSidecar | None:
-    """The side file of an existing profile, read once (here, at the door: the profile store
-    takes it from the config); with `need_blocking_power` (the section sets no
-    `blocking_power_w`) it must hold one. A ConfigError says how to fix either."""
-    fix = (f"set {PREFIX}.blocking_power_w, or delete {profile_path} so the job profiles again" if need_blocking_power
-           else f"delete {profile_path} (and {profile_sidecar(profile_path)}) to profile again")
-    sidecar = read_profile_sidecar(profile_path, fix)
-    if need_blocking_power and (sidecar is None or sidecar.blocking_power_w is None):
-        missing = "is missing" if sidecar is None else "has no blocking_power_w"
-        raise ConfigError(
-            f"{PREFIX}.profile_path {profile_path} has no blocking power ({profile_sidecar(profile_path)} {missing}); "
-            f"{fix}"
-        )
-    return sidecar
-
-
-def _profile_path(path: str) -> str:
-    """An existing profile is read (must be a file; its content and `<path>.json` are checked
-    against the pipeline and GPU by the runtime's profile store); a missing one is written."""
-    try:
-        exists, is_file = Path(path).exists(), Path(path).is_file()
-    except OSError:  # e.g. no permission to look: require_writable names the problem
-        exists = is_file = False
-    if exists and not is_file:
-        raise value_error(f"{show(path)} is not a file; give a profile CSV or a path the job may create")
-    if not exists:
-        require_writable(path)
-    return path
-
-
 # ------------------------------------------------------------------------------ the GPU
-def _known_gpu_spec(spec: str) -> str:
-    """A simulated preset or option that does not exist fails here, naming `perseus.gpu`."""
+def _gpu_spec(value: Any) -> Any:
+    """A spec string parsed once, here; a typo fails naming `perseus.gpu`."""
+    if not isinstance(value, str):
+        return value
     try:
-        check_gpu_spec(spec)
+        return parse_gpu_spec(value)
     except ConfigError as err:
-        raise value_error(f"{show(spec)}: {str(err).removeprefix(f'GPU spec {spec!r}: ')}") from None
-    return spec
-
-
-def _gpu_spec_shape(spec: str) -> bool:
-    """"nvml", "sim:<preset>...", "zeusd" or "zeusd:<reading backend>" (the simulator's seam)."""
-    spec = spec.strip()
-    if spec == "zeusd" or spec.startswith("zeusd:"):
-        spec = spec.partition(":")[2] or "nvml"
-    return spec == "nvml" or spec.startswith("sim:")
-
-
-def resolved_gpu_spec(gpu: str | None) -> str:
-    """The GPU backend a rank will open: the key, else env PERSEUS_GPU, else NVML."""
-    return (gpu if gpu is not None else os.environ.get(GPU_ENV, "nvml")).strip()
+        raise value_error(f"{show(value)}{str(err).removeprefix(f'GPU spec {value.strip()!r}')}") from None
 
 
 # ------------------------------------------------------------------------------ the section
@@ -306,8 +127,8 @@ class PerseusConfig(Section):
         description="`observe` never touches clocks: it only measures and logs time and energy per iteration "
                     "(and paces a simulated GPU) — the baseline for comparisons.")] = Mode.OPTIMIZE
     gpu: Annotated[
-        Annotated[str, Rule('"nvml", "zeusd" or "sim:<preset>[?options]"', "sim:a100_sxm", _gpu_spec_shape),
-                  AfterValidator(_known_gpu_spec)] | None,
+        Annotated[GpuSpec, BeforeValidator(_gpu_spec), PlainSerializer(str, return_type=str),
+                  Rule('"nvml", "zeusd" or "sim:<preset>[?options]"', "sim:a100_sxm")] | None,
         Field(description="GPU backend: `\"nvml\"`, `\"zeusd\"` (clock and power-limit changes through the zeusd "
                           "daemon at `ZEUSD_SOCK_PATH` or `ZEUSD_HOST_PORT`, bearer token `ZEUSD_TOKEN`; reads "
                           "through NVML) or `\"sim:<preset>[?options]\"` (presets `a100_sxm`, `a40`, `h100`; see "
@@ -349,7 +170,7 @@ class PerseusConfig(Section):
                     "whose estimate fails is not saved: the next run profiles again), or read from an existing "
                     "`profile_path`'s `<path>.json`.")] = None
     profile_path: Annotated[
-        Annotated[text(example="profiles/job.csv", what="a non-empty path"), AfterValidator(_profile_path)] | None,
+        Annotated[text(example="profiles/job.csv", what="a non-empty path"), AfterValidator(check_profile_path)] | None,
         Field(description="Profile CSV (`stage,instruction,frequency,time,energy`) plus `<path>.json` (blocking "
                           "power). If the file exists, profiling is skipped; otherwise the first pipeline saves "
                           "its profile there, so a restarted job skips profiling.")] = None
@@ -364,7 +185,7 @@ class PerseusConfig(Section):
     else:
         solver: Annotated[
             Any,
-            dataclass_section(lambda: SolverOptions, SOLVER_BOUNDS, where=f"{PREFIX}.solver",
+            dataclass_section(_solver_options, solver_bounds, where=f"{PREFIX}.solver",
                               example=_SOLVER_EXAMPLE, errors=(SolverError,)),
             Rule("an object of frontier-solver options", _SOLVER_EXAMPLE),
             Field(description="Options of the frontier solver, the fields of "
@@ -376,7 +197,10 @@ class PerseusConfig(Section):
                           "clocks instead of waiting forever. Must exceed the longest gap between iterations "
                           "(e.g. checkpointing).")] = 1800.0
     straggler_check_interval: Annotated[integer(1, example=10), Field(
-        description="Iterations between straggler checks (one tiny all-gather each).")] = 10
+        description="Iterations between straggler checks. A check is two element-wise max all-reduces of a "
+                    "few floats over gloo (within the pipeline, then among its data-parallel peers) and, once the "
+                    "pipeline has device records, a broadcast of the pipeline leader's choice (two floats); each is started at "
+                    "one iteration boundary and collected at the next, so training does not wait for them.")] = 10
     straggler_threshold: Annotated[Fraction, Field(
         description="A pipeline slows down only if the slowest pipeline takes this much longer (relative to "
                     "the fastest plan's time).")] = 0.05
@@ -408,15 +232,19 @@ class PerseusConfig(Section):
                     "placeholder) is replaced by the global rank. Its directory must be creatable.")] = None
     summary_path: Annotated[rank_template(example="logs/summary-{rank}.json") | None, Field(
         description="JSON summary per rank written at the end; `{rank}` as above.")] = None
+    megatron_iteration_log: Annotated[flag(example=True), Field(
+        description="Megatron-LM only: append this rank's perseus-ext energy and time per iteration and its "
+                    "phase to Megatron-LM's iteration log line.")] = False
     simulated_workload: Annotated[
         Annotated[SimulatedWorkload, Rule("an object", SimulatedWorkload.example)] | None,
         Field(description="Simulated GPUs only: `{\"forward_seconds\": s or [s per stage], \"backward_seconds\": "
                           "...}`, the duration of one microbatch's forward/backward at the max clock. Each "
                           "computation launches that much work on the simulated device, which runs it "
                           "asynchronously at its effective clock (time and energy follow the GPU model, the math "
-                          "is untouched).")] = None
+                          "is untouched). Split-backward schedules' input- and weight-gradient computations take "
+                          "the backward's shares by the planner's derivation rule (docs/schedules.md).")] = None
     policy: Annotated[
-        Annotated[PolicyConfig, Rule("an object", PolicyConfig.example)] | None,
+        Annotated[PolicySection, Rule("an object", PolicySection.example)] | None,
         Field(description="Which frontier plan to run: `null` = Perseus' straggler policy; Zeus/Chase cost "
                           "policies (`{\"type\": \"zeus\", \"eta\": 0.5}`, `{\"type\": \"chase\", \"carbon\": "
                           "{\"csv\": ...}}`); the fastest plan within a power budget (`{\"type\": \"power_budget\", "
@@ -435,6 +263,7 @@ class PerseusConfig(Section):
                           "`PERSEUS_PUSHGATEWAY`, else off. docs/monitoring.md.")] = None
 
     _profile_sidecar: ProfileSidecar | None = PrivateAttr(default=None)
+    _gpu_spec: GpuSpec = PrivateAttr(default=None)  # type: ignore[assignment] # set by _keys_agree
 
     @model_validator(mode="after")
     def _keys_agree(self) -> PerseusConfig:
@@ -442,27 +271,31 @@ class PerseusConfig(Section):
             raise statement_error(
                 f"{PREFIX}.straggler_hysteresis ({self.straggler_hysteresis:g}) must be smaller than "
                 f"{PREFIX}.straggler_threshold ({self.straggler_threshold:g}), or plans would never return "
-                f"after a straggler recovers; e.g. 0.02 and 0.05"
+                f"after a straggler recovers; e.g. 0.02 and 0.05",
+                [f"{PREFIX}.straggler_hysteresis", f"{PREFIX}.straggler_threshold"],
             )
-        if self.gpu is None and os.environ.get(GPU_ENV, "").strip():  # the key's fallback is checked as the key
+        if self.gpu is not None:
+            self._gpu_spec = self.gpu
+        else:  # env PERSEUS_GPU names the GPU: checked here, as the key would be
             try:
-                check_gpu_spec(resolved_gpu_spec(None))
+                self._gpu_spec = gpu_spec_from_env()
             except ConfigError as err:
-                raise statement_error(f"{PREFIX}.gpu is null, so env {GPU_ENV} names the GPU: {err}; fix {GPU_ENV} "
-                                      f"or set {PREFIX}.gpu") from None
-        if self.simulated_workload is not None and not resolved_gpu_spec(self.gpu).removeprefix("zeusd:").startswith("sim:"):
-            where = f"{PREFIX}.gpu" if self.gpu is not None else f"{PREFIX}.gpu (null: env {GPU_ENV}, default nvml)"
+                raise statement_error(f"{PREFIX}.gpu is null, so env {ENV_GPU} names the GPU: {err}; fix {ENV_GPU} "
+                                      f"or set {PREFIX}.gpu", [f"{PREFIX}.gpu"]) from None
+        if self.simulated_workload is not None and not is_simulated(self._gpu_spec):
+            where = f"{PREFIX}.gpu" if self.gpu is not None else f"{PREFIX}.gpu (null: env {ENV_GPU}, default nvml)"
             raise statement_error(
                 f"{PREFIX}.simulated_workload paces work on a simulated GPU, but {where} is "
-                f"{show(resolved_gpu_spec(self.gpu))}: set {PREFIX}.gpu to \"sim:a100_sxm\" (a CPU machine, "
-                f"or a test of the loop) or drop {PREFIX}.simulated_workload (a real GPU)"
+                f"{show(str(self._gpu_spec))}: set {PREFIX}.gpu to \"sim:a100_sxm\" (a CPU machine, "
+                f"or a test of the loop) or drop {PREFIX}.simulated_workload (a real GPU)",
+                [f"{PREFIX}.simulated_workload", f"{PREFIX}.gpu"],
             )
         if self.profile_path is not None and Path(self.profile_path).is_file():
             try:
-                self._profile_sidecar = _saved_sidecar(self.profile_path,
+                self._profile_sidecar = saved_sidecar(self.profile_path,
                                                        need_blocking_power=self.blocking_power_w is None)
             except ConfigError as err:
-                raise statement_error(str(err)) from None
+                raise statement_error(str(err), [f"{PREFIX}.profile_path"]) from None
         return self
 
     @classmethod
@@ -484,26 +317,14 @@ class PerseusConfig(Section):
             return None
         return self._profile_sidecar.blocking_power_w
 
+    @property
+    def gpu_spec(self) -> GpuSpec:
+        """The GPU this job opens: the `gpu` key, else env PERSEUS_GPU (default nvml), parsed
+        once at the door."""
+        return self._gpu_spec
+
     def to_dict(self) -> dict[str, Any]:
         """The section as plain values; `from_dict(config.to_dict()) == config`."""
         return self.model_dump()
 
 
-# ------------------------------------------------------------------------------ documentation
-def _type_and_default(name: str) -> str:
-    info = PerseusConfig.model_fields[name]
-    kind = field_rule(PerseusConfig, name).requirement.replace("|", "\\|")
-    if info.default is None and not kind.startswith("null"):
-        kind += " \\| null"
-    return f"{kind}, `{json.dumps(info.get_default(call_default_factory=True))}`"
-
-
-def key_table_markdown() -> str:
-    """The key table of README.md and docs/deepspeed.md, generated from the model (a test keeps
-    both files equal to it)."""
-    rows = ["| key | type / default | meaning |", "|---|---|---|"]
-    rows += [
-        f"| `{name}` | {_type_and_default(name)} | {info.description} |"
-        for name, info in PerseusConfig.model_fields.items()
-    ]
-    return "\n".join(rows)

@@ -2,59 +2,45 @@
 
 Why: `perseus-ext report` is fed whatever files a user globs: logs of several jobs, a log
 appended across restarts, one rank's log twice, a truncated or binary file, a log of any length.
-Every row is validated as a `LogRow` (finite, non-negative, physically possible figures, known
-phases) and a bad one is one error naming the file, the line and the field. The files are read
+Every row is validated as a `LogRow` (`log_row.py`, the model the runtime writes them with:
+finite, non-negative, physically possible figures, known phases) and a bad one is one error
+naming the file, the line and the field. The files are read
 twice, one line at a time, so memory does not grow with their length: a first pass finds, per
 file and rank, where each run starts and which job wrote it; the second streams the chosen runs,
 merged by iteration, into the report's accumulators.
 
 A run is one rank's iterations of one job: rows carry the job's id (`job`, the same on every
-rank). A log written before rows carried it tells runs apart by the iteration count going back.
-A report is one job's: logs whose latest runs are of different jobs are refused (name one with
-`--job`), and so is a rank given twice in one job -- never merged into one figure.
+rank). A log written before rows carried it tells runs apart by the iteration count going back,
+and runs of different files by their wall-clock timestamps: the ranks of one job record their
+iterations at the same time, so runs whose spans lie more than `JOB_GAP_S` apart are of two
+jobs (two jobs that ran at the same time cannot be told apart this way). A report is one job's:
+logs whose latest runs are of different jobs are refused (name one with `--job`), and so is a
+rank given twice in one job -- never merged into one figure. A folder given instead of files
+stands for the `*.jsonl` files directly in it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal, Optional
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from perseus_ext.inputs import InputError, iter_lines, validate_json_line
-from perseus_ext.runtime.baseline import Sample, label_of
+from perseus_ext.observability.log_row import LogRow
+from perseus_ext.observability.run_figures import Sample, label_of
 
-MAX_ITERATION = 1 << 53  # past a double's integers, an iteration count cannot be summed exactly
-MAX_RANK = 1 << 24  # 16 M ranks
-MAX_TIME_S = 1e6  # an iteration of 11 days is not a measurement
-MAX_ENERGY_J = 1e12  # 1 TJ in one iteration of one stage is not a measurement
+JOB_GAP_S = 60.0  # runs without a job id further apart than this are of different jobs
+LOG_SUFFIX = ".jsonl"
 FIX = "give the JSONL files the runtime writes to perseus.log_path, unchanged"
 WHAT = "perseus-ext log"
 
 
-class LogRow(BaseModel):
-    """The fields of a log row that the report reads (the runtime writes more)."""
-
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, frozen=True, extra="ignore")
-
-    iteration: Annotated[int, Field(ge=0, le=MAX_ITERATION)]
-    rank: Annotated[int, Field(ge=0, le=MAX_RANK)]
-    phase: Literal["warmup", "profiling", "solving", "deployed", "power_limit", "observing"]
-    time_s: Annotated[float, Field(ge=0.0, le=MAX_TIME_S)]
-    energy_j: Optional[Annotated[float, Field(ge=0.0, le=MAX_ENERGY_J)]] = None
-    factor: Optional[Annotated[float, Field(gt=0.0, le=1e6)]] = None
-    fell_back: bool = False
-    probe: bool = False
-    pipeline: Optional[Annotated[int, Field(ge=0, le=MAX_RANK)]] = None
-    stage: Optional[Annotated[int, Field(ge=0, le=MAX_RANK)]] = None
-    job: Optional[Annotated[str, Field(max_length=64)]] = None
-
-    def sample(self) -> Sample:
-        return Sample(self.iteration, label_of(self.phase, self.fell_back, self.probe), self.factor, self.time_s,
-                      self.energy_j)
+def sample_of(row: LogRow) -> Sample:
+    """A log row as the report's statistics see it."""
+    return Sample(row.iteration, label_of(row.phase, row.fell_back, row.probe), row.factor, row.time_s, row.energy_j)
 
 
 @dataclass(frozen=True)
@@ -68,6 +54,8 @@ class RankRun:
     start_line: int
     pipeline: int | None
     stage: int | None
+    first_timestamp: float | None = None  # wall clock of its first and last rows that carry one
+    last_timestamp: float | None = None
 
     def samples(self) -> Iterator[Sample]:
         """The run's samples in iteration order, read one line at a time."""
@@ -82,7 +70,7 @@ class RankRun:
             if row.job != self.job or row.iteration <= last:
                 return  # the next run of this rank
             last = row.iteration
-            yield row.sample()
+            yield sample_of(row)
 
 
 @dataclass(frozen=True)
@@ -139,6 +127,7 @@ def _scan(path: Path) -> list[RankRun]:
     """Every run the file holds, in the order they start (first pass)."""
     runs: list[RankRun] = []
     current: dict[int, tuple[RankRun, int, int]] = {}  # rank -> (its current run, last iteration, its line)
+    spans: dict[int, list[float]] = {}  # id of a run -> [first, last] timestamp
     for number, offset, text in iter_lines(path, what=WHAT, fix=FIX):
         if not text.strip():
             continue
@@ -156,7 +145,55 @@ def _scan(path: Path) -> list[RankRun]:
             runs.append(new)
             run = (new, row.iteration, number)
         current[row.rank] = (run[0], row.iteration, number)
-    return runs
+        if row.timestamp is not None:
+            span = spans.setdefault(id(run[0]), [row.timestamp, row.timestamp])
+            span[0], span[1] = min(span[0], row.timestamp), max(span[1], row.timestamp)
+    return [dataclasses.replace(run, first_timestamp=spans[id(run)][0], last_timestamp=spans[id(run)][1])
+            if id(run) in spans else run for run in runs]
+
+
+def _when(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _refuse_runs_of_different_times(runs: list[RankRun]) -> None:
+    """Runs without a job id are one job's only if their wall-clock spans meet (within
+    `JOB_GAP_S`); otherwise refused, naming each group's files and times."""
+    timed = sorted((run for run in runs if run.first_timestamp is not None), key=lambda run: run.first_timestamp)
+    groups: list[list[RankRun]] = []
+    for run in timed:
+        if groups and run.first_timestamp <= max(r.last_timestamp for r in groups[-1]) + JOB_GAP_S:
+            groups[-1].append(run)
+        else:
+            groups.append([run])
+    if len(groups) < 2:
+        return
+    parts = []
+    for group in groups:
+        files = ", ".join(dict.fromkeys(str(run.path) for run in group))
+        start, end = min(r.first_timestamp for r in group), max(r.last_timestamp for r in group)
+        parts.append(f"rank{'s' * (len(group) > 1)} {', '.join(str(r.rank) for r in group)} in {files} ran "
+                     f"{_when(start)} to {_when(end)}")
+    raise InputError(groups[1][0].path, f"the logs are of {len(groups)} different jobs by their timestamps (their rows "
+                                        f"carry no job id): {'; '.join(parts)}",
+                     "give the logs of one job only (the ranks of one job ran at the same time)", field="timestamp")
+
+
+def log_paths(paths: Iterable[str | os.PathLike[str]]) -> list[Path]:
+    """The log files to read: each file as given, each folder as the `*.jsonl` files directly
+    in it (what perseus.log_path = 'DIR/log-{rank}.jsonl' writes), in name order."""
+    files: list[Path] = []
+    for path in map(Path, paths):
+        if not path.is_dir():
+            files.append(path)
+            continue
+        found = sorted(child for child in path.iterdir() if child.suffix == LOG_SUFFIX and child.is_file())
+        if not found:
+            raise InputError(path, f"the folder holds no {LOG_SUFFIX} file",
+                             "give the folder perseus.log_path writes to (e.g. 'logs/perseus-{rank}.jsonl' -> "
+                             "logs), or the log files themselves")
+        files += found
+    return files
 
 
 def _describe(job: str | None) -> str:
@@ -164,9 +201,11 @@ def _describe(job: str | None) -> str:
 
 
 def read_logs(paths: Iterable[str | os.PathLike[str]], job: str | None = None) -> JobLogs:
-    """The runs of one job from the logs: the job of the files' latest runs, or `job`."""
+    """The runs of one job from the logs (files, or folders of them): the job of the files'
+    latest runs, or `job`."""
+    paths = log_paths(paths)
     latest: list[RankRun] = []
-    for path in map(Path, paths):
+    for path in paths:
         runs = _scan(path)
         if job is not None:
             runs = [run for run in runs if run.job == job]
@@ -188,6 +227,8 @@ def read_logs(paths: Iterable[str | os.PathLike[str]], job: str | None = None) -
         named = [name for name in jobs if name is not None]
         raise InputError(latest[0].path, f"the logs are of {len(jobs)} different jobs ({'; '.join(parts)})",
                          f"give one job's logs, or choose one with --job ({', '.join(named) or 'none named'})")
+    if None in jobs:
+        _refuse_runs_of_different_times(latest)
     by_rank: dict[int, RankRun] = {}
     for run in latest:
         other = by_rank.get(run.rank)

@@ -2,8 +2,8 @@
 
 Why: a training cluster's power and energy are watched in Prometheus and Grafana; perseus-ext's
 figures belong next to them, not only in DeepSpeed's monitor, Megatron's writers and JSONL.
-The exporter is one more sink of `perseus_ext.monitoring.IterationMetrics`, so it exports exactly
-what the monitors get, per device record (energy, time, power, clock, phase, plan, coverage,
+The exporter is one more sink of `perseus_ext.observability.monitoring.IterationMetrics`, so it
+exports exactly what the monitors get, per device record (energy, time, power, clock, phase, plan, coverage,
 straggler factor, measured saving), as gauges labelled `job`, `rank`, `stage`, `pipeline`, plus
 running totals of energy and iterations.
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from perseus_ext.errors import ConfigError
-from perseus_ext.runtime.config import PREFIX, PROMETHEUS_PORT_ENV, PUSHGATEWAY_ENV, PrometheusConfig
-from perseus_ext.runtime.phase import Phase
+from perseus_ext.config.sections import PREFIX, PROMETHEUS_PORT_ENV, PUSHGATEWAY_ENV, PrometheusConfig
+from perseus_ext.observability.phase import Phase
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,11 @@
-"""The runtime's phases: a bottom module, so every collaborator can name them without importing
-the runtime itself."""
+"""The runtime's phases: the vocabulary of everything a rank publishes (its iteration records,
+log rows, metrics, summary), so it lives beside them, below the runtime; the runtime, the
+log reader and the exporters all name the phases from this one enum."""
 
 from __future__ import annotations
 
 import enum
+from typing import Literal
 
 
 class Phase(str, enum.Enum):
@@ -20,3 +22,8 @@ class Phase(str, enum.Enum):
     def at_default_clocks(self) -> bool:
         """Whether this phase runs the driver's default clocks (what savings are measured against)."""
         return self in (Phase.WARMUP, Phase.SOLVING, Phase.OBSERVING)
+
+
+# The phases' names as a Literal, derived from the enum so a log row's type can never fall out of
+# step with it (a new phase is a new literal without touching the row model).
+PhaseName = Literal[tuple(phase.value for phase in Phase)]  # type: ignore[valid-type]

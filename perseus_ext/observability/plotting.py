@@ -92,8 +92,10 @@ def plot_frontier(
     times = np.array([p.time for p in ordinary])
     energies = np.array([p.energy for p in ordinary]) / scale
     ax.plot(times, energies, "-", color="tab:blue", lw=1.5, zorder=2)
+    total = len(frontier.plans)  # the count the console and the summary print
     ax.plot(times, energies, "o", color="tab:blue", ms=2.5, zorder=2,
-            label=f"perseus-ext frontier ({len(ordinary)} plans)")
+            label=f"perseus-ext frontier: {len(ordinary)} of its {total} plans" if len(ordinary) < total
+            else f"perseus-ext frontier: {total} plans")
     extension = frontier.plans[len(ordinary):]
     if extension:
         # Its own series: these plans are chosen by energy - blocking power x stages x time
@@ -101,7 +103,7 @@ def plot_frontier(
         # jump back in time and zig-zag.
         ax.plot([p.time for p in extension], [p.energy / scale for p in extension], "s-",
                 color="tab:cyan", ms=2.0, lw=0.8, zorder=1,
-                label=f"wait-aware plans, iteration held to a deadline ({len(extension)} plans)")
+                label=f"wait-aware plans (iteration held to a deadline): the other {len(extension)}")
     base = frontier.baseline
     ax.plot(base.time, base.energy / scale, "X", color="black", ms=10, zorder=4,
             label=f"baseline, fastest clocks: {base.time:.4g} s, {base.energy / scale:.4g} {unit}")
@@ -125,7 +127,9 @@ def plot_frontier(
     ))
     ax.grid(True, alpha=0.3)
     ax.margins(x=0.04, y=0.08)
-    ax.legend(fontsize=8, loc="upper right", framealpha=0.9)
+    # From zero: a savings of 10-25 % must look like one, not fill the whole axis.
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # headroom for the legend above the curve
+    ax.legend(fontsize=8, loc="lower left", framealpha=0.9)
     _save(figure, path)
 
 
@@ -243,7 +247,9 @@ def plot_savings(
     title: str | None = None,
     ylabel: str = "energy saving vs all max clock",
 ) -> None:
-    """Energy saving (fractions, 0.1 = 10%) of each series against the straggler slowdown T'/T."""
+    """Energy saving (fractions, 0.1 = 10%) of each series against the straggler slowdown T'/T,
+    on an axis from zero. Series with the same values share one line and one legend entry
+    ('A = B'), so no line hides another."""
     from matplotlib.ticker import PercentFormatter
 
     path = _check_path(path)
@@ -253,13 +259,24 @@ def plot_savings(
     figure = _new_figure(7.0, 4.5)
     ax = figure.add_subplot()
     markers = "osD^vP*X"
-    for k, (label, values) in enumerate(savings.items()):
+    styles = ("-", "--", "-.", ":")
+    drawn: list[tuple[np.ndarray, list[str]]] = []  # series with equal values share one line
+    for label, values in savings.items():
         y = np.asarray(values, dtype=float)
         if y.shape != x.shape:
             raise PlottingError(
                 f"series {label!r} has {y.size} savings for {x.size} slowdown factors"
             )
-        ax.plot(x, y * 100, marker=markers[k % len(markers)], ms=5, label=label)
+        same = next((labels for other, labels in drawn if np.allclose(other, y, atol=5e-5, equal_nan=True)), None)
+        if same is None:
+            drawn.append((y, [label]))
+        else:
+            same.append(label)
+    for k, (y, labels) in enumerate(drawn):
+        ax.plot(x, y * 100, marker=markers[k % len(markers)], ls=styles[k % len(styles)], ms=5,
+                label=" = ".join(labels))
+    low = min(0.0, float(np.nanmin([y.min() for y, _ in drawn])) * 100)
+    ax.set_ylim(low, max(ax.get_ylim()[1], 1.0))  # from zero: savings compared by their size
     ax.yaxis.set_major_formatter(PercentFormatter(decimals=0))
     ax.set_xlabel("straggler slowdown T'/T")
     ax.set_ylabel(ylabel)
@@ -269,6 +286,8 @@ def plot_savings(
     _save(figure, path)
 
 
+# Line colours no phase band uses (the bands are grey, yellow, light blue, greens, reds).
+SERIES_STYLES = (("black", "-"), ("tab:purple", "--"), ("tab:brown", ":"), ("tab:olive", "-."))
 PHASE_COLORS = {"warmup": "#bbbbbb", "profiling": "#f2c14e", "solving": "#7fb7e6", "deployed": "#9fd89f",
                 "power_limit": "#9fd89f", "observing": "#eeeeee", "deployed (slowed for a straggler)": "#3f9b3f",
                 "baseline probe": "#d62728", "fallback": "#f4a6a6"}
@@ -287,10 +306,10 @@ def plot_run_timeline(
     warm-up, profiling, solving, deployed, ...) and an optional straggler window, so the cost of
     profiling and solving is visible and never mistaken for the saving.
 
-    The y axes are scaled to the iterations outside profiling (profiling at low clocks runs up
-    to several times slower and would squash the differences between runs that the plot is for);
-    a profiling peak off scale is written on the panel. The legend sits below the panels, where
-    it covers no data."""
+    The y axes start at zero and end just above the iterations outside profiling (profiling at
+    low clocks runs up to several times slower and would squash the differences between runs
+    that the plot is for); a profiling peak off scale is pointed at on the panel. Lines use
+    colours no phase band uses. The legend sits below the panels, where it covers no data."""
     path = _check_path(path)
     figure = _new_figure(9.0, 6.2)
     top, bottom = figure.subplots(2, 1, sharex=True)
@@ -304,10 +323,9 @@ def plot_run_timeline(
         if straggler is not None:
             axis.axvspan(straggler[0] - 0.5, straggler[1] - 0.5, fill=False, hatch="//", edgecolor="#d9822b",
                          linewidth=0, label="straggler" if axis is top else None)
-    styles = ("k-", "g-", "b-", "m-")
-    for style, (name, figures) in zip(styles, series.items()):
-        top.plot(figures["time_s"], style, label=name, linewidth=1)
-        bottom.plot(figures["energy_j"], style, label=name, linewidth=1)
+    for (color, style), (name, figures) in zip(SERIES_STYLES, series.items()):
+        top.plot(figures["time_s"], color=color, ls=style, label=name, linewidth=1)
+        bottom.plot(figures["energy_j"], color=color, ls=style, label=name, linewidth=1)
     top.set_ylabel("time / iteration (s)")
     bottom.set_ylabel("energy / iteration (J)")
     bottom.set_xlabel("iteration")
@@ -322,21 +340,28 @@ def plot_run_timeline(
 
 
 def _scale_past_profiling(axis: Any, runs: Sequence[Sequence[float | None]], phases: Sequence[str], unit: str) -> None:
-    """Y limits from the iterations outside profiling; a note names the profiling peak above."""
-    kept, peak = [], None
+    """Y limits from zero to just above the iterations outside profiling: from zero, so that
+    noise of 2 % looks like 2 % and not like spikes, and a saving like its size; profiling at
+    low clocks runs several times slower and would squash every other iteration, so its
+    iterations above the top are clipped and each profiling band says how high it went."""
+    kept, peaks = [], {}
     for values in runs:
         for index, value in enumerate(values):
             if value is None or not np.isfinite(value):
                 continue
             if index < len(phases) and phases[index] == "profiling":
-                peak = value if peak is None else max(peak, value)
+                peaks[index] = max(peaks.get(index, value), value)
             else:
                 kept.append(value)
     if not kept:
         return
-    low, high = min(kept), max(kept)
-    margin = 0.08 * (high - low) or 0.05 * abs(high) or 1.0
-    axis.set_ylim(low - margin, high + margin)
-    if peak is not None and peak > high + margin:
-        axis.text(0.01, 0.97, f"profiling peaks at {peak:.3g} {unit} (off scale)", transform=axis.transAxes,
-                  fontsize=7, va="top", ha="left", color="#8a6d00")
+    high = max(kept) * 1.15 or 1.0
+    axis.set_ylim(0, high)
+    clipped = {index: value for index, value in peaks.items() if value > high}
+    if not clipped:
+        return
+    first, last = min(clipped), max(clipped)
+    top = max(clipped.values())
+    axis.annotate(f"profiling: up to {top:.3g} {unit} (off scale)", xy=((first + last) / 2, high),
+                  xycoords="data", xytext=(0, -10), textcoords="offset points", ha="center", va="top",
+                  fontsize=7, color="#8a6d00", arrowprops={"arrowstyle": "->", "color": "#8a6d00", "lw": 0.8})

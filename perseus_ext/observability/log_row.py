@@ -1,0 +1,74 @@
+"""One row of the runtime's JSONL log (`perseus.log_path`): the model the runtime writes and
+`perseus-ext report` reads back, so the two can never disagree on a field's name or type.
+
+Why one model for both ends: the writer used to build a dict and the reader a pydantic model
+whose phase names were repeated by hand; a field renamed on one side would have gone unnoticed
+until a user's report broke. The file format is unchanged: `to_json_line` writes the keys in the
+order and the encoding logs have always had, and rows of older logs (without `job`,
+`timestamp`, `pipeline`, `stage`, ...) still read, those fields None.
+
+The writer does not validate (`of_record` builds the row from the runtime's typed record): a
+physically odd reading must cost neither the row nor the training step; the reader validates
+every row and refuses a bad one with an error naming the file, the line and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from perseus_ext.observability.iteration import IterationRecord
+from perseus_ext.observability.phase import PhaseName
+
+MAX_ITERATION = 1 << 53  # past a double's integers, an iteration count cannot be summed exactly
+MAX_RANK = 1 << 24  # 16 M ranks
+MAX_TIME_S = 1e6  # an iteration of 11 days is not a measurement
+MAX_ENERGY_J = 1e12  # 1 TJ in one iteration of one stage is not a measurement
+MAX_CLOCK_MHZ = 1e5  # no GPU clocks at 100 GHz
+MAX_POWER_W = 1e6  # no single GPU draws a megawatt
+MAX_COVERAGE = 1.0 + 1e-9  # a share, summed from segments: a rounding past 1 is still full coverage
+
+Rank = Annotated[int, Field(ge=0, le=MAX_RANK)]
+Seconds = Annotated[float, Field(ge=0.0, le=MAX_TIME_S)]
+
+
+class LogRow(BaseModel):
+    """One iteration of one rank, as a line of its JSONL log (fields in the file's key order)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, frozen=True, extra="ignore")
+
+    timestamp: Optional[Annotated[float, Field(ge=0.0)]] = None  # wall clock (s since the epoch)
+    job: Optional[Annotated[str, Field(max_length=64)]] = None  # the job's id, the same on every rank
+    iteration: Annotated[int, Field(ge=0, le=MAX_ITERATION)]
+    rank: Rank
+    pipeline: Optional[Rank] = None
+    stage: Optional[Rank] = None
+    phase: PhaseName
+    setting: Optional[Annotated[str, Field(max_length=200)]] = None  # what it ran at, in words
+    plan: Optional[Annotated[int, Field(ge=0)]] = None  # the frontier plan's index (deployed)
+    profiled_clock_mhz: Optional[Annotated[int, Field(gt=0, le=MAX_CLOCK_MHZ)]] = None
+    power_limit_w: Optional[Annotated[float, Field(gt=0.0, le=MAX_POWER_W)]] = None
+    factor: Optional[Annotated[float, Field(gt=0.0, le=1e6)]] = None  # the slowdown planned for
+    fell_back: bool = False
+    probe: bool = False
+    time_s: Seconds
+    compute_s: Optional[Seconds] = None
+    energy_j: Optional[Annotated[float, Field(ge=0.0, le=MAX_ENERGY_J)]] = None
+    coverage: Optional[Annotated[float, Field(ge=0.0, le=MAX_COVERAGE)]] = None
+
+    @classmethod
+    def of_record(cls, record: IterationRecord, job: str | None) -> LogRow:
+        """The row of one finished iteration (not validated: see the module docstring)."""
+        setting = record.setting
+        return cls.model_construct(
+            timestamp=record.wall_time, job=job, iteration=record.iteration, rank=record.rank,
+            pipeline=record.pipeline, stage=record.stage, phase=setting.phase.value, setting=setting.describe(),
+            plan=setting.plan, profiled_clock_mhz=setting.profiled_clock_mhz, power_limit_w=setting.power_limit_w,
+            factor=setting.factor, fell_back=setting.fell_back, probe=setting.probe, time_s=record.time_s,
+            compute_s=record.compute_s, energy_j=record.energy_j, coverage=record.coverage)
+
+    def to_json_line(self) -> str:
+        """The row as the log holds it: one JSON object, the fields in declaration order, no newline."""
+        return json.dumps({name: getattr(self, name) for name in type(self).model_fields})

@@ -1,0 +1,193 @@
+"""A pipeline slowed for a straggler returns to its fastest plan right after the straggler's first
+recovered iteration, on every rank of the pipeline at the same boundary, with no collective beyond
+the straggler checks.
+
+Two ranks (the two stages of pipeline 0) each run their own `PlanDeployment` on a frontier solved
+from the deterministic simulated A100's own model (`pace=0`: exact times and energies). A small
+in-process bus stands in for gloo: it reduces and broadcasts exactly as the control plane does,
+and adds pipeline 1's contribution to the data-parallel step. Device records are built from the
+same model: a stage's compute time is its plan's model time less the part of the iteration after
+its last computation; its wait at the gradient sync is how much later the straggler's same stage
+finishes. Records reach the deployment one iteration late, as device records do, unless the
+deployment waits for the iteration's own record (it does while holding a plan for a straggler).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from perseus_ext.measurement.gpu import open_gpu
+from perseus_ext.planning.profile import Profile
+from perseus_ext.planning.schedule import build_schedule
+from perseus_ext.planning.solver import SolverOptions, solve_frontier
+from perseus_ext.policies.base import StragglerPolicy
+from perseus_ext.runtime import PerseusConfig
+from perseus_ext.runtime.baseline import BaselineProbes
+from perseus_ext.runtime.comm import ControlPlane, Pending
+from perseus_ext.runtime.deployment import PlanDeployment
+from perseus_ext.observability.iteration import IterationRecord
+
+FORWARD_S, BACKWARD_S = (0.025, 0.035), (0.050, 0.070)
+SLOWDOWN = 1.2
+TAIL_S = 0.004  # gradient transfer and optimizer step after the last computation
+STAGE_LEAD_S = (0.0, 0.05)  # how long before stage 0's last computation each stage's ends
+STRAGGLER_START = 12
+
+
+def straggler_end(interval: int) -> int:
+    """Long enough for two checks to confirm the straggler and the slowed plan to run a while."""
+    return STRAGGLER_START + 3 * interval + 10
+
+
+def iterations(interval: int) -> int:
+    return straggler_end(interval) + 14
+
+
+@pytest.fixture(scope="module")
+def frontier():
+    gpu = open_gpu("sim:a100_sxm?pace=0")
+    rows = [{"stage": stage, "instruction": kind, "frequency": clock,
+             "time": gpu.expected(seconds[stage], clock)[0], "energy": gpu.expected(seconds[stage], clock)[1]}
+            for stage in (0, 1) for kind, seconds in (("forward", FORWARD_S), ("backward", BACKWARD_S))
+            for clock in gpu.supported_sm_clocks()[::12]]
+    return solve_frontier(build_schedule("1f1b", 2, 4), Profile.from_rows(rows), blocking_power=60.0,
+                          options=SolverOptions(min_grid_points=200))
+
+
+@dataclass
+class Bus:
+    """gloo's reductions and broadcasts among the ranks of pipeline 0, in call order; pipeline 1
+    (the straggler, always at its fastest plan) joins every data-parallel reduction."""
+
+    straggler_s: float
+    calls: dict[tuple[str, int], list[list[float]]] = field(default_factory=dict)
+
+
+class BusPlane(ControlPlane):
+    """Stage `stage` of pipeline 0 on the bus (stage 0 leads the pipeline)."""
+
+    def __init__(self, bus: Bus, stage: int) -> None:
+        super().__init__(stage=stage)
+        self.bus, self._seq = bus, {}
+
+    @property
+    def is_pipeline_leader(self) -> bool:
+        return self.stage == 0
+
+    def _slot(self, group: str) -> list[list[float]]:
+        seq = self._seq[group] = self._seq.get(group, -1) + 1
+        return self.bus.calls.setdefault((group, seq), [])
+
+    def start_max(self, group: str, values) -> Pending:
+        slot = self._slot(group)
+        slot.append([float(v) for v in values])
+        if group == "peers":  # pipeline 1's stage at the straggler's compute time
+            slot.append([self.bus.straggler_s, -self.bus.straggler_s, 0.0, 0.0])
+        return _Lazy(lambda: [max(column) for column in zip(*slot)])
+
+    def start_broadcast_pipeline(self, values, length: int) -> Pending:
+        slot = self._slot("broadcast")
+        if values is not None:
+            slot.append([float(v) for v in values])
+        return _Lazy(lambda: slot[0])
+
+    def broadcast_pipeline(self, obj):
+        slot = self._slot("object")
+        if self.is_pipeline_leader:
+            slot.append(obj)
+        return slot[0]
+
+
+class _Lazy(Pending):
+    """Read when the next boundary collects it, once every rank has called (as gloo waits)."""
+
+    def __init__(self, read) -> None:
+        super().__init__([])
+        self._read = read
+
+    def result(self) -> list[float]:
+        return list(self._read())
+
+
+def stage_compute_s(plan_time_s: float, stage: int, slowdown: float = 1.0) -> float:
+    return (plan_time_s - STAGE_LEAD_S[stage]) * slowdown
+
+
+def run_pipeline(frontier, interval: int, end: int | None = None) -> tuple[list[PlanDeployment], list[list[int]]]:
+    """Pipeline 0's two ranks through the straggler's onset and recovery (at `end`, by default
+    `straggler_end(interval)`); the plan each rank planned for every iteration."""
+    end = straggler_end(interval) if end is None else end
+    config = PerseusConfig.from_dict({"enabled": True, "gpu": "sim:a100_sxm?pace=0", "straggler_check_interval": interval,
+                                      "baseline_fraction": 0.0})
+    fastest = frontier.fastest.time
+    bus = Bus(straggler_s=fastest)
+    schedule = build_schedule("1f1b", 2, 4)
+    ranks = [PlanDeployment(frontier, StragglerPolicy(), config, BusPlane(bus, stage), schedule, None,
+                            frontier.stage_table(stage)) for stage in (0, 1)]
+    probes = BaselineProbes(0.0, interval)
+    for deployment in ranks:
+        deployment.deploy(0)
+    planned: list[list[int]] = [[], []]
+    arriving: list[list[IterationRecord]] = [[], []]
+
+    def take(stage: int) -> list[IterationRecord]:
+        """The iteration's own record, which a rank held for a straggler waits for."""
+        taken, arriving[stage] = arriving[stage], []
+        return taken
+    for iteration in range(1, end + 14):
+        straggling = STRAGGLER_START <= iteration < end
+        bus.straggler_s = fastest * (SLOWDOWN if straggling else 1.0)
+        for stage, deployment in enumerate(ranks):
+            setting = deployment.iteration_setting(iteration, iteration - 1, probes, fell_back=False)
+            planned[stage].append(setting.plan)
+            own = stage_compute_s(frontier.plans[setting.plan].time, stage)
+            peer = stage_compute_s(fastest, stage, SLOWDOWN if straggling else 1.0)
+            wait = max(0.0, peer - own)
+            arriving[stage].append(IterationRecord(setting, stage, 0, stage, own + wait + TAIL_S, own, 1.0, 1.0, 0.0))
+        for stage, deployment in enumerate(ranks):  # the leader first, as its broadcast is read later
+            records, arriving[stage] = arriving[stage][:-1], arriving[stage][-1:]
+            deployment.on_iteration(iteration, records, None, await_records=lambda _, stage=stage: take(stage))
+    return ranks, planned
+
+
+@pytest.mark.parametrize("interval", [2, 10])
+def test_the_slowed_pipeline_returns_one_iteration_after_the_straggler_recovers(frontier, interval):
+    ranks, planned = run_pipeline(frontier, interval)
+    assert planned[0] == planned[1]  # both stages run the same plan at every iteration
+    end, total = straggler_end(interval), iterations(interval)
+    plans = dict(zip(range(1, total), planned[0]))
+    slowed = [i for i, p in plans.items() if p != 0]
+    assert slowed and min(slowed) > STRAGGLER_START  # slowed for the straggler, after measuring it
+    assert all(frontier.plans[plans[i]].time < frontier.fastest.time * SLOWDOWN for i in slowed)  # never the slowest
+    # Recovery: the straggler is fast from its iteration `end` on, which shows at that iteration's
+    # gradient sync; every later iteration is planned at the fastest plan.
+    after = [plans[i] for i in range(end + 1, total)]
+    assert after and set(after) == {0}, plans
+    assert max(slowed) == end
+    switches = [[(s.iteration, s.plan) for s in r.switches] for r in ranks]
+    assert switches[0] == switches[1]
+    back = ranks[0].switches[-1]
+    assert back.plan == 0 and back.factor == 1.0 and "became the slowest" in back.reason
+    assert ranks[0].tracker.factor == 1.0 and ranks[0].watch.held is None
+
+
+def test_no_return_while_the_straggler_lasts(frontier):
+    """The wait the slowed plan leaves at the sync stays well above the verdict's threshold."""
+    ranks, planned = run_pipeline(frontier, 2)
+    end = straggler_end(2)
+    held = [i for i, p in zip(range(1, iterations(2)), planned[0]) if STRAGGLER_START <= i < end and p != 0]
+    assert held and held == list(range(held[0], end))  # one slowed stretch up to the recovery, no flapping
+
+
+def test_a_check_that_measured_a_straggler_gone_since_slows_nothing(frontier):
+    """Checks every 10 iterations: the straggler lasts long enough for one check to see it and
+    the next to confirm it, but recovers before that check's plan switch; the pipeline's waits
+    since then say nobody is slower, so it keeps its fastest plan."""
+    interval = 10
+    end = STRAGGLER_START + 2 * interval - 3  # the confirming check decides at 29 and switches at 30
+    ranks, planned = run_pipeline(frontier, interval, end)
+    assert planned[0] == planned[1]
+    assert all(plan == 0 for plan in planned[0][end:]), planned[0]
+    assert all(r.tracker.factor == 1.0 for r in ranks)
