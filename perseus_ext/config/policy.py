@@ -34,7 +34,6 @@ from perseus_ext.config.rules import (
     number,
     parse,
     require_writable,
-    section_keys,
     show,
     statement_error,
     text,
@@ -359,15 +358,7 @@ class BatchSizeOptions(Section):
     lease_s: Seconds = DEFAULT_LEASE_S
     timeout_s: Seconds = DEFAULT_NETWORK_TIMEOUT_S  # a PostgreSQL store's connect timeout
     target_metric: Annotated[TargetMetricOptions, Rule("an object", TargetMetricOptions.example)] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _an_object_with_known_keys(cls, data: Any) -> Any:
-        if isinstance(data, cls):
-            return data
-        required = [name for name, info in cls.model_fields.items() if info.is_required()]
-        return section_keys(data, cls.model_fields, example=cls.example, required=required,
-                            why_required=" to optimise the batch size across runs")
+    why_required: ClassVar[str] = " to optimise the batch size across runs"
 
     @model_validator(mode="after")
     def _keys_agree(self) -> Self:

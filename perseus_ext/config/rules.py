@@ -346,6 +346,7 @@ class Section(BaseModel):
 
     model_config = STRICT
     example: ClassVar[Mapping[str, Any]] = {}
+    why_required: ClassVar[str] = ""  # added to a "missing keys" error: why the section needs them
 
     @model_validator(mode="before")
     @classmethod
@@ -353,7 +354,8 @@ class Section(BaseModel):
         if isinstance(data, cls):
             return data
         required = [name for name, info in cls.model_fields.items() if info.is_required()]
-        return section_keys(data, cls.model_fields, example=cls.example, required=required)
+        return section_keys(data, cls.model_fields, example=cls.example, required=required,
+                            why_required=cls.why_required)
 
 
 def keyed(typed_dict: type, *, example: Mapping[str, Any], why_required: str = "") -> Any:

@@ -49,30 +49,28 @@ def _slots(ptr: np.ndarray, idx: np.ndarray, nodes: slice) -> tuple[np.ndarray, 
     )
 
 
-def gather_max(table: np.ndarray, slots: tuple[np.ndarray, ...], out: np.ndarray | None = None) -> np.ndarray:
-    """Row-wise maximum of `table` over a level's slots (`out` may be the level's rows)."""
+def _gather(reduce: np.ufunc, table: np.ndarray, slots: tuple[np.ndarray, ...],
+            out: np.ndarray | None) -> np.ndarray:
+    """`reduce` (np.maximum or np.minimum) of `table`'s rows over a level's slots."""
     if len(slots) == 1:
         if out is None:
             return table.take(slots[0], axis=0)
         out[...] = table.take(slots[0], axis=0)
         return out
-    out = np.maximum(table.take(slots[0], axis=0), table.take(slots[1], axis=0), out=out)
+    out = reduce(table.take(slots[0], axis=0), table.take(slots[1], axis=0), out=out)
     for extra in slots[2:]:
-        np.maximum(out, table.take(extra, axis=0), out=out)
+        reduce(out, table.take(extra, axis=0), out=out)
     return out
+
+
+def gather_max(table: np.ndarray, slots: tuple[np.ndarray, ...], out: np.ndarray | None = None) -> np.ndarray:
+    """Row-wise maximum of `table` over a level's slots (`out` may be the level's rows)."""
+    return _gather(np.maximum, table, slots, out)
 
 
 def gather_min(table: np.ndarray, slots: tuple[np.ndarray, ...], out: np.ndarray | None = None) -> np.ndarray:
     """Row-wise minimum of `table` over a level's slots (`gather_max`'s mirror)."""
-    if len(slots) == 1:
-        if out is None:
-            return table.take(slots[0], axis=0)
-        out[...] = table.take(slots[0], axis=0)
-        return out
-    out = np.minimum(table.take(slots[0], axis=0), table.take(slots[1], axis=0), out=out)
-    for extra in slots[2:]:
-        np.minimum(out, table.take(extra, axis=0), out=out)
-    return out
+    return _gather(np.minimum, table, slots, out)
 
 
 class PipelineDAG:
