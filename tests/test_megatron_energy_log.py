@@ -103,7 +103,9 @@ def test_megatron_log_energy_and_perseus_energies_agree(tmp_path, monkeypatch):
         assert [r.iteration for r in records] == list(range(1, ITERATIONS + 1))
         perseus_j += sum(r.energy_j for r in records)
     assert perseus_j > 0
-    assert perseus_j <= megatron_j[0]  # perseus-ext charges a subset of the same counter's span
+    # perseus-ext charges a subset of the same counter's span (summed record by record, so the
+    # two sums may differ in the last bits when the subset is the whole span)
+    assert perseus_j <= megatron_j[0] * (1 + 1e-12)
     assert perseus_j == pytest.approx(megatron_j[0], rel=0.01), (perseus_j, megatron_j[0])
 
 
