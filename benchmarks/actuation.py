@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from perseus_ext.actuation.controller import FrequencyController  # noqa: E402
 from perseus_ext.actuation.sequencer import ClockSequencer  # noqa: E402
-from perseus_ext.measurement.gpu import SimulatedGPU  # noqa: E402
+from perseus_ext.measurement.gpu.sim import SimulatedGPU  # noqa: E402
 from perseus_ext.measurement.gpu.cuda_timeline import POLL_S as CUDA_POLL_S  # noqa: E402
 from perseus_ext.measurement.gpu.timeline import HostMarker, HostOnlyTimeline  # noqa: E402
 from perseus_ext.measurement.gpu.timeline_factory import open_timeline  # noqa: E402

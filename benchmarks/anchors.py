@@ -39,7 +39,7 @@ def main() -> None:
     profile = load_profile(shipped_profile(args.profile))
     power = BLOCKING_POWER_W["a40" if args.profile.endswith("a40") else "a100"]
     schedule = one_f_one_b(args.stages, args.microbatches)
-    reference = solve_frontier(schedule, profile, power, SolverOptions(anchors=args.reference))
+    reference = solve_frontier(schedule, profile, power, SolverOptions(anchors=args.reference, max_clock_changes_per_s=0))
     deadlines = np.linspace(reference.fastest.time, reference.min_energy.time, args.deadlines)
     t_max_clock = reference.baseline.time
 
@@ -53,7 +53,7 @@ def main() -> None:
           f"{args.deadlines} deadlines")
     print(f"{'anchors':>8} {'CPU ms':>7} {'mean gap %':>11} {'worst gap %':>12} {'at 1.00 / 1.05 / 1.10 x T %':>28}")
     for anchors in args.anchors:
-        options = SolverOptions(anchors=anchors)
+        options = SolverOptions(anchors=anchors, max_clock_changes_per_s=0)
         cpu = []
         for _ in range(args.repeats):
             started = time.process_time()

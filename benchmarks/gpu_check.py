@@ -23,6 +23,10 @@ a crash or a timeout still leaves the figures measured before it. Sections:
                   iterations, and the coverage the runtime estimates;
 * waiting_power   what the GPU draws while it waits (a CUDA context and nothing queued; spin
                   kernels, as NCCL's wait for a peer) and while it computes, at the driver's clocks;
+* power_fields    (gpu_power_fields.py) which NVML power readings the GPU answers (power usage, the
+                  instantaneous and averaged field values, the driver's sample buffer, the energy
+                  counter) and how often each changes, polled for ~2 s: what a power swing can be
+                  measured from on this GPU;
 * cuda_graphs     (gpu_graphs.py) per-layer graphs with the hooks and markers around each graphed
                   block, against the same blocks eagerly; a full-iteration graph with external
                   CUDA events captured at every computation boundary (re-recorded at each replay?
@@ -43,7 +47,6 @@ import platform
 import sys
 import threading
 import time
-import traceback
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,14 +55,18 @@ sys.path.insert(1, os.path.dirname(HERE))
 
 from gpu_actuation import measure_actuation  # noqa: E402
 from gpu_graphs import section_cuda_graphs  # noqa: E402
+from gpu_power_fields import section_power_fields  # noqa: E402
 from gpu_check_support import (  # noqa: E402
     Budget,
     GuardError,
     Machine,
     Report,
     build_blocks,
+    guard_drill,
     install_fake_nvml,
     install_nvml_guard,
+    print_table,
+    run_section,
     stats,
 )
 
@@ -400,57 +407,7 @@ def section_end_to_end(machine: Machine, gpu: Any, args: argparse.Namespace, dea
     }
 
 
-def guard_drill(gpu: Any, fake_nvml: Any, attempts: list[str]) -> dict[str, Any]:
-    """(--cpu only) A controller that is NOT in dry-run sets a clock and resets it on the fake GPU:
-    the guard must refuse both writes before they reach NVML, and the controller fall back."""
-    from perseus_ext.actuation.controller import FrequencyController
-
-    logging.getLogger("perseus_ext").setLevel(logging.CRITICAL)  # the fallback's warning is expected
-    try:
-        controller = FrequencyController(gpu, dry_run=False, watchdog=False, handle_signals=False)
-        controller.set_clock(gpu.supported_sm_clocks()[-1])
-        controller.flush(5)
-        controller.close()
-    finally:
-        logging.getLogger("perseus_ext").setLevel(logging.NOTSET)
-    return {"blocked": sorted(set(attempts)), "reached_nvml": list(fake_nvml.writes),
-            "controller_errors": controller.error_count, "disabled_reason": controller.disabled_reason}
-
-
 # ----------------------------------------------------------------------------- driver
-def print_table(report: Report) -> None:
-    print()
-    print(f"{'section':<16} {'figure':<38} value")
-    print("-" * 90)
-    for section, figures in report.data["sections"].items():
-        for key, value in figures.items():
-            if isinstance(value, dict) and "median" in value:
-                text = f"median {value['median']}  p99 {value['p99']}  max {value['max']}  (n={value['n']})"
-            elif isinstance(value, float):
-                text = f"{value:.4g}"
-            else:
-                text = str(value)
-            print(f"{section:<16} {key:<38} {text[:200]}")
-            section = ""
-    print(flush=True)
-
-
-def run_section(report: Report, name: str, budget: Budget, wanted_s: float, body: Any) -> Any:
-    """Run one section with its own deadline; its figures or its error go to the report."""
-    if budget.left_s() < 1.0:
-        report.section(name, {"skipped": "out of time"})
-        return None
-    began = time.perf_counter()
-    print(f"[gpu_check] {name} (up to {min(wanted_s, budget.left_s()):.0f} s) ...", flush=True)
-    try:
-        figures = body(budget.section(wanted_s))
-    except Exception as err:  # noqa: BLE001 - a section's failure must not lose the others
-        figures = {"error": repr(err), "traceback": traceback.format_exc(limit=8)}
-    figures["section_s"] = round(time.perf_counter() - began, 2)
-    report.section(name, figures)
-    return figures
-
-
 def main(argv: list[str] | None = None) -> int:
     from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
@@ -535,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         run_section(report, "end_to_end", budget, 80,
                     lambda d: section_end_to_end(machine, gpu, args, d, workdir))
     run_section(report, "waiting_power", budget, 12, lambda d: section_waiting_power(machine, gpu, d))
+    run_section(report, "power_fields", budget, 5, lambda d: section_power_fields(nvml, gpu.uuid, d))
     # Last: a capture broken on purpose (a thread polling events during a global-mode capture)
     # must not spoil the sections before it.
     run_section(report, "cuda_graphs", budget, 60, lambda d: section_cuda_graphs(machine, gpu, args, d))

@@ -11,11 +11,13 @@ of those names, so a write cannot reach the driver by any path through pynvml.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
 import threading
 import time
+import traceback
 import types
 from typing import Any, Callable
 
@@ -235,6 +237,47 @@ class FakeNVML(types.ModuleType):
     def nvmlDeviceGetClockInfo(self, device: Any, which: int) -> int:
         return 1980
 
+    # The power readings of newer drivers: an instantaneous field updated with the counter (every
+    # UPDATE_S, alternating POWER_W -/+ INSTANT_SWING_W), an averaged field updated every
+    # AVERAGE_S, and the driver's sample buffer (one sample per UPDATE_S, as the instant field).
+    NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION = 83
+    NVML_FI_DEV_POWER_AVERAGE = 185
+    NVML_FI_DEV_POWER_INSTANT = 186
+    NVML_TOTAL_POWER_SAMPLES = 0
+    NVML_ERROR_NOT_FOUND = 6
+    INSTANT_SWING_W = 40.0
+    AVERAGE_S = 1.0
+
+    def _instant_mw(self, update: int) -> int:
+        return int((self.POWER_W + (self.INSTANT_SWING_W if update % 2 else -self.INSTANT_SWING_W)) * 1000)
+
+    def nvmlDeviceGetFieldValues(self, device: Any, field_ids: list[int]) -> list[Any]:
+        age_s = time.perf_counter() - self._born
+        values = []
+        for field_id in field_ids:
+            period = self.AVERAGE_S if field_id == self.NVML_FI_DEV_POWER_AVERAGE else self.UPDATE_S
+            update = int(age_s / period)
+            reading = {self.NVML_FI_DEV_POWER_INSTANT: self._instant_mw(update),
+                       self.NVML_FI_DEV_POWER_AVERAGE: int(self.POWER_W * 1000),
+                       self.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION: self.nvmlDeviceGetTotalEnergyConsumption(device)}
+            known = field_id in reading
+            values.append(types.SimpleNamespace(
+                fieldId=field_id, scopeId=0, timestamp=int(update * period * 1e6), latencyUsec=0, valueType=1,
+                nvmlReturn=0 if known else self.NVML_ERROR_NOT_SUPPORTED,
+                value=types.SimpleNamespace(uiVal=reading.get(field_id, 0))))
+        return values
+
+    def nvmlDeviceGetSamples(self, device: Any, sampling_type: int, last_seen_us: int) -> tuple[int, list[Any]]:
+        if sampling_type != self.NVML_TOTAL_POWER_SAMPLES:
+            raise FakeNVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+        updates = int((time.perf_counter() - self._born) / self.UPDATE_S)
+        stamps = [(k, int(k * self.UPDATE_S * 1e6)) for k in range(max(0, updates - 99), updates + 1)]
+        samples = [types.SimpleNamespace(timeStamp=stamp, sampleValue=types.SimpleNamespace(uiVal=self._instant_mw(k)))
+                   for k, stamp in stamps if stamp > last_seen_us]
+        if not samples:
+            raise FakeNVMLError(self.NVML_ERROR_NOT_FOUND)
+        return 1, samples
+
     def nvmlDeviceGetPowerManagementLimit(self, device: Any) -> int:
         return 700_000
 
@@ -295,3 +338,54 @@ def install_fake_nvml() -> FakeNVML:
     fake = FakeNVML()
     sys.modules["pynvml"] = fake
     return fake
+
+
+# ----------------------------------------------------------------------------- the guard drill and the driver
+def guard_drill(gpu: Any, fake_nvml: Any, attempts: list[str]) -> dict[str, Any]:
+    """(--cpu only) A controller that is NOT in dry-run sets a clock and resets it on the fake GPU:
+    the guard must refuse both writes before they reach NVML, and the controller fall back."""
+    from perseus_ext.actuation.controller import FrequencyController
+
+    logging.getLogger("perseus_ext").setLevel(logging.CRITICAL)  # the fallback's warning is expected
+    try:
+        controller = FrequencyController(gpu, dry_run=False, watchdog=False, handle_signals=False)
+        controller.set_clock(gpu.supported_sm_clocks()[-1])
+        controller.flush(5)
+        controller.close()
+    finally:
+        logging.getLogger("perseus_ext").setLevel(logging.NOTSET)
+    return {"blocked": sorted(set(attempts)), "reached_nvml": list(fake_nvml.writes),
+            "controller_errors": controller.error_count, "disabled_reason": controller.disabled_reason}
+
+
+def print_table(report: Report) -> None:
+    print()
+    print(f"{'section':<16} {'figure':<38} value")
+    print("-" * 90)
+    for section, figures in report.data["sections"].items():
+        for key, value in figures.items():
+            if isinstance(value, dict) and "median" in value:
+                text = f"median {value['median']}  p99 {value['p99']}  max {value['max']}  (n={value['n']})"
+            elif isinstance(value, float):
+                text = f"{value:.4g}"
+            else:
+                text = str(value)
+            print(f"{section:<16} {key:<38} {text[:200]}")
+            section = ""
+    print(flush=True)
+
+
+def run_section(report: Report, name: str, budget: Budget, wanted_s: float, body: Any) -> Any:
+    """Run one section with its own deadline; its figures or its error go to the report."""
+    if budget.left_s() < 1.0:
+        report.section(name, {"skipped": "out of time"})
+        return None
+    began = time.perf_counter()
+    print(f"[gpu_check] {name} (up to {min(wanted_s, budget.left_s()):.0f} s) ...", flush=True)
+    try:
+        figures = body(budget.section(wanted_s))
+    except Exception as err:  # noqa: BLE001 - a section's failure must not lose the others
+        figures = {"error": repr(err), "traceback": traceback.format_exc(limit=8)}
+    figures["section_s"] = round(time.perf_counter() - began, 2)
+    report.section(name, figures)
+    return figures

@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from perseus_ext.actuation.controller import FrequencyController  # noqa: E402
 from perseus_ext.actuation.sequencer import ClockSequencer  # noqa: E402
-from perseus_ext.measurement.gpu import SimulatedGPU  # noqa: E402
+from perseus_ext.measurement.gpu.sim import SimulatedGPU  # noqa: E402
 from perseus_ext.measurement.gpu.timeline_factory import open_timeline  # noqa: E402
-from perseus_ext.measurement.pacing import SimulatedWorkloadPacer  # noqa: E402
+from perseus_ext.measurement.gpu.sim.workload import SimulatedWorkloadPacer  # noqa: E402
 from perseus_ext.planning.schedule import Kind, build_schedule  # noqa: E402
 
 FORWARD_S, BACKWARD_S = (0.025, 0.035), (0.050, 0.070)  # the demo's stages, at the max clock

@@ -27,7 +27,7 @@ import cpu_shims  # noqa: E402
 def misplanned_schedules():
     """Make the Megatron adapter plan a wrong order (the last two computations of every stage
     swapped), as a megatron-core release that reorders its schedule would look to perseus-ext."""
-    from perseus_ext.adapters import megatron as adapter
+    from perseus_ext.adapters import megatron_steps as adapter  # where the adapter builds its orders
 
     def swap_last_two(build):
         def build_wrong(*args, **kwargs):

@@ -25,12 +25,24 @@ activation/gradient bookkeeping run unchanged:
   Every step therefore also reports which (virtual stage, microbatch) produced the tensor it
   consumed, so tests can check the cross-stage data dependencies, not just the local order.
 
+With `combined=True` the model's config takes megatron-core's combined_1f1b path
+(`overlap_moe_expert_parallel_comm`, set after the config is built: its checks want expert
+parallelism and a MoE GPT model), and `combined_step_on_cpu` stands in for
+`combined_1f1b.combined_forward_backward_step`, the one function whose model work needs CUDA
+streams and a GPT schedule plan: it runs the forward through megatron's own `forward_step` and
+then the backward through its `backward_step`, one after the other where the GPU overlaps them.
+megatron-core's `combined_1f1b_schedule_for_interleaved_pipelining` (its pre- and
+post-processing, the virtual microbatch ids) and the interleaved schedule's loop run unchanged.
+`cpu_streams()` gives megatron's stream registry stand-ins for the CUDA streams it creates.
+
 Microbatch ids come from the data iterators (each yields 0..M-1 per model chunk, and the
 forward step calls `next()` on every stage); chunk ids from the model chunk Megatron passes in.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import queue
 import threading
 import time
@@ -43,7 +55,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from megatron.core.enums import ModelType
-from megatron.core.pipeline_parallel import schedules
+from megatron.core.pipeline_parallel import combined_1f1b, schedules
+from megatron.core.pipeline_parallel import utils as pipeline_utils
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -225,6 +238,65 @@ def _forward_step(data_iterator: Iterator[int], model: FakeModelChunk):
     return output, loss_func
 
 
+# 0.17 dropped backward_step's model_type (read here, before any test wraps the function)
+_BACKWARD_TAKES_MODEL_TYPE = "model_type" in inspect.signature(schedules.backward_step).parameters
+
+
+def combined_step_on_cpu(forward_step_func, data_iterator, f_model, num_microbatches, input_tensor,
+                        forward_data_store, b_model, b_input_tensor, b_output_tensor, b_output_tensor_grad,
+                        config, f_model_chunk_id=None, pre_forward=None, pre_backward=None, post_forward=None,
+                        post_backward=None, collect_non_loss_data=False, checkpoint_activations_microbatch=None,
+                        is_first_microbatch=False, current_microbatch=None, encoder_decoder_xattn=False):
+    """megatron's `combined_forward_backward_step` on the CPU: the forward of `f_model` by
+    megatron's `forward_step`, then the backward of `b_model` by its `backward_step` (a model
+    chunk says whether it is the model's last with `is_last_virtual_stage`). Returns what the
+    original returns: (output tensor, number of tokens, input gradient)."""
+    output_tensor = num_tokens = input_tensor_grad = None
+    if f_model is not None:
+        if pre_forward is not None:
+            pre_forward()
+        output_tensor, num_tokens = schedules.forward_step(
+            forward_step_func, data_iterator, f_model, num_microbatches, input_tensor, forward_data_store,
+            config, 1, collect_non_loss_data, None, is_first_microbatch, current_microbatch,
+            vp_stage=f_model_chunk_id, is_last_stage=f_model.is_last_virtual_stage)
+        if post_forward is not None:
+            output_tensor = post_forward(output_tensor)
+    if b_model is not None:
+        if pre_backward is not None:
+            pre_backward()
+        extra = {"model_type": ModelType.encoder_or_decoder} if _BACKWARD_TAKES_MODEL_TYPE else {}
+        input_tensor_grad = schedules.backward_step(input_tensor=b_input_tensor, output_tensor=b_output_tensor,
+                                                    output_tensor_grad=b_output_tensor_grad, config=config, **extra)
+        if post_backward is not None:
+            input_tensor_grad = post_backward(input_tensor_grad)
+    return output_tensor, num_tokens, input_tensor_grad
+
+
+@contextlib.contextmanager
+def cpu_streams():
+    """megatron's computation/communication stream registry filled with stand-ins, so its
+    `set_streams()` (which creates a CUDA stream) returns at once; restored on exit."""
+    saved = pipeline_utils._COMP_STREAM, pipeline_utils._COMM_STREAM
+    pipeline_utils._COMP_STREAM, pipeline_utils._COMM_STREAM = "cpu compute stream", "cpu comm stream"
+    try:
+        yield
+    finally:
+        pipeline_utils._COMP_STREAM, pipeline_utils._COMM_STREAM = saved
+
+
+@contextlib.contextmanager
+def combined_path_on_cpu(wrap: Callable[[Callable], Callable] | None = None):
+    """`combined_step_on_cpu` in place of megatron's combined step (`wrap`ped, e.g. by the hook
+    `install()` puts around it), and the stream stand-ins."""
+    original = combined_1f1b.combined_forward_backward_step
+    combined_1f1b.combined_forward_backward_step = wrap(combined_step_on_cpu) if wrap else combined_step_on_cpu
+    try:
+        with cpu_streams():
+            yield
+    finally:
+        combined_1f1b.combined_forward_backward_step = original
+
+
 @dataclass
 class _RankOutcome:
     steps: list[Step] = field(default_factory=list)
@@ -239,6 +311,8 @@ def run_megatron_schedule(
     timeout_s: float = 60.0,
     config_options: dict | None = None,
     stage_module: Callable[[int], torch.nn.Module] | None = None,
+    combined: bool = False,
+    wrap_combined_step: Callable[[Callable], Callable] | None = None,
 ) -> list[list[Step]]:
     """Steps of every pipeline rank, in the order megatron-core's real schedule ran them.
 
@@ -248,7 +322,9 @@ def run_megatron_schedule(
     `config_options` are further TransformerConfig fields (e.g. CUDA-graph options the schedule
     reads); `stage_module(virtual_stage)` is a module each forward applies to its stage input
     (real work, e.g. a compiled block, whose backward runs in megatron's backward_step). Rank r
-    runs in a thread named `pp-rank-{r}` (`rank_of_current_thread()`).
+    runs in a thread named `pp-rank-{r}` (`rank_of_current_thread()`). `combined`: megatron's
+    combined_1f1b path, with the model work of its combined step on the CPU (module docstring),
+    wrapped by `wrap_combined_step` if given.
     """
     if num_microbatches >= CODE_BASE:
         raise ValueError(f"num_microbatches must be < {CODE_BASE} to fit the tensor codes")
@@ -264,6 +340,7 @@ def run_megatron_schedule(
             pipeline_dtype=torch.float32,
             **(config_options or {}),
         )
+    config.overlap_moe_expert_parallel_comm = combined
     schedule = schedules.get_forward_backward_func(
         pp_size=num_stages, vp_size=config.virtual_pipeline_model_parallel_size
     )
@@ -303,7 +380,8 @@ def run_megatron_schedule(
         except BaseException as err:  # re-raised in the calling thread
             outcome.error = err
 
-    with mock.patch.object(torch.distributed, "is_initialized", return_value=True):
+    path = combined_path_on_cpu(wrap_combined_step) if combined else contextlib.nullcontext()
+    with path, mock.patch.object(torch.distributed, "is_initialized", return_value=True):
         threads = [
             threading.Thread(target=run_rank, args=(r,), name=f"pp-rank-{r}", daemon=True)
             for r in range(num_stages)
@@ -314,13 +392,15 @@ def run_megatron_schedule(
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
     hung = [t.name for t in threads if t.is_alive()]
+    errors = [o.error for o in outcomes if o.error is not None]
+    # A rank that failed first makes its neighbours wait (and time out): report the root cause.
+    root = next((e for e in errors if not isinstance(e, TimeoutError)), None)
+    if root is not None:
+        raise root
     if hung:
         raise TimeoutError(f"megatron schedule did not finish within {timeout_s}s on {hung}")
-    errors = [o.error for o in outcomes if o.error is not None]
     if errors:
-        # A rank that failed first makes its neighbours time out; report the root cause.
-        root = next((e for e in errors if not isinstance(e, TimeoutError)), errors[0])
-        raise root
+        raise errors[0]
     return [o.steps for o in outcomes]
 
 
@@ -338,5 +418,5 @@ def cuda_factories_on_cpu() -> TorchFunctionMode:
     return _CudaFactoriesOnCpu()
 
 
-__all__ = ["FakeGroup", "Step", "ThreadP2PCommunicator", "cuda_factories_on_cpu", "rank_of_current_thread",
-           "run_megatron_schedule"]
+__all__ = ["FakeGroup", "Step", "ThreadP2PCommunicator", "combined_path_on_cpu", "combined_step_on_cpu",
+           "cpu_streams", "cuda_factories_on_cpu", "rank_of_current_thread", "run_megatron_schedule"]

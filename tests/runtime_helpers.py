@@ -56,6 +56,9 @@ def make_config(**overrides) -> PerseusConfig:
         "log_interval": 0,
         "solve_in_background": False,
         "simulated_workload": {"forward_seconds": FORWARD_S, "backward_seconds": BACKWARD_S},
+        # Computations of tens of ms: the default clock-change budget (5 a second) would leave one
+        # clock per stage; the budget has its own tests (test_clock_budget*.py).
+        "solver": {"max_clock_changes_per_s": 0},
     }
     section.update(overrides)
     return PerseusConfig.from_dict(section)

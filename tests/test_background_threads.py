@@ -27,7 +27,7 @@ PROBE = r"""
 import json, signal, sys, threading
 from perseus_ext.actuation.controller import FrequencyController
 from perseus_ext.data import shipped_profile
-from perseus_ext.measurement.gpu import SimulatedGPU
+from perseus_ext.measurement.gpu.sim import SimulatedGPU
 from perseus_ext.planning import relaxation
 from perseus_ext.planning.profile import load_profile
 from perseus_ext.planning.schedule import one_f_one_b

@@ -17,7 +17,7 @@ from perseus_ext.runtime.comm import Member
 from perseus_ext.config import PerseusConfig
 from perseus_ext.runtime.profile_store import ProfileStore
 from perseus_ext.runtime.profiler import ProfileRow, StageMeasurements
-from perseus_ext.runtime.profiling import ProfilingRun
+from perseus_ext.runtime.profiling_run import ProfilingRun
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

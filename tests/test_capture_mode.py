@@ -12,7 +12,7 @@ import pytest
 from runtime_helpers import HandMarker
 
 from perseus_ext.actuation.controller import FrequencyController
-from perseus_ext.measurement.gpu import SimulatedGPU
+from perseus_ext.measurement.gpu.sim import SimulatedGPU
 from perseus_ext.measurement.gpu import capture_mode
 
 

@@ -89,3 +89,42 @@ def test_doctor_on_a_real_gpu_without_a_control_path_is_a_problem(monkeypatch, c
     assert "problem: no path can set clocks on this GPU: no CAP_SYS_ADMIN, and neither ZEUSD_SOCK_PATH" in err
     assert main(["doctor", "--gpu", "sim:a40"]) == 1  # only the unmeasured GPU, not the control path
     assert "no path can set clocks" not in capsys.readouterr().err
+
+
+class FakeNVMLWithPowerFields(FakeNVMLWithDriver):
+    """A driver that answers the instantaneous power field and not the averaged one."""
+
+    NVML_FI_DEV_POWER_INSTANT = 186
+    NVML_FI_DEV_POWER_AVERAGE = 185
+
+    def nvmlDeviceGetFieldValues(self, device, field_ids):
+        import types
+
+        return [types.SimpleNamespace(nvmlReturn=0 if field_id == 186 else 3,
+                                      value=types.SimpleNamespace(uiVal=412_500)) for field_id in field_ids]
+
+
+def test_doctor_says_which_power_readings_a_real_gpu_answers(monkeypatch) -> None:
+    """Read-only: one field read each; the swing is not claimed on NVML, whatever it answers."""
+    from perseus_ext.commands.doctor import power_readings
+    from perseus_ext.measurement.gpu import open_gpu
+
+    devices = [FakeDevice("GPU-aaaa", "00000000:81:00.0")]
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVMLWithPowerFields(devices))
+    readings = power_readings(open_gpu("nvml"))
+    assert readings["swing_measured"] is False and "averaged" in readings["power_usage"]
+    assert readings["instant"] == "NVML_FI_DEV_POWER_INSTANT: answers, 412.5 W now"
+    assert readings["average"] == "NVML_FI_DEV_POWER_AVERAGE: not supported by this driver (NVML return 3)"
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVMLWithDriver(devices))  # an older nvidia-ml-py
+    older = power_readings(open_gpu("nvml"))
+    assert older["instant"] == "NVML_FI_DEV_POWER_INSTANT: not in this nvidia-ml-py (older NVML)"
+    assert power_readings(open_gpu("sim:a40?pace=0"))["swing_measured"] is True
+
+
+def test_doctor_says_what_is_known_about_nvml_calls_and_nccl(capsys) -> None:
+    assert main(["doctor", "--gpu", "sim:a40?pace=0&period=0.05", "--updates", "2"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "power swing: measured (simulated device" in printed
+    assert "known about NVML calls and NCCL:" in printed
+    assert "changing locked clocks about every 50 ms (20 a second) delayed NCCL collectives" in printed
+    assert "perseus.solver.max_clock_changes_per_s" in printed and "own worker thread" in printed

@@ -137,7 +137,8 @@ def test_the_executable_prints_only_its_summary_and_exits_at_once(tmp_path: Path
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert [line.split()[0] for line in lines] == ["profile", "useful", "schedule", "solved", "all", "T_min", "T*", "wrote"]
+    assert [line.split()[0] for line in lines] == ["profile", "useful", "schedule", "solved", "all", "T_min", "T*",
+                                                 "swing", "swing", "swing", "wrote"]
     assert "HiGHS" not in result.stdout + result.stderr
     assert json.loads(out.read_text())["plans"]
     bad = subprocess.run(command[:-2] + ["--resolution", "0"], capture_output=True, text=True, timeout=120)

@@ -133,7 +133,7 @@ def test_a_spec_prints_as_the_text_that_parses_back_to_it(preset, options, throu
 
 
 def test_the_presets_the_door_knows_are_the_simulators():
-    from perseus_ext.measurement.gpu.sim_presets import PRESETS
+    from perseus_ext.measurement.gpu.sim import PRESETS
 
     assert set(PRESETS) == {preset.value for preset in SimPreset}
 
@@ -152,7 +152,8 @@ def test_rank_lists():
 
 
 def test_the_config_hands_the_device_layer_the_spec_it_parsed(monkeypatch):
-    from perseus_ext.measurement.gpu import SimulatedGPU, open_gpu
+    from perseus_ext.measurement.gpu import open_gpu
+    from perseus_ext.measurement.gpu.sim import SimulatedGPU
 
     monkeypatch.setenv("PERSEUS_GPU", "sim:h100?pace=0&slowdown=1.5&slowdown_ranks=3&seed=10")
     config = PerseusConfig.from_dict({})  # the key is null: env PERSEUS_GPU, read at the door

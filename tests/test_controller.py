@@ -16,8 +16,8 @@ import pytest
 from runtime_helpers import HandMarker
 
 from perseus_ext.actuation.controller import FrequencyController, open_controller
-from perseus_ext.measurement.gpu import GPUError, GPUPermissionError, SimulatedGPU
-from perseus_ext.measurement.gpu.simulated import read_state_file
+from perseus_ext.measurement.gpu import GPUError, GPUPermissionError
+from perseus_ext.measurement.gpu.sim import SimulatedGPU, read_state_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -228,7 +228,7 @@ TRAINER = textwrap.dedent(
     # (CI harnesses may start us with SIGINT ignored, which the controller rightly leaves alone).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung exit shows where (exit_status)
-    from perseus_ext.measurement.gpu import SimulatedGPU
+    from perseus_ext.measurement.gpu.sim import SimulatedGPU
     from perseus_ext.actuation.controller import FrequencyController
 
     mode, state = sys.argv[1], sys.argv[2]

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from perseus_ext.measurement.coverage import estimate_coverage
-from perseus_ext.measurement.gpu import PRESETS, CoverageTally, SimulatedGPU, SwitchLatency
+from perseus_ext.measurement.gpu import CoverageTally, SwitchLatency
+from perseus_ext.measurement.gpu.sim import PRESETS, SimulatedGPU
 
 A100 = PRESETS["a100_sxm"]
 CLOCKS = (1410, 1305, 1200, 1005, 855)

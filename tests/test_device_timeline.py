@@ -14,17 +14,16 @@ from perseus_ext.measurement.gpu import (
     GPU,
     GPUError,
     GPUNotSupportedError,
-    PRESETS,
     CoverageTally,
     HostOnlyTimeline,
-    SimulatedGPU,
     SwitchLatency,
     gpu_switch_latency,
     open_timeline,
 )
+from perseus_ext.measurement.gpu.sim import PRESETS, SimulatedGPU
 from perseus_ext.measurement.gpu.clock_ramp import ClockTrajectory
 from perseus_ext.measurement.gpu.cuda_timeline import CudaTimeline
-from perseus_ext.measurement.gpu.sim_board import board_directory
+from perseus_ext.measurement.gpu.sim.board import board_directory
 from perseus_ext.measurement.gpu.timeline import CONSERVATIVE_SWITCH_LATENCY, NO_LATENCY
 
 A100 = PRESETS["a100_sxm"]

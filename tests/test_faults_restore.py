@@ -18,8 +18,8 @@ from perseus_ext.actuation import restore as restore_module
 from perseus_ext.actuation.controller import FrequencyController
 from perseus_ext.actuation.watchdog import Claims, WatchdogOrders, restore, restore_once
 from perseus_ext.errors import ConfigError
-from perseus_ext.measurement.gpu import NVMLRestoreSpec, SimRestoreSpec, SimulatedGPU, ZeusdRestoreSpec
-from perseus_ext.measurement.gpu.simulated import read_state_file
+from perseus_ext.measurement.gpu import NVMLRestoreSpec, SimRestoreSpec, ZeusdRestoreSpec
+from perseus_ext.measurement.gpu.sim import SimulatedGPU, read_state_file
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = dict(os.environ, PYTHONPATH=str(REPO))
@@ -159,7 +159,7 @@ BLOCKED_TRAINER = textwrap.dedent(
     """
     import os, sys, datetime
     import torch, torch.distributed as dist
-    from perseus_ext.measurement.gpu import SimulatedGPU
+    from perseus_ext.measurement.gpu.sim import SimulatedGPU
     from perseus_ext.actuation.controller import FrequencyController
 
     rank, port, state = int(sys.argv[1]), sys.argv[2], sys.argv[3]

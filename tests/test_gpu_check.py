@@ -73,7 +73,7 @@ def test_cpu_mode_runs_every_section_and_the_guard_stops_a_live_controller(tmp_p
     assert report["guard_attempts"] == []  # the measured sections (dry-run) tried no write at all
     sections = report["sections"]
     assert set(sections) == {"environment", "nvml_reads", "energy_counter", "event_timing", "actuation",
-                             "end_to_end", "waiting_power", "cuda_graphs"}
+                             "end_to_end", "waiting_power", "power_fields", "cuda_graphs"}
     assert not [name for name, figures in sections.items() if "error" in figures]
     assert sections["energy_counter"]["update_period_ms"]["median"] == pytest.approx(20, abs=5)
     assert sections["event_timing"]["float32_quantum_ms_after_7_days"] == 64.0
@@ -91,6 +91,8 @@ def test_cpu_mode_runs_every_section_and_the_guard_stops_a_live_controller(tmp_p
         waiting = sections["waiting_power"][phase]
         assert waiting["power_w"]["median"] == pytest.approx(300.0) and waiting["power_w"]["n"] >= 3
         assert waiting["mean_power_w_from_counter"] == pytest.approx(300.0, rel=0.25)
+    fields = sections["power_fields"]  # read-only: the fake's instant field alternates every 20 ms
+    assert fields["field_power_instant"]["distinct_values"] == 2 and fields["power_usage"]["available"]
     graphs = sections["cuda_graphs"]  # a stand-in on CPU: the code runs, the answers are the GPU's to give
     assert graphs["mode"].startswith("cpu stand-in")
     assert not [part for part in ("per_layer", "full_iteration", "capture_probe") if "error" in graphs[part]]

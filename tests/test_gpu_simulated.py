@@ -13,14 +13,12 @@ from perseus_ext.measurement.gpu import (
     GPUError,
     GPUPermissionError,
     GPUNotSupportedError,
-    PRESETS,
     SimRestoreSpec,
-    SimulatedGPU,
     SwitchLatency,
     open_gpu,
 )
+from perseus_ext.measurement.gpu.sim import PRESETS, SimulatedGPU, read_state_file
 from perseus_ext.config.gpu import parse_rank_list
-from perseus_ext.measurement.gpu.simulated import read_state_file
 from perseus_ext.planning.profile import load_profile
 
 PROFILES = Path(__file__).resolve().parent.parent / "examples" / "profiles"

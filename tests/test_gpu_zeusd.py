@@ -18,13 +18,8 @@ import pytest
 
 from perseus_ext.actuation.controller import FrequencyController
 from perseus_ext.errors import ConfigError
-from perseus_ext.measurement.gpu import (
-    NVMLRestoreSpec,
-    SimulatedGPU,
-    ZeusdRestoreSpec,
-    gpu_switch_latency,
-    open_gpu,
-)
+from perseus_ext.measurement.gpu import NVMLRestoreSpec, ZeusdRestoreSpec, gpu_switch_latency, open_gpu
+from perseus_ext.measurement.gpu.sim import SimulatedGPU
 from perseus_ext.measurement.gpu.common import StrictControlError
 from perseus_ext.measurement.gpu.zeusd import ZeusdGPU
 from perseus_ext.measurement.gpu.zeusd_client import ZeusdAuthError, ZeusdClient, ZeusdEndpoint, ZeusdError

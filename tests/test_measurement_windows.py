@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from perseus_ext.measurement.gpu import SimulatedGPU
+from perseus_ext.measurement.gpu.sim import SimulatedGPU
 from perseus_ext.measurement.windows import (
     EnergyEstimator,
     EnergyMeter,

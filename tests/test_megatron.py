@@ -40,6 +40,9 @@ PERSEUS = {
     # The last stage also runs the LM head and loss, so it is the slower one: the first stage
     # has slack to spend at lower clocks (intrinsic energy bloat).
     "simulated_workload": {"forward_seconds": [0.02, 0.03], "backward_seconds": [0.04, 0.06]},
+    # No clock-change budget: computations of 20-60 ms would leave one clock per stage under the
+    # default 5 changes a second (docs/solver.md); these tests check per-computation plans.
+    "solver": {"max_clock_changes_per_s": 0},
 }
 # Ranks 1 and 3 (pipeline 1 under PP=2 x DP=2) run 20 % slower: a straggling pipeline.
 STRAGGLER_GPU = ["--perseus-gpu", PERSEUS["gpu"] + "&slowdown=1.2&slowdown_ranks=1,3"]

@@ -124,7 +124,7 @@ def test_installed_megatron_core_transformer_config_is_read_too():
     assert detect(full, release).graph_mode is GraphMode.FULL_ITERATION
 
 
-def test_install_runs_combined_1f1b_at_default_clocks_with_one_message_naming_the_flag(caplog):
+def test_install_plans_combined_1f1b_and_says_so_in_one_line_naming_the_flag(caplog):
     pytest.importorskip("megatron.core")
     from perseus_ext.adapters.megatron import add_perseus_args, install
 
@@ -136,9 +136,10 @@ def test_install_runs_combined_1f1b_at_default_clocks_with_one_message_naming_th
     perseus = install(args)
     try:
         assert perseus.execution.combined_1f1b
-        assert perseus._config.mode == "observe"
-        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
-        assert len(warnings) == 1 and COMBINED_1F1B_FLAG in warnings[0].getMessage()
+        assert perseus._config.mode == "optimize"  # planned per unit (tests/test_megatron_combined*.py)
+        notes = [r.getMessage() for r in caplog.records if COMBINED_1F1B_FLAG in r.getMessage()]
+        assert len(notes) == 1 and "plans each unit it runs" in notes[0]
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     finally:
         perseus.close()
 
@@ -158,3 +159,15 @@ def test_install_says_per_layer_graphs_are_planned_per_computation(caplog):
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     finally:
         perseus.close()
+
+
+def test_delayed_weight_gradients_are_said_to_be_part_of_the_combined_units():
+    from perseus_ext.adapters.megatron_graphs import DELAYED_WGRAD_FLAG, execution_notes
+
+    release = RELEASES[0]
+    delayed = detect(_namespace(release, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True), release)
+    assert delayed.combined_1f1b and delayed.delayed_wgrad
+    (note,) = execution_notes(delayed)
+    assert COMBINED_1F1B_FLAG in note and f"with {DELAYED_WGRAD_FLAG} the delayed weight gradients run inside each unit" in note
+    alone = detect(_namespace(release, delay_wgrad_compute=True), release)  # megatron refuses it without the overlap
+    assert not alone.delayed_wgrad and execution_notes(alone) == []

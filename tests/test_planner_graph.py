@@ -23,10 +23,13 @@ from perseus_ext.planning.schedule import (
     schedule_from_actions,
     v_shape_placement,
 )
-from perseus_ext.planning.solver import planning_model, solve_frontier
+from perseus_ext.planning.solver import SolverOptions, planning_model, solve_frontier
 from perseus_ext.planning.stage_constant import is_stage_constant, solve_stage_constant
 from perseus_ext.planning.thinning import with_fewer_switches
 from tests.planning_profiles import P_BLOCK_A100, profile_path, sub_profile
+
+# The per-computation solver on its own: no clock-change budget (tests/test_clock_budget.py has it).
+UNBUDGETED = SolverOptions(max_clock_changes_per_s=0)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +107,7 @@ def test_every_planning_path_on_a_combined_schedule(profile2: Profile) -> None:
     schedule = combined_1f1b(2, 4, 2)
     lengths = [len(order) for order in schedule.orders]
     assert lengths[0] != lengths[1]  # the later stage combines more steps
-    frontier = solve_frontier(schedule, profile2, P_BLOCK_A100, wait_aware=True)
+    frontier = solve_frontier(schedule, profile2, P_BLOCK_A100, wait_aware=True, options=UNBUDGETED)
     model = planning_model(schedule, profile2, P_BLOCK_A100, wait_aware=True)
     assert _replays_honestly(frontier, model) > 5
     for stage, length in enumerate(lengths):
@@ -117,7 +120,7 @@ def test_every_planning_path_on_a_combined_schedule(profile2: Profile) -> None:
     held = frontier.plan_for_deadline(frontier.fastest.time * 1.07)
     assert held.time <= frontier.fastest.time * 1.07
 
-    latency = solve_frontier(schedule, profile2, P_BLOCK_A100, switch_latency_s=5e-3)
+    latency = solve_frontier(schedule, profile2, P_BLOCK_A100, switch_latency_s=5e-3, options=UNBUDGETED)
     merged = with_fewer_switches(latency, schedule, profile2, P_BLOCK_A100, 5e-3, 20.0)
     lat_model = CostModel(schedule, profile2.useful_clocks(P_BLOCK_A100), P_BLOCK_A100, 5e-3)
     assert _replays_honestly(merged, lat_model) > 0
@@ -129,7 +132,7 @@ def test_every_planning_path_on_a_combined_schedule(profile2: Profile) -> None:
 
 def test_every_planning_path_on_split_gradients(profile2: Profile) -> None:
     schedule = schedule_from_actions(v_shaped_zero_bubble(3), v_shape_placement(2), "zbv")
-    frontier = solve_frontier(schedule, profile2, P_BLOCK_A100)
+    frontier = solve_frontier(schedule, profile2, P_BLOCK_A100, UNBUDGETED)
     assert frontier.intrinsic_saving() > 0
     assert _replays_honestly(frontier, planning_model(schedule, profile2, P_BLOCK_A100)) > 5
 

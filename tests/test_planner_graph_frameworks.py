@@ -33,8 +33,11 @@ from perseus_ext.planning.schedule import (
     one_f_one_b,
     schedule_from_actions,
 )
-from perseus_ext.planning.solver import solve_frontier
+from perseus_ext.planning.solver import SolverOptions, solve_frontier
 from tests.planning_profiles import P_BLOCK_A100, profile_path, sub_profile
+
+# The per-computation solver on its own: no clock-change budget (tests/test_clock_budget.py has it).
+UNBUDGETED = SolverOptions(max_clock_changes_per_s=0)
 
 pipelining = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -338,7 +341,7 @@ def _solver_against_milp(orders, placement, profile: Profile) -> float:
     bound is within `MILP_GAP` of it, so the frontier is within 0.1 % + that of the optimum)."""
     schedule = schedule_from_actions(orders, placement)
     model = CostModel(schedule, profile, P_BLOCK_A100)  # every profiled clock
-    frontier = solve_frontier(schedule, profile, P_BLOCK_A100)
+    frontier = solve_frontier(schedule, profile, P_BLOCK_A100, UNBUDGETED)
     t_fast = float(model.replay(model.fastest_choice())[0])
     assert frontier.fastest.time == pytest.approx(t_fast, rel=1e-9)
     worst = -1.0

@@ -1,4 +1,4 @@
-"""The solver's gap fill (`_fill_gaps`), against a plain Python reading of its contract.
+"""The solver's gap fill (`fill_gaps`), against a plain Python reading of its contract.
 
 It picks the frontier the stretch rounds work from: the Pareto plans plus, inside every gap
 wider than the resolution between two of them, the cheapest candidate of each half-resolution
@@ -13,11 +13,11 @@ import math
 import numpy as np
 import pytest
 
-from perseus_ext.planning.solver import _FILL_BIN, _fill_gaps, _pareto
+from perseus_ext.planning.pool import FILL_BIN, fill_gaps, pareto
 
 
 def expected_fill(times: np.ndarray, energies: np.ndarray, keep: list[int], resolution: float) -> list[int]:
-    bin_width = resolution * _FILL_BIN
+    bin_width = resolution * FILL_BIN
     chosen = set(keep)
     for a, b in zip(times[keep][:-1], times[keep][1:]):
         if b - a <= 2 * bin_width:
@@ -39,13 +39,13 @@ def test_the_fill_is_the_pareto_plans_and_each_bins_cheapest_in_time_energy_inde
     # Times on a coarse grid and energies from a few values: many exact ties, as in a pool.
     times = 4.0 + rng.integers(0, 60, n) * 2.5e-4
     energies = 1000.0 + rng.integers(0, 12, n) * 0.5
-    keep = _pareto(times, energies)
-    got = _fill_gaps(times, energies, keep, 1e-3)
+    keep = pareto(times, energies)
+    got = fill_gaps(times, energies, keep, 1e-3)
     assert got.tolist() == expected_fill(times, energies, keep, 1e-3)
 
 
 def test_a_frontier_without_gaps_is_its_pareto_plans() -> None:
     times = np.array([1.0, 1.0005, 1.001, 1.0008])
     energies = np.array([5.0, 4.0, 3.0, 4.5])
-    keep = _pareto(times, energies)
-    assert _fill_gaps(times, energies, keep, 1e-3).tolist() == keep == [0, 1, 2]
+    keep = pareto(times, energies)
+    assert fill_gaps(times, energies, keep, 1e-3).tolist() == keep == [0, 1, 2]

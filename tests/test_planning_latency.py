@@ -10,11 +10,14 @@ from perseus_ext.errors import ProfileError
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.profile import Profile, load_profile
 from perseus_ext.planning.schedule import one_f_one_b
-from perseus_ext.planning.solver import planning_model, solve_frontier
+from perseus_ext.planning.solver import SolverOptions, planning_model, solve_frontier
 from perseus_ext.planning.switching import count_switches, merge_switches, repair_latency
 from perseus_ext.planning.thinning import with_fewer_switches
 from perseus_ext.planning.wait_aware import plan_ending_at, waiting_energy
 from planning_profiles import P_BLOCK_A100, profile_path, sub_profile
+
+# The per-computation solver on its own: no clock-change budget (tests/test_clock_budget.py has it).
+UNBUDGETED = SolverOptions(max_clock_changes_per_s=0)
 
 
 def hand_profile() -> Profile:
@@ -102,7 +105,7 @@ def raw_a100() -> Profile:
 def test_every_plan_reports_its_exact_latency_aware_replay(raw_a100: Profile) -> None:
     profile = sub_profile(raw_a100, 3, (1410, 1290, 1170, 1050, 930))
     schedule = one_f_one_b(3, 5)
-    frontier = solve_frontier(schedule, profile, P_BLOCK_A100, switch_latency_s=0.01)
+    frontier = solve_frontier(schedule, profile, P_BLOCK_A100, switch_latency_s=0.01, options=UNBUDGETED)
     model = planning_model(schedule, profile, P_BLOCK_A100, switch_latency_s=0.01)
     assert frontier.baseline.time == pytest.approx(model.replay(model.fastest_choice(), 0.0)[0])
     for plan in frontier.plans:
@@ -120,8 +123,8 @@ def test_zero_latency_is_the_latency_free_model(raw_a100: Profile) -> None:
     limit = model.replay(choices, switch_latency_s=1e-300)  # the latency path, no latency
     np.testing.assert_allclose(limit[0], plain[0], rtol=1e-14)
     np.testing.assert_allclose(limit[1], plain[1], rtol=1e-13)
-    a = solve_frontier(one_f_one_b(3, 5), profile, P_BLOCK_A100)
-    b = solve_frontier(one_f_one_b(3, 5), profile, P_BLOCK_A100, switch_latency_s=0.0)
+    a = solve_frontier(one_f_one_b(3, 5), profile, P_BLOCK_A100, UNBUDGETED)
+    b = solve_frontier(one_f_one_b(3, 5), profile, P_BLOCK_A100, switch_latency_s=0.0, options=UNBUDGETED)
     assert [(p.time, p.energy) for p in a.plans] == [(p.time, p.energy) for p in b.plans]
     assert all(np.array_equal(p.frequencies, q.frequencies) for p, q in zip(a.plans, b.plans))
 
@@ -150,8 +153,8 @@ def clock_changes(plan) -> int:
 def test_latency_cuts_clock_changes_on_gpt3() -> None:
     profile = load_profile(profile_path("gpt3-175b-a100_sxm"))
     schedule = one_f_one_b(8, 12)
-    instant = solve_frontier(schedule, profile, P_BLOCK_A100)
-    slow = solve_frontier(schedule, profile, P_BLOCK_A100, switch_latency_s=0.02)
+    instant = solve_frontier(schedule, profile, P_BLOCK_A100, UNBUDGETED)
+    slow = solve_frontier(schedule, profile, P_BLOCK_A100, switch_latency_s=0.02, options=UNBUDGETED)
     deadlines = instant.baseline.time * np.array([1.0, 1.02, 1.05, 1.1, 1.2])
     changes = [sum(clock_changes(f.plan_for_deadline(d)) for d in deadlines) for f in (instant, slow)]
     assert changes[1] < changes[0]
@@ -191,7 +194,7 @@ def test_fewer_switches_keeps_the_frontier_honest_and_nearly_as_cheap(raw_a100: 
     per change more than before while making fewer changes in all."""
     profile = sub_profile(raw_a100, 4, tuple(range(1410, 600, -90)))
     schedule = one_f_one_b(4, 8)
-    frontier = solve_frontier(schedule, profile, P_BLOCK_A100, switch_latency_s=0.005, wait_aware=True)
+    frontier = solve_frontier(schedule, profile, P_BLOCK_A100, switch_latency_s=0.005, wait_aware=True, options=UNBUDGETED)
     cost_j = 5.0  # a quarter of a computation's energy: changes between neighbouring clocks go
     thinned = with_fewer_switches(frontier, schedule, profile, P_BLOCK_A100, 0.005, cost_j)
     model = planning_model(schedule, profile, P_BLOCK_A100, 0.005, wait_aware=True)

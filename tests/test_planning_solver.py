@@ -14,6 +14,9 @@ from perseus_ext.planning.profile import OperatingPoints, Profile, load_profile,
 from perseus_ext.planning.schedule import ScheduleKind, ScheduleSummary, interleaved, one_f_one_b
 from perseus_ext.planning.solver import SolverOptions, solve_frontier
 
+# The per-computation solver on its own: no clock-change budget (tests/test_clock_budget.py has it).
+UNBUDGETED = SolverOptions(max_clock_changes_per_s=0)
+
 PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
 A100 = PROFILES / "gpt3-175b-a100_sxm.csv"
 P_BLOCK_A100 = 83.64
@@ -60,7 +63,7 @@ def test_within_0_3_percent_of_optimal_at_every_deadline(
     profile = sub_profile(raw_a100, stages, clocks)
     schedule = one_f_one_b(stages, microbatches)
     model = CostModel(schedule, profile, P_BLOCK_A100)
-    frontier = solve_frontier(schedule, profile, P_BLOCK_A100)
+    frontier = solve_frontier(schedule, profile, P_BLOCK_A100, UNBUDGETED)
     t_min, t_end = frontier.plans[0].time, frontier.plans[-1].time
     worst = 0.0
     for deadline in np.linspace(t_min, t_end * 1.02, 30):
@@ -115,7 +118,7 @@ def test_clocks_useful_only_with_slack_reach_the_all_clock_optimum(raw_a100: Pro
     })
     restricted = CostModel(schedule, energy_only, P_BLOCK_A100)
     assert restricted.num_options.sum() < model.num_options.sum()
-    frontier = solve_frontier(schedule, profile, P_BLOCK_A100)
+    frontier = solve_frontier(schedule, profile, P_BLOCK_A100, UNBUDGETED)
     worst, loss = 0.0, 0.0
     for deadline in np.linspace(frontier.fastest.time, frontier.min_energy.time * 1.02, 12):
         optimum, choice = exact_min_energy(model, deadline)
@@ -139,8 +142,8 @@ def test_gap_targeted_polish_closes_on_the_all_clock_optimum(raw_a100: Profile) 
     profile = sub_profile(raw_a100, 4, tuple(range(1410, 869, -45)))
     schedule = one_f_one_b(4, 4)
     model = CostModel(schedule, profile, P_BLOCK_A100)  # every profiled clock
-    without = solve_frontier(schedule, profile, P_BLOCK_A100, SolverOptions(gap_polish_budget=0))
-    frontier = solve_frontier(schedule, profile, P_BLOCK_A100)
+    without = solve_frontier(schedule, profile, P_BLOCK_A100, SolverOptions(max_clock_changes_per_s=0, gap_polish_budget=0))
+    frontier = solve_frontier(schedule, profile, P_BLOCK_A100, UNBUDGETED)
     assert frontier.fastest.time == without.fastest.time == model.replay(model.fastest_choice())[0]
 
     planned = planning_model(schedule, profile, P_BLOCK_A100)
@@ -166,7 +169,7 @@ def test_gap_targeted_polish_closes_on_the_all_clock_optimum(raw_a100: Profile) 
 def gpt3_frontier(request):
     profile = load_profile(A100)
     schedule = one_f_one_b(8, request.param)
-    return request.param, CostModel(schedule, profile, P_BLOCK_A100), solve_frontier(schedule, profile, P_BLOCK_A100)
+    return request.param, CostModel(schedule, profile, P_BLOCK_A100), solve_frontier(schedule, profile, P_BLOCK_A100, UNBUDGETED)
 
 
 PAPER_INTRINSIC_SAVING = {12: 0.152, 24: 0.142, 48: 0.136, 96: 0.133}
@@ -206,7 +209,7 @@ def test_gpt3_frontier_invariants(gpt3_frontier) -> None:
 def test_interleaved_frontier_meets_its_schedule(raw_a100: Profile) -> None:
     profile = sub_profile(raw_a100, 4, tuple(range(1410, 1000, -60)))
     schedule = interleaved(4, 8, 2)
-    frontier = solve_frontier(schedule, profile, P_BLOCK_A100)
+    frontier = solve_frontier(schedule, profile, P_BLOCK_A100, UNBUDGETED)
     assert frontier.schedule == ScheduleSummary(ScheduleKind.INTERLEAVED, stages=4, microbatches=8, virtual_stages=2)
     assert frontier.fastest.frequencies.shape == (4, 32)
     assert frontier.intrinsic_saving() > 0.05
@@ -214,7 +217,7 @@ def test_interleaved_frontier_meets_its_schedule(raw_a100: Profile) -> None:
 
 def test_bad_solver_options_are_rejected(raw_a100: Profile) -> None:
     with pytest.raises(SolverError, match="resolution"):
-        solve_frontier(one_f_one_b(2, 2), sub_profile(raw_a100, 2, (1410, 1200)), 83.64, SolverOptions(resolution=0))
+        solve_frontier(one_f_one_b(2, 2), sub_profile(raw_a100, 2, (1410, 1200)), 83.64, SolverOptions(max_clock_changes_per_s=0, resolution=0))
 
 
 def test_profile_whose_slower_clocks_save_no_time(recwarn) -> None:
@@ -226,7 +229,7 @@ def test_profile_whose_slower_clocks_save_no_time(recwarn) -> None:
         for f, e in ((1410, 30.0), (1200, 25.0))
     ]
     profile = Profile.from_rows(rows)
-    frontier = solve_frontier(one_f_one_b(2, 3), profile, P_BLOCK_A100)
+    frontier = solve_frontier(one_f_one_b(2, 3), profile, P_BLOCK_A100, UNBUDGETED)
     assert len(frontier.plans) == 1
     # 1410 MHz is dominated (same time, more energy): every computation runs at 1200 MHz.
     assert set(frontier.fastest.frequencies.ravel().tolist()) == {1200}
@@ -316,7 +319,7 @@ def test_lp_walk_failure_reaches_the_caller_and_stops_the_walk(raw_a100: Profile
 
     monkeypatch.setattr(relaxation.ConvexRelaxation, "durations", failing)
     with pytest.raises(SolverError, match="ended with Infeasible"):
-        solve_frontier(one_f_one_b(4, 8), sub_profile(raw_a100, 4, (1410, 1200, 1000)), P_BLOCK_A100)
+        solve_frontier(one_f_one_b(4, 8), sub_profile(raw_a100, 4, (1410, 1200, 1000)), P_BLOCK_A100, UNBUDGETED)
     assert 5 <= len(calls) <= 8  # the other end finishes the anchor it was solving (of ~100)
     assert not [t for t in threading.enumerate() if t.name == "frontier-lp-walk"]
 
@@ -331,7 +334,7 @@ def test_the_frontier_does_not_depend_on_thread_timing(raw_a100: Profile, monkey
     profile = sub_profile(raw_a100, 4, (1410, 1290, 1170, 1050, 930))
 
     def solve() -> list[tuple[float, float, bytes]]:
-        frontier = solve_frontier(one_f_one_b(4, 8), profile, P_BLOCK_A100)
+        frontier = solve_frontier(one_f_one_b(4, 8), profile, P_BLOCK_A100, UNBUDGETED)
         return [(p.time, p.energy, p.frequencies.tobytes()) for p in frontier.plans]
 
     reference = solve()
@@ -353,7 +356,9 @@ import numpy as np, highspy
 from perseus_ext.data import shipped_profile
 from perseus_ext.planning.profile import load_profile
 from perseus_ext.planning.schedule import one_f_one_b
-from perseus_ext.planning.solver import solve_frontier
+from perseus_ext.planning.solver import SolverOptions, solve_frontier
+
+UNBUDGETED = SolverOptions(max_clock_changes_per_s=0)
 
 def callers_lp(threads):
     h = highspy.Highs()
@@ -365,7 +370,7 @@ def callers_lp(threads):
     return h.modelStatusToString(h.getModelStatus())
 
 before = callers_lp(2)
-frontier = solve_frontier(one_f_one_b(8, 8), load_profile(shipped_profile("gpt3-175b-a100_sxm")), 83.64)
+frontier = solve_frontier(one_f_one_b(8, 8), load_profile(shipped_profile("gpt3-175b-a100_sxm")), 83.64, UNBUDGETED)
 print("RESULT", before, callers_lp(2), len(frontier.plans) > 10)  # highspy.Highs() prints a banner
 """
 
@@ -402,7 +407,7 @@ def test_lp_anchors_lie_on_grid_deadlines(raw_a100: Profile, monkeypatch) -> Non
 
     monkeypatch.setattr(first_pass, "interpolate", spy)
     monkeypatch.setattr(relaxation.AnchorWalk, "wait", wait)
-    solve_frontier(one_f_one_b(4, 8), sub_profile(raw_a100, 4, (1410, 1290, 1170, 1050, 930)), P_BLOCK_A100)
+    solve_frontier(one_f_one_b(4, 8), sub_profile(raw_a100, 4, (1410, 1290, 1170, 1050, 930)), P_BLOCK_A100, UNBUDGETED)
     anchors = kept[0]
     grid = np.sort(np.concatenate(seen))
     assert len(anchors) > 20 and np.all(np.diff(anchors) > 0)
@@ -411,16 +416,16 @@ def test_lp_anchors_lie_on_grid_deadlines(raw_a100: Profile, monkeypatch) -> Non
 
 
 def test_passes_split_over_two_threads_give_the_same_candidates_and_raise_the_helper_s_error() -> None:
-    """`_in_two` runs the second half of a big pass on a helper thread: the candidates must be
+    """`in_two` runs the second half of a big pass on a helper thread: the candidates must be
     the single-thread ones, column for column, and an error there must reach the solver."""
     import threading
 
-    from perseus_ext.planning import solver
+    from perseus_ext.planning import pool
     from perseus_ext.planning.first_pass import first_pass_block
 
     profile = load_profile(A100)
     model = CostModel(one_f_one_b(8, 12), profile, P_BLOCK_A100)
-    columns = solver._SPLIT_COLUMNS + 3
+    columns = pool.SPLIT_COLUMNS + 3
     rng = np.random.default_rng(7)
     relaxed = model.times[:, :1] + rng.random((model.num_nodes, columns)) * 0.02
     deadlines = np.full(columns, float(model.replay(model.fastest_choice())[0]) * 1.1)
@@ -430,7 +435,7 @@ def test_passes_split_over_two_threads_give_the_same_candidates_and_raise_the_he
         threads.add(threading.get_ident())
         return first_pass_block(model, relaxed[:, lo:hi], deadlines[lo:hi], lo)
 
-    split = solver._in_two(work, columns)
+    split = pool.in_two(work, columns)
     assert len(threads) == 2
     for got, want in zip(split, first_pass_block(model, relaxed, deadlines, 0), strict=True):
         for a, b in zip(got, want, strict=True):
@@ -442,7 +447,7 @@ def test_passes_split_over_two_threads_give_the_same_candidates_and_raise_the_he
         return work(lo, hi)
 
     with pytest.raises(SolverError, match="second half failed"):
-        solver._in_two(failing, columns)
+        pool.in_two(failing, columns)
 
 
 def test_the_walk_s_threads_round_blocks_as_their_anchors_arrive(raw_a100: Profile, monkeypatch) -> None:

@@ -13,8 +13,11 @@ from perseus_ext.planning.exact import exact_wait_aware
 from perseus_ext.planning.frontier import Frontier
 from perseus_ext.planning.profile import Profile, load_profile, pareto_indices, useful_indices
 from perseus_ext.planning.schedule import one_f_one_b
-from perseus_ext.planning.solver import solve_frontier
+from perseus_ext.planning.solver import SolverOptions, solve_frontier
 from perseus_ext.planning.wait_aware import plan_ending_at, waiting_energy
+
+# The per-computation solver on its own: no clock-change budget (tests/test_clock_budget.py has it).
+UNBUDGETED = SolverOptions(max_clock_changes_per_s=0)
 
 A100 = Path(__file__).resolve().parents[1] / "examples" / "profiles" / "gpt3-175b-a100_sxm.csv"
 P_BLOCK_A100 = 83.64
@@ -65,7 +68,7 @@ def test_extension_within_half_a_percent_of_the_exact_wait_aware_optimum(
 ) -> None:
     raw = raw_sub_profile(raw_a100, stages, clocks)
     schedule = one_f_one_b(stages, microbatches)
-    frontier = solve_frontier(schedule, raw, P_BLOCK_A100, wait_aware=True)
+    frontier = solve_frontier(schedule, raw, P_BLOCK_A100, wait_aware=True, options=UNBUDGETED)
     exact_model = CostModel(schedule, raw, P_BLOCK_A100)  # every measured clock
     t_min = frontier.fastest.time
     t_slowest = float(exact_model.dag.makespan(exact_model.times[np.arange(exact_model.num_nodes),
@@ -82,7 +85,7 @@ def test_extension_within_half_a_percent_of_the_exact_wait_aware_optimum(
 def test_extension_plans_are_exact_replays_and_keep_the_ordinary_frontier(raw_a100: Profile) -> None:
     raw = raw_sub_profile(raw_a100, 3, (1410, 1275, 1140, 1035, 960, 885))
     schedule = one_f_one_b(3, 4)
-    frontier = solve_frontier(schedule, raw, P_BLOCK_A100, wait_aware=True)
+    frontier = solve_frontier(schedule, raw, P_BLOCK_A100, wait_aware=True, options=UNBUDGETED)
     start = frontier.extension_start
     assert start is not None and start < len(frontier.plans)
     ordinary, extension = frontier.ordinary_plans, frontier.plans[start:]
@@ -120,7 +123,7 @@ def test_latency_aware_extension_reports_latency_aware_replays(raw_a100: Profile
     raw = raw_sub_profile(raw_a100, 2, (1410, 1200, 1050, 900))
     schedule = one_f_one_b(2, 4)
     latency = 0.004
-    frontier = solve_frontier(schedule, raw, P_BLOCK_A100, switch_latency_s=latency, wait_aware=True)
+    frontier = solve_frontier(schedule, raw, P_BLOCK_A100, switch_latency_s=latency, wait_aware=True, options=UNBUDGETED)
     model = CostModel(schedule, raw.useful_clocks(P_BLOCK_A100), P_BLOCK_A100, latency)
     extension = frontier.plans[frontier.extension_start:]
     assert extension
@@ -141,7 +144,7 @@ def test_one_global_clock_is_the_exact_optimum_when_every_computation_waits_best
     assert {int(op.frequencies[np.argmin(op.energies - P_BLOCK_A100 * op.times)])
             for op in useful.points.values()} == {855}
     schedule = one_f_one_b(3, 4)
-    frontier = solve_frontier(schedule, raw, P_BLOCK_A100, wait_aware=True)
+    frontier = solve_frontier(schedule, raw, P_BLOCK_A100, wait_aware=True, options=UNBUDGETED)
     deadline = 2.0 * frontier.fastest.time
     model = CostModel(schedule, raw, P_BLOCK_A100)
     uniform = np.argmax(model.frequencies == 855, axis=1)

@@ -14,7 +14,8 @@ import pytest
 
 from perseus_ext.config.policy import PolicySection
 from perseus_ext.errors import ConfigError
-from perseus_ext.measurement.gpu import GPUError, SimulatedGPU
+from perseus_ext.measurement.gpu import GPUError
+from perseus_ext.measurement.gpu.sim import SimulatedGPU
 from perseus_ext.policies import (
     CallbackCarbonSignal,
     CarbonCost,

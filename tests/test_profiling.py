@@ -19,7 +19,7 @@ from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.planning.solver import SolverOptions, solve_frontier
 from perseus_ext.runtime import profiler as profiler_module
 from perseus_ext.runtime.profiler import StageProfiler, coarse_stride
-from perseus_ext.runtime.profiling import ProfilingRun
+from perseus_ext.runtime.profiling_run import ProfilingRun
 
 from runtime_helpers import virtual_gpu
 
@@ -142,7 +142,8 @@ def _frontier_saving(profilers, gpus, *, full_sweep: bool) -> float:
                       "energy": r.energy - measured.overhead_s * measured.blocking_power_w} for r in measured.rows]
             blocking.append(measured.blocking_power_w)
     frontier = solve_frontier(build_schedule("1f1b", 2, MICROBATCHES), Profile.from_rows(rows),
-                              float(np.mean(blocking)), SolverOptions(min_grid_points=300), switch_latency_s=0.025)
+                              float(np.mean(blocking)), SolverOptions(min_grid_points=300, max_clock_changes_per_s=0),
+                              switch_latency_s=0.025)  # the profile's worth, per computation: no clock-change budget
     return frontier.intrinsic_saving()
 
 
@@ -214,3 +215,44 @@ def test_a_stop_at_the_last_search_clock_is_not_called_early(monkeypatch):
         early, _ = profile_stage(stage, seed)
         assert early.stop_reason.startswith("early stop at "), early.stop_reason
         assert early.iterations < len(early.search_clocks) and "lower search clock(s) skipped" in early.stop_reason
+
+
+
+
+def test_overhead_is_what_an_unsynchronised_iteration_pays_between_computations():
+    """Profiling synchronises, so its gaps hold the host's whole turn (3 ms before each
+    computation here) and then 0.5 ms of device work the host queued in the gap (a copy the
+    device still ran after the host got there). An iteration run without synchronising hides the
+    host's turn behind the computations still queued; its device gaps are what the model adds,
+    never less than the device work the profiling gaps showed."""
+
+    def profiled() -> StageProfiler:
+        profiler = StageProfiler(0, [1410], iterations_per_clock=1, early_stop=False, patience=2,
+                                 local_inputs=[True] * 4)
+        end = 0.0
+        for _ in range(4):
+            ready = end + 0.003  # the host reaches the computation 3 ms after the last one ended
+            start = ready + 0.0005  # the device runs the queued copy first
+            end = start + 0.010
+            profiler.on_computation("forward", 1410, start, end, ready=ready)
+        return profiler
+
+    def spans_with(gaps_s: list[float]) -> list[tuple[float, float]]:
+        spans, at = [], 0.0  # the iteration starts on the device at 0
+        for gap in gaps_s:
+            spans.append((at + gap, at + gap + 0.010))
+            at = spans[-1][1]
+        return spans
+
+    synchronised = profiled()
+    assert synchronised.local_gaps == pytest.approx([0.003] * 3)
+    assert synchronised.local_device_s == pytest.approx([0.0005] * 3)
+    assert synchronised.overhead_s == pytest.approx(0.0035)  # no unsynchronised iteration: the whole gap
+    measured = profiled()
+    # The first computation's gap counts from the iteration start (its input is local too).
+    measured.on_free_running_iteration(0.0, spans_with([0.0012, 0.0006, 0.0005, 0.0009]))
+    assert measured.free_running_gaps == pytest.approx([0.0012, 0.0006, 0.0005, 0.0009])
+    assert measured.overhead_s == pytest.approx(0.00075)  # their median
+    hidden = profiled()
+    hidden.on_free_running_iteration(0.0, spans_with([0.0, 0.0, 0.0, 0.0]))  # a warm-up that showed no gap
+    assert hidden.overhead_s == pytest.approx(0.0005)  # the device work still counts

@@ -17,7 +17,7 @@ import pytest
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.runtime.comm import Member
 from perseus_ext.runtime.profiler import ProfileRow, StageMeasurements
-from perseus_ext.runtime.profiling import ProfilingRun
+from perseus_ext.runtime.profiling_run import ProfilingRun
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

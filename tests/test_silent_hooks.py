@@ -14,7 +14,7 @@ from runtime_helpers import HandMarker, make_config, sim_gpu, train
 
 from perseus_ext.actuation import silence
 from perseus_ext.actuation.controller import FrequencyController
-from perseus_ext.measurement.gpu import SimulatedGPU
+from perseus_ext.measurement.gpu.sim import SimulatedGPU
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.runtime import PerseusRuntime
 from perseus_ext.runtime import hook_watch as hook_watch_module

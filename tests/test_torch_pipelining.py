@@ -23,8 +23,8 @@ from runtime_helpers import free_port
 
 from perseus_ext.adapters.torch_pipelining_actions import RankLayout, first_mismatch
 from perseus_ext.errors import ConfigError
-from perseus_ext.measurement.pacing import split_backward_s
-from perseus_ext.measurement.gpu.simulated import read_state_file
+from perseus_ext.measurement.gpu.sim.workload import split_backward_s
+from perseus_ext.measurement.gpu.sim import read_state_file
 from perseus_ext.planning.schedule import Computation, Kind
 from perseus_ext.torch_pipelining import SUPPORTED_CLASSES, read_config
 
@@ -39,6 +39,7 @@ MICROBATCHES = 4
 FAST = {
     "enabled": True, "gpu": "sim:a100_sxm", "warmup_iterations": 1, "candidate_clocks": [1410, 1200, 990, 780],
     "solve_in_background": False, "straggler_check_interval": 3, "log_interval": 100,
+    "solver": {"max_clock_changes_per_s": 0},  # 4-12 ms computations: no clock-change budget
     "simulated_workload": {"forward_seconds": [0.004, 0.006], "backward_seconds": [0.008, 0.012]},
 }
 INTERLEAVED_ITERATIONS = 13
@@ -108,8 +109,9 @@ def short_jobs(tmp_path_factory) -> dict[str, Job]:
 
 
 def _check_deployed(done: Job, results: list[dict], ranks: int, chunks: int, exited: bool) -> None:
-    """Every rank deployed a plan, hooked every compute action of its last step and holds the
-    whole graph; `exited`: the job closed normally (the clocks were read back in the process)."""
+    """Every rank deployed a plan, hooked every action of its last step (gradient syncs
+    included) and plans the whole graph; `exited`: the job closed normally (the clocks were read
+    back in the process)."""
     assert len(results) == ranks, done.stderr[-3000:]
     for result in results:
         summary = result["summary"]
@@ -117,14 +119,15 @@ def _check_deployed(done: Job, results: list[dict], ranks: int, chunks: int, exi
         assert summary["final_phase"] == "deployed", summary["fallback_reason"]
         assert summary["fallback_reason"] is None
         assert summary["deployed"]["iterations"] >= 2
-        # Every compute action of the last step (the rank's graph order less its gradient syncs)
+        # Every action of the last step (the rank's graph order, its gradient syncs included)
         # ran between the runtime's hooks, i.e. at its planned clock.
         own_order = result["graph_orders"][summary["stage"]]
-        assert seen["actions"] == sum(not action.startswith("R") for action in own_order) > 0
+        assert seen["actions"] == len(own_order) > 0
         assert seen["hooked_actions"] == seen["actions"]
+        assert result["planned_order"] == own_order and len(result["planned_clocks"]) == len(own_order)
         coverage = summary["clock_coverage"]["exact"]
         assert coverage is not None and 0.0 < coverage <= 1.0
-        # The graph holds one gradient sync per model chunk; the runtime plans the rest.
+        # The graph holds one gradient sync per model chunk; the runtime plans all of it.
         assert seen["gradient_syncs"] == chunks * 2  # both pipeline ranks' chunks
         assert seen["planned"] == seen["graph"]
         if exited:
@@ -145,7 +148,7 @@ def test_1f1b_deploys_and_an_exception_exit_restores_the_clocks(tmp_path):
     assert done.returncode != 0 and "InjectedFailure: injected failure before step 15" in done.stderr
     assert [r["failed_at"] for r in results] == [15, 15]
     _check_deployed(done, results, ranks=2, chunks=1, exited=False)
-    assert [r["summary"]["torch_pipelining"]["actions"] for r in results] == [2 * MICROBATCHES] * 2
+    assert [r["summary"]["torch_pipelining"]["actions"] for r in results] == [2 * MICROBATCHES + 1] * 2
     graph = results[0]["summary"]["torch_pipelining"]["graph"]
     assert graph == {"kind": "1f1b", "stages": 2, "microbatches": MICROBATCHES, "virtual_stages": 1}
     for rank in range(2):
@@ -157,7 +160,7 @@ def test_interleaved_1f1b_deploys_per_chunk_clocks_and_trains_the_same_model(tmp
     done, results = _launch(tmp_path, "ScheduleInterleaved1F1B", iterations=INTERLEAVED_ITERATIONS)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     _check_deployed(done, results, ranks=2, chunks=2, exited=True)
-    assert [r["summary"]["torch_pipelining"]["actions"] for r in results] == [4 * MICROBATCHES] * 2
+    assert [r["summary"]["torch_pipelining"]["actions"] for r in results] == [4 * MICROBATCHES + 2] * 2
     graph = results[0]["summary"]["torch_pipelining"]["graph"]
     assert graph == {"kind": "interleaved", "stages": 2, "microbatches": MICROBATCHES, "virtual_stages": 2}
     # The looped layout comes from the stages: rank 0 holds stage_index 0 and 2, rank 1 holds 1 and 3.
@@ -189,7 +192,7 @@ def test_a_straggling_pipeline_slows_the_other_one_on_four_ranks(tmp_path):
     for result in results:
         summary = result["summary"]
         assert summary["final_phase"] == "deployed", summary["fallback_reason"]
-        assert summary["torch_pipelining"]["hooked_actions"] == 2 * MICROBATCHES
+        assert summary["torch_pipelining"]["hooked_actions"] == 2 * MICROBATCHES + 1  # and the sync
         assert result["clocks_restored"] is True
         switches = summary["plan_switches"]
         assert switches and switches[0]["reason"] == "deploy" and switches[0]["iteration"] < 13
@@ -225,15 +228,17 @@ def test_split_backward_schedules_profile_solve_and_deploy_input_and_weight_grad
         assert {"F", "I", "W"} <= {action[0] for action in result["graph_orders"][result["summary"]["stage"]]}
         assert result["summary"]["clock_coverage"]["exact"] > 0.0
     # The measured profile (saved by the pipeline's leader) has a row per kind each stage ran at
-    # every profiled clock: F, I and W everywhere, B only where the schedule runs full backwards.
+    # every profiled clock: F, I, W and the gradient sync everywhere, B only where the schedule
+    # runs full backwards.
     with (done.directory / "profile.csv").open(encoding="utf-8") as rows:
         measured = {(int(row["stage"]), row["instruction"]) for row in csv.DictReader(rows)}
     ran = {(stage, kind) for stage, order in enumerate(results[0]["graph_orders"])
-           for kind in {_KIND_OF[action[0]] for action in order if action[0] != "R"}}
-    assert measured == ran and {kind for _, kind in ran} >= {"forward", "input_gradient", "weight_gradient"}
+           for kind in {_KIND_OF[action[0]] for action in order}}
+    assert measured == ran
+    assert {kind for _, kind in ran} >= {"forward", "input_gradient", "weight_gradient", "reduce_grad"}
 
 
-_KIND_OF = {"F": "forward", "B": "backward", "I": "input_gradient", "W": "weight_gradient"}
+_KIND_OF = {"F": "forward", "B": "backward", "I": "input_gradient", "W": "weight_gradient", "R": "reduce_grad"}
 
 
 def test_the_simulated_split_backward_shares_one_backward():

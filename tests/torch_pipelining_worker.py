@@ -63,6 +63,13 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def _planned_clocks(runtime) -> list[int] | None:
+    """The deployed plan's clock of each action of this rank, in `planned_order` (None undeployed)."""
+    if runtime is None or runtime.deployment is None:
+        return None
+    return list(runtime.deployment.stage_clocks(runtime.stage))
+
+
 def _write(result: Path, job, *, failed_at: int | None = None) -> None:
     perseus = job.perseus
     gpu = perseus.runtime.gpu if perseus.runtime is not None else None
@@ -70,6 +77,8 @@ def _write(result: Path, job, *, failed_at: int | None = None) -> None:
         "rank": job.rank, "pipeline": job.pipeline, "summary": perseus.summary(), "losses": job.losses,
         "clocks_restored": gpu is None or gpu.locked_clock is None, "failed_at": failed_at,
         "graph_orders": [[str(c) for c in order] for order in perseus.graph.orders] if perseus.graph else None,
+        "planned_order": [str(c) for c in perseus.runtime.order] if perseus.runtime is not None else None,
+        "planned_clocks": _planned_clocks(perseus.runtime),
     }
     (result / f"rank-{job.rank}.json").write_text(json.dumps(record, default=str), encoding="utf-8")
 

@@ -42,7 +42,7 @@ from urllib.parse import parse_qsl, urlsplit
 import jwt
 
 from perseus_ext.measurement.gpu.common import GPUError
-from perseus_ext.measurement.gpu.simulated import SimulatedGPU
+from perseus_ext.measurement.gpu.sim import SimulatedGPU
 
 ALL_GROUPS = ("gpu-control", "gpu-read", "cpu-read")
 WRITE_FIELDS = {

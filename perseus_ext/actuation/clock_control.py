@@ -24,8 +24,13 @@ class ClockControl(Protocol):
         """The clock last applied (None: default clocks)."""
 
     def set_clock(self, mhz: int, at: DeviceMarker | None = None, after_s: float = 0.0,
-                  by: DeviceMarker | None = None) -> None:
-        """`mhz` from marker `at` on (`after_s` later, or at `by` if the device gets there first)."""
+                  by: DeviceMarker | None = None, episode: int | None = None) -> None:
+        """`mhz` from marker `at` on (`after_s` later, or at `by` if the device gets there first);
+        `episode`: the straggler episode whose slowed plan it serves (dropped once it recovered)."""
+
+    def queue_recovery(self, mhz: int, at: DeviceMarker, episode: int) -> None:
+        """Straggler `episode`'s fastest-plan clock from marker `at` on, applied only once the
+        episode is found recovered (the slowed changes it shadows are then dropped)."""
 
     def reset(self, at: DeviceMarker | None = None) -> None:
         """The default clocks from marker `at` on."""

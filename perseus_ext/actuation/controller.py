@@ -51,6 +51,7 @@ from perseus_ext.actuation.change_queue import (
     ClockAt,
     Item,
     PowerLimitAt,
+    RecoveryOverride,
     Reset,
     due_s,
     superseded,
@@ -80,6 +81,7 @@ logger = logging.getLogger(__name__)
 DRY_RUN_LOG_LIMIT = 1_000_000  # entries kept in dry_run_log; beyond it only dry_run_count grows
 CHANGE_LOG_LIMIT = 100_000  # timestamped clock changes kept for clock-coverage estimates
 CALL_TIMES_KEPT = 1000  # durations of the latest set calls kept (live runs)
+OVERRIDE_POLL_S = 0.002  # waiting on a slowed plan's change: how often a recovery override is checked
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ class FrequencyController:
         self.error_count = 0
         self.dropped_count = 0  # requests ignored because the controller was disabled/closed
         self.stale_skipped = 0  # targets superseded before the worker reached them
+        self.overridden_skipped = 0  # changes of a slowed plan overridden by its recovery program
+        self.override = RecoveryOverride()  # straggler episodes whose slowed plans no longer run
         self.issue_delay = IssueDelay()  # how late marker-tied changes go out (the sequencer issues earlier)
         self.applied_count = 0
         self.dry_run_log: list[int] = []
@@ -134,7 +138,7 @@ class FrequencyController:
         self.disabled_reason: str | None = None
         self._logged: set[str] = set()
         self._closed = False
-        self._last_requested: int | None = None
+        self._last_requested: tuple[int, int | None] | None = None  # (MHz, straggler episode)
         self._epoch = 0  # bumped by release_silent(): changes queued before are dropped
         self.writes: ClockWrites | None = None  # the device writes and their restore (restore.py)
         self._closer: int | None = None  # thread that runs close(); a re-entrant call returns
@@ -190,15 +194,15 @@ class FrequencyController:
 
     # ----------------------------------------------------------------- hook path
     def set_clock(self, mhz: int, at: DeviceMarker | None = None, after_s: float = 0.0,
-                  by: DeviceMarker | None = None) -> None:
+                  by: DeviceMarker | None = None, episode: int | None = None) -> None:
         """Ask for SM clock `mhz` `after_s` seconds after the device reaches `at` (None: as soon
         as possible), and no later than when it reaches `by`; returns at once, never raises. A
         positive `after_s` lets the caller issue a change ahead of a computation by the
         switching latency, so it lands on time; `by` bounds how late a delay planned from
-        timings that no longer hold can make it."""
-        if mhz == self._last_requested:
+        timings that no longer hold can make it. `episode`: the straggler episode it serves."""
+        if (mhz, episode) == self._last_requested:
             return
-        self._last_requested = mhz
+        self._last_requested = (mhz, episode)
         if self.dry_run:
             self.dry_run_count += 1
             if len(self.dry_run_log) < DRY_RUN_LOG_LIMIT:
@@ -207,7 +211,21 @@ class FrequencyController:
             self.dropped_count += 1
             return
         if self._worker is not None and not self._closed:
-            self._queue.put(ClockAt(mhz, at, after_s, by, self._epoch))
+            self._queue.put(ClockAt(mhz, at, after_s, by, self._epoch, episode))
+
+    def queue_recovery(self, mhz: int, at: DeviceMarker, episode: int) -> None:
+        """Straggler `episode`'s recovery program: `mhz` from marker `at` on, once `recover(episode)`."""
+        if self._worker is not None and not self._closed and self.disabled_reason is None:
+            self._queue.put(ClockAt(mhz, at, epoch=self._epoch, episode=episode, recovery=True))
+
+    def recover(self, episode: int) -> bool:
+        """Straggler `episode` recovered: its recovery program replaces its slowed plan for every
+        change the device has not reached (change_queue.RecoveryOverride). Any thread, non-blocking."""
+        if not self.override.activate(episode):
+            return False
+        if self._worker is not None and not self._closed:
+            self._queue.put(Barrier(threading.Event()))  # an idle worker wakes to catch up
+        return True
 
     def reset(self, at: DeviceMarker | None = None) -> None:
         """Ask for the default (unlocked) clocks from marker `at` on; non-blocking."""
@@ -288,7 +306,13 @@ class FrequencyController:
     def _run_batch(self, batch: list[Item]) -> bool:
         """Process queue items in order; True once the worker must end."""
         ignore_other_threads_captures()  # its marker queries must not break a graph capture
-        for index, item in enumerate(batch):
+        index = -1
+        while (index := index + 1) < len(batch):
+            now, later = self.override.catch_up(self._epoch)
+            if now is not None:  # the computation the device runs now: its recovery clock at once
+                self._apply_clock(now.target)
+            batch[index:index] = later  # the recovery program's changes still ahead, in order
+            item = batch[index]
             if item is STOP:
                 self._restore()
                 for rest in batch[index + 1:]:
@@ -300,11 +324,13 @@ class FrequencyController:
             elif isinstance(item, PowerLimitAt):
                 self._apply_power_limit(item.watts)
             elif isinstance(item, ClockAt):
-                if item.epoch != self._epoch or superseded(item, batch[index + 1:]):
+                applies = self.override.applies
+                if not applies(item):
+                    self.overridden_skipped += self.override.pass_by(item)
+                elif item.epoch != self._epoch or superseded(item, batch[index + 1:], applies):
                     self.stale_skipped += 1
                 elif self._reach(item):
-                    due = self._queue.wait_until_due(item, batch, index,
-                                                     lambda: self._stopping or item.epoch != self._epoch)
+                    due = self._queue.wait_until_due(item, batch, index, lambda: self._dropped(item), applies)
                     if due is None:
                         self.stale_skipped += 1
                     elif due:
@@ -312,15 +338,21 @@ class FrequencyController:
                         due_at_s = due_s(item)
                         if self._apply_clock(item.target) and due_at_s is not None:
                             self.issue_delay.record(issued_s - due_at_s)
+                elif not applies(item):  # overridden while the worker waited for its marker
+                    self.overridden_skipped += 1
         return False
+
+    def _dropped(self, item: ClockAt) -> bool:  # stopping, release_silent(), or its episode overridden
+        return self._stopping or item.epoch != self._epoch or not self.override.applies(item)
 
     def _reach(self, item: ClockAt) -> bool:
         """Block this worker until the device reaches `item`'s marker; False when stopping, or
-        when `release_silent()` dropped the item, first."""
+        when `release_silent()` or a recovery override dropped the item, first."""
         if item.at is None:
             return True
-        return wait_for_marker(item.at, lambda: self._stopping or item.epoch != self._epoch, lambda err: self._note_error(
-            "marker", err, "could not wait for a device marker", "its clock change happens at once instead"))
+        return wait_for_marker(item.at, lambda: self._dropped(item), lambda err: self._note_error(
+            "marker", err, "could not wait for a device marker", "its clock change happens at once instead"),
+            **({} if item.episode is None else {"poll_s": OVERRIDE_POLL_S}))
 
     def _apply_clock(self, target: int | Reset) -> bool:
         """Set (or, in dry-run, record) `target`; True if a change went out."""

@@ -51,14 +51,15 @@ _STOP = _Stop()
 
 
 def wait_for_marker(marker: DeviceMarker, stopping: Callable[[], bool],
-                    on_error: Callable[[BaseException], None]) -> bool:
-    """Block until the device reaches `marker`; False when `stopping()` first. A marker that
-    cannot be waited on (a broken event) counts as reached, after `on_error`. Runs on perseus-ext's
-    own threads, whose queries must not break another thread's CUDA graph capture."""
+                    on_error: Callable[[BaseException], None], poll_s: float = MARKER_POLL_S) -> bool:
+    """Block until the device reaches `marker`; False when `stopping()` first (asked every
+    `poll_s`). A marker that cannot be waited on (a broken event) counts as reached, after
+    `on_error`. Runs on perseus-ext's own threads, whose queries must not break another thread's
+    CUDA graph capture."""
     ignore_other_threads_captures()
     while not stopping():
         try:
-            if marker.wait(MARKER_POLL_S):
+            if marker.wait(poll_s):
                 return True
         except Exception as err:
             on_error(err)
@@ -75,12 +76,18 @@ class DeviceObserver:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._seen: collections.deque[Observation] = collections.deque()
         self._stopping = False
+        self._listeners: list[Callable[[Observation], None]] = []
         self._thread = start_background(
             threading.Thread(target=self._loop, name="perseus-device-observer", daemon=True)
         )
 
     def observe(self, at: DeviceMarker, tag: Any) -> None:
         self._queue.put(_Observe(tag, at))
+
+    def listen(self, callback: Callable[[Observation], None]) -> None:
+        """Call `callback` on this thread with each observation, before `observations()` hands
+        it over (what is judged off the training thread as the device goes, runtime/recovery.py)."""
+        self._listeners.append(callback)
 
     def observations(self) -> list[Observation]:
         seen = []
@@ -123,4 +130,11 @@ class DeviceObserver:
             energy = self.gpu.energy_mj()
         except Exception as err:
             self._on_error("read", err, "could not read the energy counter", "the iteration's energy is not measured")
-        self._seen.append(Observation(item.tag, noticed if reached is None else reached, noticed, energy))
+        observation = Observation(item.tag, noticed if reached is None else reached, noticed, energy)
+        for listener in list(self._listeners):
+            try:
+                listener(observation)
+            except Exception as err:  # a listener's failure must not stop the measurements
+                self._listeners.remove(listener)
+                self._on_error("listener", err, "an observation listener failed", "it is no longer called")
+        self._seen.append(observation)

@@ -29,6 +29,13 @@ applies it when the device reaches that marker:
 
 Recording a marker costs microseconds and never synchronises; the markers are also kept per
 computation so the clock coverage can be estimated from device timestamps.
+
+An iteration run at a plan slowed for a straggler also queues that straggler episode's recovery
+program (`RecoveryProgram`): at the iteration start and at every computation's end, the fastest
+plan's clock of the next computation -- or of the one after it, when that is higher, so that a
+raise is in force before the computation it serves starts, as a change tied to an end marker
+lands a switching latency late. The controller applies it instead of the slowed plan's changes
+once the episode is overridden (the straggler recovered, `FrequencyController.recover`).
 """
 
 from __future__ import annotations
@@ -40,6 +47,20 @@ from perseus_ext.actuation.clock_control import ClockControl
 from perseus_ext.measurement.gpu.timeline import DeviceMarker, DeviceTimeline, SwitchLatency
 
 TIMELINES_KEPT = 4  # clock plans whose last device timeline is remembered
+
+
+@dataclass(frozen=True)
+class RecoveryProgram:
+    """What an iteration run at a plan slowed for straggler `episode` runs once the episode is
+    overridden: `clocks`, the fastest plan's clock of each computation of the stage."""
+
+    episode: int
+    clocks: tuple[int, ...]
+
+    def clock_from(self, position: int) -> int:
+        """The clock to set as computation `position` is next: the higher of its own and the
+        next one's (a raise lands before the computation it serves)."""
+        return max(self.clocks[position:position + 2])
 
 
 @dataclass
@@ -101,13 +122,17 @@ class ClockSequencer:
         self._last_first_start: DeviceMarker | None = None  # of the last iteration
         self._position = 0
         self._locked = False
+        self._recovery: RecoveryProgram | None = None
         self.trace = IterationTrace(-1)
 
     def start_iteration(self, iteration: int, clocks: tuple[int, ...] | None,
-                        durations_s: tuple[float, ...] | None = None) -> DeviceMarker:
+                        durations_s: tuple[float, ...] | None = None,
+                        recovery: RecoveryProgram | None = None) -> DeviceMarker:
         """Record the iteration's start marker and queue its first clock there (None: default
         clocks). `durations_s`: each computation's planned duration, for issuing changes ahead
-        of time. Returns the marker, which the caller also observes for time and energy."""
+        of time; `recovery`: the plan is slowed for a straggler, and this is what the device
+        runs instead once that straggler episode is overridden. Returns the marker, which the
+        caller also observes for time and energy."""
         last_end = self._ends[-1] if len(self._ends) > 1 else None
         gap_s = self._between_iterations_s()
         self._previous_last_end = last_end
@@ -116,6 +141,8 @@ class ClockSequencer:
         self.timeline.anchor_at(marker)
         self._clocks = clocks
         self._durations_s = durations_s
+        self._recovery = recovery if clocks is not None and recovery is not None \
+            and len(recovery.clocks) == len(clocks) else None
         self._unresolved = [*self._unresolved[-2:], self.trace]
         if durations_s is not None:
             self._plan_timeline(durations_s)
@@ -129,9 +156,10 @@ class ClockSequencer:
                 # start: a last gap that was long (evaluation, a checkpoint, an inline solve)
                 # must not hold it back into the computations.
                 lead_s = self._ahead_s + self.controller.issue_delay.typical_s
-                self.controller.set_clock(clocks[0], at=last_end, after_s=max(0.0, gap_s - lead_s), by=marker)
+                self._set(clocks[0], last_end, max(0.0, gap_s - lead_s), by=marker)
             else:
-                self.controller.set_clock(clocks[0], at=marker)
+                self._set(clocks[0], marker)
+            self._queue_recovery(marker)
             self._locked = True
         elif self._locked:
             self.release(marker)
@@ -197,7 +225,7 @@ class ClockSequencer:
             self._last_first_start = marker
         planned = self.planned_clock()
         if self.communication_clock is not None and planned is not None and self._position > 0:
-            self.controller.set_clock(planned, at=marker)
+            self._set(planned, marker)
         self.trace.spans.append((marker, None, planned))
 
     def computation_finished(self) -> DeviceMarker:
@@ -214,12 +242,27 @@ class ClockSequencer:
             if not self._gap_too_short_for_default():
                 self.release(marker)
         elif self.communication_clock is not None:
-            self.controller.set_clock(self.communication_clock, at=marker)
+            self._set(self.communication_clock, marker)
         elif upcoming != planned and self._durations_s is not None and self._ahead_s > 0:
-            self.controller.set_clock(upcoming, *self._ahead())
+            self._set(upcoming, *self._ahead())
         else:
-            self.controller.set_clock(upcoming, at=marker)
+            self._set(upcoming, marker)
+        if upcoming is not None:
+            self._queue_recovery(marker)
         return marker
+
+    def _set(self, mhz: int, at: DeviceMarker, after_s: float = 0.0, by: DeviceMarker | None = None) -> None:
+        """A change of the plan in force, tagged with its straggler episode when it has one."""
+        if self._recovery is None:
+            self.controller.set_clock(mhz, at=at, after_s=after_s, by=by)
+        else:
+            self.controller.set_clock(mhz, at=at, after_s=after_s, by=by, episode=self._recovery.episode)
+
+    def _queue_recovery(self, marker: DeviceMarker) -> None:
+        """The recovery program's change for the computation about to come, at `marker`."""
+        if self._recovery is not None:
+            self.controller.queue_recovery(self._recovery.clock_from(self._position), marker,
+                                           self._recovery.episode)
 
     def _ahead(self) -> tuple[DeviceMarker, float]:
         """(marker, delay) at which to issue the next computation's clock: its ramp starts as the

@@ -7,6 +7,7 @@ Imports stay light (no torch): the DeepSpeed adapter loads on `import deepspeed`
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -16,12 +17,27 @@ from typing import TYPE_CHECKING, Any
 from perseus_ext.errors import ConfigError
 
 if TYPE_CHECKING:
+    from perseus_ext.measurement.gpu import GPU
     from perseus_ext.observability.monitoring import IterationMetrics, Sink
     from perseus_ext.planning.schedule import PipelineSchedule
+    from perseus_ext.policies.base import OperatingPointPolicy
     from perseus_ext.runtime import PerseusConfig, PerseusRuntime
     from perseus_ext.runtime.recurring import PreparedRun
 
 PREFIX = "perseus"
+
+
+def ensure_log_output() -> None:
+    """Show perseus-ext's INFO lines when the training script configured no logging at all
+    (DeepSpeed and torch.distributed.pipelining scripts usually do not), so the per-iteration log
+    and summary are visible."""
+    package_logger = logging.getLogger("perseus_ext")
+    if package_logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s"))
+    package_logger.addHandler(handler)
+    package_logger.setLevel(logging.INFO)
 
 
 def needs_pipeline(config: PerseusConfig) -> bool:
@@ -117,8 +133,8 @@ def start_runtime(
     sinks: Iterable[Sink | None],
     dp_group: Any = None,
     pp_group: Any = None,
-    gpu: Any = None,
-    policy: Any = None,
+    gpu: GPU | None = None,
+    policy: OperatingPointPolicy | None = None,
     local_rank: int = 0,
     whole_iterations: bool = False,
     prepared_run: PreparedRun | None = None,

@@ -41,7 +41,7 @@ import logging
 from types import MethodType, ModuleType
 from typing import Any, Mapping
 
-from perseus_ext.adapters.common import RankCounts, check_mode, check_rank_values, start_runtime
+from perseus_ext.adapters.common import RankCounts, check_mode, check_rank_values, ensure_log_output, start_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def attach(engine: Any, config: Any, *, prepared_run: Any = None) -> Any:
     pipeline = isinstance(engine, PipelineEngine)
     check_mode(config, has_pipeline=pipeline, without_pipeline=f"this {type(engine).__name__} has no pipeline",
                fix=NO_PIPELINE_FIX)
-    _ensure_log_output()  # before the runtime: its first lines ("ready", the endpoint) must show
+    ensure_log_output()  # before the runtime: its first lines ("ready", the endpoint) must show
     if pipeline:
         runtime = _attach_pipeline(engine, config, prepared_run)
     else:
@@ -286,18 +286,6 @@ def _attach_engine(engine: Any, config: Any, prepared_run: Any) -> Any:
     return runtime
 
 
-def _ensure_log_output() -> None:
-    """Show perseus-ext's INFO lines when the training script configured no logging at all
-    (DeepSpeed scripts usually do not), so the per-iteration log and summary are visible."""
-    package_logger = logging.getLogger("perseus_ext")
-    if package_logger.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s"))
-    package_logger.addHandler(handler)
-    package_logger.setLevel(logging.INFO)
-
-
 def install(deepspeed_module: ModuleType | None = None) -> None:
     """Make `deepspeed.initialize` parse the config's `"perseus"` section before DeepSpeed builds
     anything and attach perseus-ext to the engine when the section is enabled; idempotent. With
@@ -461,7 +449,7 @@ def with_run_batch_size(args: tuple, kwargs: dict, settings: Any) -> tuple[tuple
     assignment = prepared.assignment
     keys, change = batch_keys_for(config, assignment.batch_size, data_parallel)
     config.update(keys)
-    _ensure_log_output()
+    ensure_log_output()
     if int(os.environ.get("RANK", "0")) == 0:
         logger.info("perseus-ext: run %d of job %r trains with batch size %d (%s): %s", assignment.run_id,
                     assignment.job_id, assignment.batch_size, assignment.phase, change)

@@ -12,10 +12,12 @@ follows must not count for straggler detection). Communication needs no hook: th
 clock changes by device markers at computation boundaries, which is where receives wait.
 
 The plan lists each stage's computations in the order `perseus_ext.planning.schedule` predicts
-(interleaved with megatron's own `microbatch_group_size_per_vp_stage`). On the first mismatch (a
-release that reorders work, the combined 1F1B MoE path, ...) a rank logs one error naming both
-computations and runs at default clocks from then on, still joining the runtime's collectives;
-training is never interrupted. A changed number of microbatches (Megatron's batch-size ramp-up)
+(interleaved with megatron's own `microbatch_group_size_per_vp_stage`); with
+`--overlap-moe-expert-parallel-comm` the units of megatron-core's combined_1f1b schedule, hooked
+where megatron-core runs them (`megatron_combined`). On the first mismatch (a release that
+reorders work, ...) a rank logs one error naming both computations and runs at default clocks
+from then on, still joining the runtime's collectives; training is never interrupted. A changed
+number of microbatches (Megatron's batch-size ramp-up)
 re-plans through `PerseusRuntime.reschedule`. Two things are errors rather than silent no-ops: a
 step function running outside any wrapped schedule (the script bound `get_forward_backward_func()`
 or a schedule function before `install()`), and `optimize` mode without pipeline parallelism
@@ -30,7 +32,6 @@ import functools
 import importlib
 import inspect
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -42,8 +43,18 @@ from perseus_ext.adapters.megatron_args import (
     chain_extra_args,
     config_from_args,
 )
-from perseus_ext.adapters.megatron_graphs import GraphMode, MegatronExecution, default_clock_reason, detect
-from perseus_ext.adapters.megatron_steps import IterationSteps, microbatch_group_size, model_config
+from perseus_ext.adapters.megatron_combined import COMBINED_MODULE, INTERLEAVED_UNIT, NO_PIPELINING_UNIT, runs_combined, wrap_unit
+from perseus_ext.adapters.megatron_graphs import GraphMode, MegatronExecution, detect, execution_notes
+from perseus_ext.adapters.megatron_layout import check_layout
+from perseus_ext.adapters.megatron_steps import (
+    IterationSteps,
+    data_parallel_group,
+    local_device,
+    microbatch_group_size,
+    model_config,
+    pipeline_group,
+    planned_schedule,
+)
 from perseus_ext.adapters.megatron_surface import (
     NO_PIPELINING,
     PATCH_SURFACES,
@@ -55,12 +66,7 @@ from perseus_ext.adapters.megatron_surface import (
     release_of,
 )
 from perseus_ext.errors import ConfigError
-from perseus_ext.planning.schedule import (
-    Kind,
-    PipelineSchedule,
-    build_schedule,
-    interleaved,
-)
+from perseus_ext.planning.schedule import Kind, PipelineSchedule
 from perseus_ext.policies.factories import target_metric
 
 log = logging.getLogger("perseus_ext.megatron")
@@ -114,6 +120,7 @@ class MegatronPerseus:
         self.stage: int | None = None
         self.surface: PatchSurface | None = None
         self._iteration: IterationSteps | None = None
+        self.in_unit = False  # inside one of combined_1f1b's units: step hooks pass through
         self._schedule_depth = 0  # wrapped schedule calls in progress (evaluation included)
         self._unidentified: str | None = None
         self._originals: dict[str, Callable] = {}
@@ -141,6 +148,13 @@ class MegatronPerseus:
         for name, wrapper in wrappers.items():
             self._originals[name] = getattr(module, name)
             setattr(module, name, wrapper)
+        for unit_module, name, interleaved_path in ((SCHEDULES_MODULE, INTERLEAVED_UNIT, True),
+                                                    (COMBINED_MODULE, NO_PIPELINING_UNIT, False)):
+            owner = importlib.import_module(unit_module)
+            original = getattr(owner, name, None)
+            if callable(original):  # a release without it runs a combined job unhooked: default clocks
+                self._originals[f"{unit_module}:{name}"] = original
+                setattr(owner, name, wrap_unit(self, original, interleaved=interleaved_path))
         self.surface = surface
 
     def _unpatch(self) -> None:
@@ -149,7 +163,8 @@ class MegatronPerseus:
         if graph_call is not None:
             importlib.import_module(_FULL_GRAPH_MODULE).FullCudaGraphWrapper.__call__ = graph_call
         for name, original in self._originals.items():
-            setattr(module, name, original)
+            owner, _, attribute = name.rpartition(":")
+            setattr(importlib.import_module(owner) if owner else module, attribute, original)
         self._originals.clear()
 
     def _patch_graph_call(self) -> None:
@@ -163,9 +178,9 @@ class MegatronPerseus:
 
     def adopt_execution(self, source: Any) -> None:
         """Read the job's CUDA-graph mode and combined_1f1b from `source` (the parsed arguments,
-        or the model's TransformerConfig at the first iteration) and adapt the config: modes
-        whose hooks cannot steer clocks run at default clocks with one warning that names the
-        flag. A source that shows nothing special keeps what an earlier one said."""
+        or the model's TransformerConfig at the first iteration) and say, once, how each is
+        planned (`execution_notes`). A source that shows nothing special keeps what an earlier
+        one said."""
         execution = detect(source, release_of(installed_version()))
         special = execution.graph_mode is not GraphMode.NONE or execution.combined_1f1b
         if self.execution is not None and (not special or execution == self.execution):
@@ -173,19 +188,10 @@ class MegatronPerseus:
         self.execution = execution
         if not special or self._config is None:
             return
-        reason = default_clock_reason(execution)
-        if execution.graph_mode is GraphMode.FULL_ITERATION and reason is None:
+        if execution.graph_mode is GraphMode.FULL_ITERATION:
             self._patch_graph_call()
-            log.info("perseus: full-iteration CUDA graph (%s): each FullCudaGraphWrapper call is one "
-                     "iteration; perseus-ext deploys stage-constant plans (one clock per stage, set "
-                     "between replays) solved from perseus.profile_path", execution.graph_flags)
-        elif reason is None:
-            log.info("perseus: per-layer CUDA graphs (%s): megatron-core's schedule still calls "
-                     "forward_step and backward_step once per computation, so clocks are planned and "
-                     "set per computation as without graphs", execution.graph_flags)
-        elif self._config.mode == "optimize":
-            log.warning("%s", reason)
-            self._config = self._config.model_copy(update={"mode": "observe"})
+        for note in execution_notes(execution):
+            log.info("%s", note)
 
     # ---- wrappers --------------------------------------------------------------------------
 
@@ -250,7 +256,7 @@ class MegatronPerseus:
         @functools.wraps(original)
         def run_step(*args: Any, **kwargs: Any) -> Any:
             iteration = self._iteration
-            if self._graph_call:  # a full-iteration graph's eager or captured run: not hooked
+            if self._graph_call or self.in_unit:  # a graph's eager/captured run, or inside a combined unit
                 return original(*args, **kwargs)
             if iteration is None:
                 if self._schedule_depth == 0 and not self._closed:
@@ -297,6 +303,17 @@ class MegatronPerseus:
         self.runtime.fall_back(f"megatron-core ran {what}, which perseus cannot place in the plan")
         return None
 
+    # What `megatron_combined.wrap_unit` reads and calls.
+    current_iteration = property(lambda self: None if self._graph_call else self._iteration)
+    fell_back_on_order = property(lambda self: self._unidentified is not None)
+
+    def cannot_place(self, what: str) -> None:
+        self._cannot_identify(what)
+
+    def check_unit_outside_iteration(self, function: str) -> None:
+        if self._schedule_depth == 0 and not self._closed and not self._graph_call:
+            self._step_outside_schedule(function)
+
     def _start_iteration(self, bound: dict, original: Callable, whole: bool = False) -> bool:
         models = bound.get("model")
         models = list(models) if isinstance(models, (list, tuple)) else [models]
@@ -325,16 +342,13 @@ class MegatronPerseus:
                               "num_microbatches; pass it by keyword as megatron-core documents")
         name = original.__name__
         group = microbatch_group_size(models[0]) if name == WITH_INTERLEAVING else None
-        key = (name, num_microbatches, len(models), group)
-        schedule = self._schedules.get(key)
-        if schedule is None:
+        # megatron-core takes its combined path on the first chunk's config, in these two only
+        combined = name in (WITH_INTERLEAVING, NO_PIPELINING) and runs_combined(model_config(models[0]))
+        key = (name, num_microbatches, len(models), group, combined)
+        if key not in self._schedules:
             num_stages = 1 if name == NO_PIPELINING else self._pp_group(bound).size()
-            if name == WITH_INTERLEAVING:
-                schedule = interleaved(num_stages, num_microbatches, len(models), group)
-            else:
-                schedule = build_schedule("1f1b", num_stages, num_microbatches)
-            self._schedules[key] = schedule
-        return schedule
+            self._schedules[key] = planned_schedule(name, num_stages, num_microbatches, len(models), group, combined)
+        return self._schedules[key]
 
     # ---- runtime --------------------------------------------------------------------------
 
@@ -353,33 +367,9 @@ class MegatronPerseus:
                 self.adopt_execution(self._args)
         return self._config
 
-    @staticmethod
-    def _pp_group(bound: dict) -> Any:
-        collection = bound.get("pg_collection")
-        if collection is not None and getattr(collection, "pp", None) is not None:
-            return collection.pp
-        communicator = bound.get("p2p_communicator")
-        if communicator is not None and getattr(communicator, "pp_group", None) is not None:
-            return communicator.pp_group
-        from megatron.core import parallel_state
-
-        return parallel_state.get_pipeline_model_parallel_group()
-
-    @staticmethod
-    def _dp_group() -> Any:
-        """Straggler detection compares the pipelines of Megatron's data-parallel group."""
-        from megatron.core import parallel_state
-
-        return parallel_state.get_data_parallel_group()
-
-    @staticmethod
-    def _local_device() -> int:
-        """The CUDA ordinal this process drives (NVML maps it through CUDA_VISIBLE_DEVICES)."""
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.current_device()
-        return int(os.environ.get("LOCAL_RANK", "0"))
+    _pp_group = staticmethod(pipeline_group)
+    _dp_group = staticmethod(data_parallel_group)
+    _local_device = staticmethod(local_device)
 
     def _build_runtime(self, bound: dict, original: Callable, models: list[Any], whole: bool = False) -> bool:
         """First training iteration: build the schedule this stage runs and the runtime."""
@@ -388,6 +378,7 @@ class MegatronPerseus:
         chunk_config = model_config(models[0])
         if chunk_config is not None:
             self.adopt_execution(chunk_config)
+            check_layout(chunk_config, self._config)
         config = self._config
         self.schedule = self._schedule_of(bound, original, models)
         _check_mode(config, self.schedule.num_stages, f"this job (megatron-core's {original.__name__})")
@@ -485,6 +476,7 @@ def install(
         stages = _pipeline_size(args)
         if stages is not None:
             _check_mode(config, stages, "this job (--pipeline-model-parallel-size 1)")
+        check_layout(args, config)
         prepared_run = apply_run_batch_size(args, config)  # the store's --global-batch-size, if asked for
     perseus = MegatronPerseus(args, gpu=gpu, policy=policy, tensorboard_writer=tensorboard_writer,
                               wandb_writer=wandb_writer)

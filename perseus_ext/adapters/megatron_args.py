@@ -215,6 +215,7 @@ def _parse_at_the_door(parser: argparse.ArgumentParser) -> None:
         try:
             config = config_from_args(parsed)
             _check_pipeline(parsed, config)
+            _check_layout(parsed, config)
         except FlagError as err:
             refuse(err)
         _PARSED[id(parsed)] = (weakref.ref(parsed), config)
@@ -241,6 +242,19 @@ def _check_pipeline(args: argparse.Namespace, config: Any) -> None:
     except ConfigError as err:
         given = [flag_name("mode")] if hasattr(args, _dest("mode")) else [ENABLE_FLAG]
         raise FlagError(str(err), flags=(*given, PIPELINE_FLAG), keys=(f"{PREFIX}.mode",)) from None
+
+
+def _check_layout(args: argparse.Namespace, config: Any) -> None:
+    """A `--pipeline-model-parallel-layout` whose chunks perseus-ext cannot plan fails with the
+    flags (`megatron_layout`), as a bad value of Megatron's own would."""
+    from perseus_ext.adapters.megatron_layout import LAYOUT_FLAG, check_layout
+
+    try:
+        check_layout(args, config)
+    except ConfigError as err:
+        given = [flag_name("mode")] if hasattr(args, _dest("mode")) else [ENABLE_FLAG]
+        raise FlagError(str(err).removeprefix("perseus: "), flags=(*given, LAYOUT_FLAG),
+                        keys=(f"{PREFIX}.mode",)) from None
 
 
 def chain_extra_args(

@@ -22,7 +22,7 @@ release branches core_r0.16.0 to core_r0.19.0:
   `forward_backward_no_pipelining` and the interleaved schedule hand training to
   `combined_1f1b.py`, whose `combined_forward_backward_step` runs one microbatch's forward
   together with another's backward (their expert all-to-alls overlapped on other streams) and
-  calls neither forward_step nor backward_step.
+  calls neither forward_step nor backward_step; `megatron_combined.py` hooks its units.
 
 `detect(source, version)` reads the same attributes from a parsed `argparse.Namespace` (before
 or after Megatron's validate_args) or from a megatron-core `TransformerConfig`, so a script
@@ -45,6 +45,7 @@ class GraphMode(str, enum.Enum):
 
 
 COMBINED_1F1B_FLAG = "--overlap-moe-expert-parallel-comm"
+DELAYED_WGRAD_FLAG = "--delay-wgrad-compute"  # megatron-core allows it only with the flag above
 FIRST_MIGRATING_RELEASE = (0, 18)  # from here a full_iteration scope with impl none becomes impl full_iteration
 
 
@@ -55,6 +56,7 @@ class MegatronExecution:
     graph_mode: GraphMode
     graph_flags: str | None  # the flags that chose the graph mode, as the user would type them
     combined_1f1b: bool
+    delayed_wgrad: bool = False  # weight gradients delayed within combined_1f1b's units
 
     def describe(self) -> str:
         parts = [f"CUDA graphs: {self.graph_mode.value}" + (f" ({self.graph_flags})" if self.graph_flags else "")]
@@ -92,6 +94,7 @@ def detect(source: Any, version: tuple[int, int]) -> MegatronExecution:
             scope_flag = f"{flag} full_iteration"
         scopes += names
     combined = bool(getattr(source, "overlap_moe_expert_parallel_comm", False))
+    delayed = combined and bool(getattr(source, "delay_wgrad_compute", False))
     full_scope = "full_iteration" in scopes
     if impl == "full_iteration":
         mode, flags = GraphMode.FULL_ITERATION, impl_flag
@@ -105,16 +108,24 @@ def detect(source: Any, version: tuple[int, int]) -> MegatronExecution:
         mode, flags = GraphMode.PER_LAYER_TE, impl_flag
     else:
         mode, flags = GraphMode.NONE, None
-    return MegatronExecution(mode, flags, combined)
+    return MegatronExecution(mode, flags, combined, delayed)
 
 
-def default_clock_reason(execution: MegatronExecution) -> str | None:
-    """Why a job in this execution mode runs at default clocks (mode observe), None when its
-    hooks can steer clocks."""
+def execution_notes(execution: MegatronExecution) -> list[str]:
+    """One info line per mode that changes what perseus-ext hooks, saying how it is planned."""
+    notes = []
+    if execution.graph_mode is GraphMode.FULL_ITERATION:
+        notes.append(f"perseus: full-iteration CUDA graph ({execution.graph_flags}): each FullCudaGraphWrapper "
+                     f"call is one iteration; perseus-ext deploys stage-constant plans (one clock per stage, "
+                     f"set between replays) solved from perseus.profile_path")
+    elif execution.graph_mode is not GraphMode.NONE:
+        notes.append(f"perseus: per-layer CUDA graphs ({execution.graph_flags}): megatron-core's schedule still "
+                     f"calls forward_step and backward_step once per computation, so clocks are planned and "
+                     f"set per computation as without graphs")
     if execution.combined_1f1b:
-        return (f"perseus: {COMBINED_1F1B_FLAG} makes megatron-core train with its combined_1f1b schedule, "
-                f"whose combined_forward_backward_step runs one microbatch's forward together with "
-                f"another's backward (their expert all-to-alls overlapped) and calls neither forward_step "
-                f"nor backward_step: no per-computation clock can follow it. perseus-ext measures this job "
-                f"at default clocks (mode observe); drop {COMBINED_1F1B_FLAG} to let it plan clocks")
-    return None
+        notes.append(f"perseus: {COMBINED_1F1B_FLAG}: megatron-core trains with its combined_1f1b schedule; "
+                     f"perseus-ext profiles and plans each unit it runs (a forward together with another "
+                     f"microbatch's backward, or a lone warm-up forward or cool-down backward) under one clock"
+                     + (f"; with {DELAYED_WGRAD_FLAG} the delayed weight gradients run inside each unit, so its "
+                        f"profile includes them" if execution.delayed_wgrad else ""))
+    return notes

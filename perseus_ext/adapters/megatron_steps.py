@@ -17,10 +17,13 @@ wrong and the rank falls back.
 from __future__ import annotations
 
 import dataclasses
+import os
 import weakref
 from typing import Any
 
-from perseus_ext.planning.schedule import Computation, Kind
+from perseus_ext.adapters.megatron_combined import executed_order, no_pipelining_order
+from perseus_ext.adapters.megatron_surface import WITH_INTERLEAVING
+from perseus_ext.planning.schedule import Computation, Kind, PipelineSchedule, build_schedule, interleaved
 
 
 def model_config(model: Any) -> Any:
@@ -39,6 +42,48 @@ def microbatch_group_size(model: Any) -> int | None:
 
     value = getattr(get_model_config(model), "microbatch_group_size_per_vp_stage", None)
     return value if isinstance(value, int) else None
+
+
+def planned_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int, group: int | None,
+                     combined: bool) -> PipelineSchedule:
+    """The order megatron-core's schedule function `name` runs: combined_1f1b's units when the
+    model's config takes that path (`megatron_combined`), else interleaved or 1F1B."""
+    if combined and name == WITH_INTERLEAVING:
+        return executed_order(num_stages, num_microbatches, num_chunks, group)
+    if combined:
+        return no_pipelining_order(num_microbatches)
+    if name == WITH_INTERLEAVING:
+        return interleaved(num_stages, num_microbatches, num_chunks, group)
+    return build_schedule("1f1b", num_stages, num_microbatches)
+
+
+def pipeline_group(bound: dict) -> Any:
+    """The pipeline group a schedule call runs over (its arguments', else megatron's global one)."""
+    collection = bound.get("pg_collection")
+    if collection is not None and getattr(collection, "pp", None) is not None:
+        return collection.pp
+    communicator = bound.get("p2p_communicator")
+    if communicator is not None and getattr(communicator, "pp_group", None) is not None:
+        return communicator.pp_group
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_group()
+
+
+def data_parallel_group() -> Any:
+    """Straggler detection compares the pipelines of Megatron's data-parallel group."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group()
+
+
+def local_device() -> int:
+    """The CUDA ordinal this process drives (NVML maps it through CUDA_VISIBLE_DEVICES)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.current_device()
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def _first_tensor(value: Any) -> Any:

@@ -17,11 +17,14 @@ How it hooks a stock schedule object without re-implementing any schedule:
   them and, where `pipeline_order` is what the schedule executes, compare the two: a
   difference is a ConfigError on every rank, never a plan for a schedule that is not running.
 * When every action is one the runtime profiles and paces (forward, full backward, input
-  gradient, weight gradient: every compute kind the supported classes run), the runtime starts (`adapters.common.start_runtime`) on that schedule without its gradient syncs,
-  and the hooks drive it from then on: profiling, solving, deployment of per-action clocks,
-  straggler detection across the data-parallel replicas given as `dp_group`. The last gradient
-  sync of a rank's stages marks the end of its compute. Otherwise (a kind the runtime has no
-  profile row for) the job keeps default clocks, said in one log line.
+  gradient, weight gradient and gradient sync: every kind the supported classes run), the
+  runtime starts (`adapters.common.start_runtime`) on the whole graph, gradient syncs included,
+  and the hooks drive it from then on: profiling (a row per kind, the sync's own), solving,
+  deployment of per-action clocks, straggler detection across the data-parallel replicas given
+  as `dp_group`. A gradient sync is an action like the others: the FSDP post-backward it runs
+  (the data-parallel reduce) and the gradient scaling take a planned clock. Its compute ends
+  after the last gradient sync of a rank's stages. Otherwise (a kind the runtime has no profile
+  row for) the job keeps default clocks, said in one log line.
 """
 
 from __future__ import annotations
@@ -35,8 +38,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from perseus_ext.adapters.common import check_mode, start_runtime
-from perseus_ext.adapters.deepspeed import _ensure_log_output
+from perseus_ext.adapters.common import check_mode, ensure_log_output, start_runtime
 from perseus_ext.adapters.torch_pipelining_actions import (
     RUNTIME_KINDS,
     RankLayout,
@@ -103,8 +105,8 @@ class TorchPipeliningPerseus:
     `runtime`: the rank's `PerseusRuntime` from the second step on (None before, and for a
     schedule whose actions the runtime cannot plan); `graph`: every action the pipeline ran in
     its first step, gradient syncs included; `planned`: the schedule the runtime plans (the
-    graph without its gradient syncs); `coverage()`: which of this rank's actions ran under the
-    runtime's hooks in the last step.
+    whole graph; None while nothing is planned); `coverage()`: which of this rank's actions,
+    gradient syncs included, ran under the runtime's hooks in the last step.
     """
 
     def __init__(self, schedule: Any, config: Any, *, dp_group: Any = None, gpu: Any = None,
@@ -199,12 +201,19 @@ class TorchPipeliningPerseus:
         def run(*args: Any, **kwargs: Any) -> Any:
             if not self._in_step:
                 return original(*args, **kwargs)
-            if self.runtime is None:
-                self._recorded.append(Computation(self.pp_rank, chunk, 0, Kind.REDUCE_GRAD))
+            self._ran_actions += 1
             self._syncs += 1
-            if self.runtime is not None and self._syncs == len(self.stages):
-                self.runtime.mark_compute_end()  # every local stage's gradients are done
-            return original(*args, **kwargs)
+            runtime = self.runtime
+            if runtime is None:
+                self._recorded.append(Computation(self.pp_rank, chunk, 0, Kind.REDUCE_GRAD))
+                return original(*args, **kwargs)
+            self._hooked_actions += 1
+            runtime.before_computation(Kind.REDUCE_GRAD, 0, chunk)
+            result = original(*args, **kwargs)
+            runtime.after_computation(Kind.REDUCE_GRAD, 0, chunk)
+            if self._syncs == len(self.stages):
+                runtime.mark_compute_end()  # every local stage's gradients are synced
+            return result
         return run
 
     # ---------------------------------------------------------------- the first step
@@ -239,21 +248,20 @@ class TorchPipeliningPerseus:
         except ScheduleError as err:
             self.close()
             raise ConfigError(f"the actions the {name} executed do not form a pipeline iteration: {err}") from None
-        kinds = {c.kind for ran in executed for c in ran} - {Kind.REDUCE_GRAD}
+        kinds = {c.kind for ran in executed for c in ran}
         unplanned = sorted(k.value for k in kinds - RUNTIME_KINDS)
         if unplanned:
             self.idle_reason = (f"the {name} runs {', '.join(unplanned)} computations, which the runtime does not "
                                 f"profile or pace; perseus-ext keeps the default GPU clocks for this job")
             if _global_rank() == 0:  # one line for the whole job
-                _ensure_log_output()
+                ensure_log_output()
                 logger.warning("perseus-ext: %s", self.idle_reason)
             return
-        work = [[c for c in ran if c.kind is not Kind.REDUCE_GRAD] for ran in executed]
-        self.planned = schedule_from_actions(work, layout.placement, self.kind)
+        self.planned = self.graph
         self._start_runtime()
 
     def _start_runtime(self) -> None:
-        _ensure_log_output()
+        ensure_log_output()
         self.runtime, self.metrics = start_runtime(
             self.config, schedule=self.planned, stage=self.pp_rank, sinks=[], dp_group=self.dp_group,
             pp_group=self.pp_group if self.num_stages > 1 else None, gpu=self._gpu, policy=self._policy,

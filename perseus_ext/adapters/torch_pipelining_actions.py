@@ -27,11 +27,12 @@ SUPPORTED_CLASSES: dict[str, ScheduleKind] = {
 # there the order is authoritative. Schedule1F1B's `pipeline_order` only describes its loop.
 AUTHORITATIVE_BASE = "_PipelineScheduleRuntime"
 
-# What the runtime profiles and paces per computation: its profiler measures a row per kind the
-# stage runs, and the simulated pacer splits a backward's duration into the input and weight
-# gradients by the planner's derivation rule. A kind outside this set (none that torch 2.13's
-# supported classes run) is recorded and checked, but the job keeps default clocks.
-RUNTIME_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRADIENT, Kind.WEIGHT_GRADIENT})
+# What the runtime profiles and paces per action: its profiler measures a row per kind the
+# stage runs (the gradient sync's included), and the simulated pacer splits a backward's duration
+# into the input and weight gradients by the planner's derivation rule. A kind outside this set
+# (none that torch 2.13's supported classes run) is recorded and checked, but the job keeps
+# default clocks.
+RUNTIME_KINDS = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.INPUT_GRADIENT, Kind.WEIGHT_GRADIENT, Kind.REDUCE_GRAD})
 
 # torch's computation type names (`_ComputationType.value`) -> Kind. Communication, FSDP
 # unshard/reshard and the overlapped unit (expanded into its parts) are not here.

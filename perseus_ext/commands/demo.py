@@ -47,6 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "straggler (default: %(default)s)")
     parser.add_argument("--slowdown", type=bounded_float(1.0, 100.0), default=1.2,
                         help="straggler slowdown factor (default: %(default)s)")
+    parser.add_argument("--straggler-check-interval", type=bounded_int(1, 1000), default=2,
+                        help="iterations between straggler checks, perseus.straggler_check_interval "
+                             "(default: %(default)s)")
     parser.add_argument("--timeout", type=bounded_float(1.0, 7 * 86400.0), default=600.0,
                         help="seconds before the job is killed")
     parser.set_defaults(func=run)
@@ -78,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         # The straggler leaves over 40 % of the run to recover in, so the few iterations the
         # others need to notice (two checks) stay a minority of the "recovered" window.
         straggler_start=int(args.iterations * 0.42), straggler_end=int(args.iterations * 0.69),
-        slowdown=args.slowdown, perseus={"clock_stride": 9},
+        slowdown=args.slowdown,
+        perseus={"clock_stride": 9, "straggler_check_interval": args.straggler_check_interval},
     )
     print(launch_line(scenario))
     results = launch(scenario, timeout_s=args.timeout)

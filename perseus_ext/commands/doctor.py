@@ -3,11 +3,12 @@
 Read-only (clocks and power limits are never changed), so it is safe on a shared node. It
 reports the installation (autoload hook, framework versions), every GPU NVML sees and which of
 them each CUDA device of this process maps to, which path can set clocks here (root, zeusd or
-none) and why (and how to grant it), and one GPU's measured behaviour: energy counter update period and the cost of the
-per-computation clock hook. Exit code 0: everything needed for the chosen GPU works; 1: every
-problem is listed at the end (among them each fault of a clock control path it tried: a
-configured zeusd that does not answer or refuses, whatever the GPU; no path at all for a real
-GPU).
+none) and why (and how to grant it), one GPU's measured behaviour (energy counter update period,
+the cost of the per-computation clock hook, which power readings it answers: whether a power
+swing can be measured on it), and what is known about NVML clock calls and NCCL. Exit code 0:
+everything needed for the chosen GPU works; 1: every problem is listed at the end (among them
+each fault of a clock control path it tried: a configured zeusd that does not answer or refuses,
+whatever the GPU; no path at all for a real GPU).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import site
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -201,6 +203,56 @@ def hook_cost_us(gpu: Any, calls: int = 20000) -> dict[str, float]:
     return {"median_us": costs[len(costs) // 2] / 1000, "p99_us": costs[int(0.99 * len(costs))] / 1000}
 
 
+POWER_FIELDS = (("instant", "NVML_FI_DEV_POWER_INSTANT"), ("average", "NVML_FI_DEV_POWER_AVERAGE"))
+
+
+def power_readings(gpu: Any) -> dict[str, Any]:
+    """Which power readings this GPU answers (one read each, read-only) and whether a power
+    swing within an iteration can be measured from them (docs/monitoring.md)."""
+    from perseus_ext.measurement.gpu.timeline import OwnTimeline
+
+    if isinstance(gpu, OwnTimeline):  # the simulated device knows its power exactly
+        return {"swing_measured": True, "source": "simulated device: exact mean power per 1 ms of device time"}
+    readings: dict[str, Any] = {"swing_measured": False, "power_usage": "nvmlDeviceGetPowerUsage: averaged over "
+                                "1 s on H100, H200 and Ampere other than A100 (NVML's documentation), of unknown "
+                                "rate elsewhere: no swing within an iteration is claimed from it"}
+    nvml = sys.modules.get("pynvml")
+    try:
+        handle = nvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+    except Exception as err:  # noqa: BLE001 - no NVML handle (zeusd, no pynvml): nothing more to read
+        readings["fields"] = f"not read: {err!r}"
+        return readings
+    for name, constant in POWER_FIELDS:
+        field_id = getattr(nvml, constant, None)
+        if field_id is None:
+            readings[name] = f"{constant}: not in this nvidia-ml-py (older NVML)"
+            continue
+        try:
+            (value,) = nvml.nvmlDeviceGetFieldValues(handle, [field_id])
+            readings[name] = (f"{constant}: answers, {value.value.uiVal / 1000:.1f} W now" if value.nvmlReturn == 0
+                              else f"{constant}: not supported by this driver (NVML return {value.nvmlReturn})")
+        except Exception as err:  # noqa: BLE001 - an older driver: the field is a finding, not a failure
+            readings[name] = f"{constant}: not read ({err!r})"
+    return readings
+
+
+# What is known about NVML clock calls and NCCL, printed by doctor and kept in its JSON.
+NVML_NCCL_NOTES = (
+    "clock changes are NVML calls (nvmlDeviceSetGpuLockedClocks) made by perseus-ext's own worker thread "
+    "while the training thread and NCCL's collectives run; the training thread only queues a request "
+    "(the clock hook above), and each call's duration is in the run summary (clock_coverage.set_call_ms)",
+    "a user's report on NVIDIA's NCCL tracker: changing locked clocks about every 50 ms (20 a second) "
+    "delayed NCCL collectives badly, a fixed clock did not; perseus-ext's planner keeps each GPU to at most "
+    "perseus.solver.max_clock_changes_per_s changes a second (default 5) and perseus.solver.min_clock_hold_s "
+    "(docs/solver.md), and never drops a planned change at run time",
+    "power swing: the run summary, perseus-ext report and Prometheus give it where the device has fine power "
+    "samples (simulated GPUs); on a real GPU NVML's default reading is averaged (H100, H200) or of unknown "
+    "rate, so none is claimed there; "
+    "benchmarks/gpu_check.py's power_fields section records which readings a GPU offers and how often they "
+    "change (docs/monitoring.md, docs/power.md)",
+)
+
+
 def measure_gpu(spec: str | None, local_rank: int, updates: int) -> dict[str, Any]:
     from perseus_ext.errors import PerseusError
     from perseus_ext.measurement.gpu import open_gpu
@@ -212,7 +264,7 @@ def measure_gpu(spec: str | None, local_rank: int, updates: int) -> dict[str, An
         return {"available": False, "reason": str(err)}
     try:
         return {"available": True, **probe_gpu(gpu, updates), "set_clock_hook": hook_cost_us(gpu),
-                "cuda_events": cuda_event_timing()}
+                "cuda_events": cuda_event_timing(), "power_readings": power_readings(gpu)}
     except PerseusError as err:
         return {"available": False, "gpu": gpu.name, "reason": str(err)}
     finally:
@@ -262,8 +314,17 @@ def _print_report(report: dict[str, Any]) -> list[str]:
         events = gpu["cuda_events"]
         print("  CUDA events: " + (f"{events['record_cost_us_median']:.1f} us to record" if events["available"]
                                    else events["reason"]))
+        power = gpu["power_readings"]
+        print("  power swing: " + (f"measured ({power['source']})" if power["swing_measured"] else
+                                   "not measured here; " + power["power_usage"]))
+        for name, _ in POWER_FIELDS:
+            if name in power:
+                print(f"    {power[name]}")
     else:
         problems.append(f"no GPU to measure: {gpu['reason']}")
+    print("known about NVML calls and NCCL:")
+    for note in report["notes"]:
+        print("\n".join(textwrap.wrap(note, 100, initial_indent="  - ", subsequent_indent="    ")))
     return problems
 
 
@@ -277,6 +338,7 @@ def run(args: argparse.Namespace) -> int:
         "permissions": permissions(nvml),
         "gpu": measure_gpu(args.gpu, args.local_rank, args.updates),
         "real_gpu": _sets_real_clocks(args.gpu),
+        "notes": list(NVML_NCCL_NOTES),
     }
     problems = _print_report(report)
     if args.output:

@@ -24,6 +24,8 @@ from perseus_ext.commands.options import (
 MAX_PARALLEL = 1 << 20  # GPUs per stage / stages / samples: far above any real job
 MAX_MICROBATCHES = 4096
 MAX_SCALE = 1e6
+MAX_SYNC_GAP_S = 1e5
+MAX_GPU_POWER_W = 1e5
 MAX_SLOWDOWN = 100.0  # perseus_ext.emulator.scenario's (not imported here: --help stays fast)
 DEFAULT_SWEEP = [1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0]
 OUTPUT_SUFFIXES = (".csv", ".json")  # what emulator.report.write_records writes
@@ -87,6 +89,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="plan one clock per stage for the whole iteration, as perseus-ext does under "
                              "megatron-core's full-iteration CUDA graphs (benchmarks/graph_safe_plans.py "
                              "compares both)")
+    energy.add_argument("--clock-budgets", action="store_true",
+                        help="also print what each clock-change budget costs one pipeline (no budget, 10, 5 "
+                             "and 2 changes/s per GPU, one clock per stage) at T'/T 1.0 and 1.05")
 
     scenario = parser.add_argument_group("straggler scenario (default: none)")
     which = scenario.add_mutually_exclusive_group()
@@ -105,6 +110,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="also print throughput at equal average power: perseus-ext's budget "
                              "policy vs one global power limit vs one global clock, at these "
                              "fractions of the all-max-clock power (default 0.6, 0.65, ..., 1.0)")
+
+    swing = parser.add_argument_group("power swing (the whole job's, gradient sync included; docs/power.md)")
+    swing.add_argument("--sync-gap-s", type=bounded_float(0, MAX_SYNC_GAP_S), default=None, metavar="SECONDS",
+                       help="the gradient sync and optimizer step after every iteration, in seconds (default: "
+                            "5%% of the all-max-clock iteration time)")
+    swing.add_argument("--sync-gap-power", type=bounded_float(0, MAX_GPU_POWER_W), default=None, metavar="WATTS",
+                       help="what each GPU draws during the gradient sync and optimizer step (default: the "
+                            "blocking power)")
 
     out = parser.add_argument_group("output")
     out.add_argument("--output", default=None, metavar="PATH",
@@ -257,6 +270,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"job shape, {layout.microbatches} microbatches: {report.job_shape(layout)}" + (
             " (one pipeline: give --global-batch for data-parallel pipelines)"
             if layout.data_parallel == 1 and args.global_batch is None else ""))
+    if args.clock_budgets:
+        _print_clock_budgets(emulators, args)
     one_pipeline = any(em.layout.data_parallel == 1 for em in emulators)
     plot_dir = Path(args.plot_dir) if args.plot_dir else None
     if scenario is None:
@@ -289,12 +304,41 @@ def run(args: argparse.Namespace) -> int:
             for emulator, emulation in zip(emulators, results):
                 for path in report.plot_emulation(emulator, emulation, plot_dir, args.plot_format):
                     print(f"wrote {path}")
+    if scenario is not None:
+        _print_power_swing(emulators, results, args)
     if args.power_budget is not None:
         _print_power_budget(emulators, args, scenario)
     if args.output:
         report.write_records(results, args.output)
         print(f"wrote {args.output}")
     return 0
+
+
+def _print_clock_budgets(emulators: list, args: argparse.Namespace) -> None:
+    """What each clock-change budget costs one pipeline, per job size (emulator/clock_budget.py)."""
+    from perseus_ext.emulator.clock_budget import LEGEND, budget_costs, budget_table
+
+    for emulator in emulators:
+        print(f"\nClock-change budgets, one pipeline of {emulator.layout.microbatches} microbatches:")
+        print(budget_table(budget_costs(emulator), markdown=args.markdown))
+    print(LEGEND)
+
+
+def _print_power_swing(emulators: list, results: list, args: argparse.Namespace) -> None:
+    """The whole job's power swing per job size: all-max clocks and perseus-ext's plans."""
+    import textwrap
+
+    from perseus_ext.emulator.swing import SyncGap, job_swings, swing_legend, swing_table
+
+    for emulator, emulation in zip(emulators, results):
+        gap = SyncGap.default_for(emulator, args.sync_gap_s, args.sync_gap_power)
+        layout = emulator.layout
+        print()
+        print(textwrap.fill(f"Power swing of the whole job, {layout.microbatches} microbatches, {layout.num_gpus:,} "
+                            f"GPUs, {emulation.scenario.name}, gradient sync + optimizer step {gap.seconds:.3g} s "
+                            f"at {gap.power_w:g} W per GPU:", 100))
+        print(swing_table(job_swings(emulator, emulation, gap), markdown=args.markdown))
+    print(swing_legend())
 
 
 def _print_power_budget(emulators: list, args: argparse.Namespace, scenario: object) -> None:

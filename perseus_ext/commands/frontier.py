@@ -52,6 +52,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--wait-aware", action="store_true",
                         help="also the plans for an iteration held to a longer time anyway (a straggler): "
                              "cheapest in energy - blocking power x stages x time, up to the all-slowest plan")
+    parser.add_argument("--power-swing-cap", type=bounded_float(0.0, 1.0, inclusive_min=False), metavar="FRACTION",
+                        help="only plans whose pipeline power swing (peak to trough, docs/power.md) is at most "
+                             "this fraction of the all-max-clock plan's; dummy work that lifts the trough is "
+                             "counted in their energy")
     add_output_argument(parser, help="write the frontier JSON here", old=("--out",))
     parser.add_argument("--plot", type=Path, help="write a frontier plot here (.png, .svg or .pdf)")
     parser.set_defaults(func=run, exit_at_once=True)
@@ -70,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     # The solver's numpy work is elementwise: OpenBLAS's thread pool would only add ~60 ms of
     # CPU to the command's start-up (a user's own setting is kept).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    from perseus_ext.planning.power_swing import frontier_swing
     from perseus_ext.planning.profile import load_profile, useful_indices
     from perseus_ext.planning.schedule import build_schedule
     from perseus_ext.planning.solver import SolverOptions, solve_frontier
@@ -82,18 +87,29 @@ def run(args: argparse.Namespace) -> int:
     schedule = build_schedule(args.schedule, stages, args.microbatches, args.virtual_stages)
     check_outputs(args)
     started = time.perf_counter()
-    frontier = solve_frontier(
-        schedule, profile, power,
-        SolverOptions(resolution=args.resolution, progress=sys.stderr.isatty()),
-        switch_latency_s=args.switch_latency, wait_aware=args.wait_aware,
-    )
+    options = SolverOptions(resolution=args.resolution, progress=sys.stderr.isatty())
+    frontier = solve_frontier(schedule, profile, power, options,
+                              switch_latency_s=args.switch_latency, wait_aware=args.wait_aware)
+    uncapped, capped = frontier, None
+    if args.power_swing_cap is not None:
+        from perseus_ext.planning.swing_cap import capped_frontier
+
+        capped = capped_frontier(uncapped, schedule, profile, args.power_swing_cap, args.switch_latency,
+                                 clock_budget=options.clock_budget)
+        frontier = capped.frontier
     elapsed = time.perf_counter() - started
+    swing = frontier_swing(uncapped, schedule, profile, args.switch_latency)
+    plan_swings = swing.plans if capped is None else tuple(p.swing for p in capped.plans)
     if args.output:
-        frontier.save(args.output)
+        save_with_swing(frontier, swing.reference, plan_swings, args.output,
+                        capped.cap_fraction if capped else None,
+                        [p.filler.energy_j for p in capped.plans] if capped else None)
     if args.plot:
         from perseus_ext.observability.plotting import plot_frontier
 
-        plot_frontier(frontier, args.plot)
+        plot_frontier(uncapped, args.plot, swing_fractions=swing.fractions(),
+                      capped=capped.frontier if capped else None,
+                      capped_label=f"swing-capped at {args.power_swing_cap:g} of all-max" if capped else None)
 
     fast, cheapest, base = frontier.fastest, frontier.min_energy, frontier.baseline
     print(f"profile        {path.name} ({profile.num_stages} stages), blocking power {power:g} W")
@@ -111,9 +127,57 @@ def run(args: argparse.Namespace) -> int:
           f"(intrinsic saving {frontier.intrinsic_saving():.2%} at no slowdown)")
     print(f"T* (min energy) T = {cheapest.time:.4f} s, energy {cheapest.energy:,.1f} J "
           f"({1 - cheapest.energy / base.energy:.2%} less, {cheapest.time / base.time - 1:+.2%} time)")
+    print_swing(swing, uncapped, frontier.baseline.time, capped)
     if args.output:
         print(f"wrote          {args.output}")
     if args.plot:
         print(f"plotted        {args.plot}")
     sys.stdout.flush()
     return 0
+
+
+def print_swing(swing, uncapped, all_max_time_s: float, capped) -> None:
+    """The pipeline swing (planning model, docs/power.md) of all-max clocks, the fastest plan,
+    the cheapest plan within 1.05 x T and, with a cap, the capped plan there."""
+    reference = swing.reference
+    print(f"swing all-max  {reference.peak_to_trough_w:,.0f} W peak to trough ({reference.peak_to_trough_fraction:.0%} "
+          f"of mean), ramp {reference.max_ramp_w_per_s:,.0f} W/s, 0.1-20 Hz {reference.band_energy_fraction:.0%} of variance")
+    index = {id(plan): k for k, plan in enumerate(uncapped.plans)}
+    rows = [("fastest", swing.plans[0], uncapped.fastest.energy)]
+    at = uncapped.plan_for_deadline(1.05 * all_max_time_s)
+    rows.append(("at 1.05 x T", swing.plans[index[id(at)]], at.energy))
+    if capped is not None:
+        plan = capped.frontier.plan_for_deadline(1.05 * all_max_time_s)
+        k = capped.frontier.plans.index(plan)
+        rows.append((f"capped {capped.cap_fraction:g}", capped.plans[k].swing, plan.energy))
+        print(f"swing cap      {capped.cap_fraction:g} x {reference.peak_to_trough_w:,.0f} W = {capped.cap_w:,.0f} W: "
+              f"{len(capped.plans)} plans; dummy work at 1.05 x T {capped.plans[k].filler.energy_j:,.1f} J "
+              f"(counted), {plan.energy / at.energy - 1:+.2%} energy over the uncapped plan")
+    for name, figures, energy in rows:
+        print(f"swing {name:<12} {figures.peak_to_trough_w / reference.peak_to_trough_w - 1:+.0%} peak to trough, "
+              f"{figures.max_ramp_w_per_s / reference.max_ramp_w_per_s - 1:+.0%} ramp vs all-max "
+              f"({figures.peak_to_trough_w:,.0f} W; {energy:,.1f} J)")
+
+
+def save_with_swing(frontier, reference, plan_swings, path: Path, cap_fraction: float | None,
+                    filler_energies: list[float] | None) -> None:
+    """The frontier JSON (`Frontier.load` reads it back) with each plan's pipeline swing (and,
+    capped, its dummy-work energy, counted in its energy) and the all-max-clock swing."""
+    import dataclasses
+
+    frontier.save(path)  # the frontier file as ever (orjson when installed), then its swing added
+    try:
+        import orjson
+    except ImportError:
+        import json
+
+        loads, dumps = json.loads, lambda data: json.dumps(data).encode()
+    else:
+        loads, dumps = orjson.loads, orjson.dumps
+    data = loads(Path(path).read_bytes())
+    for k, (plan, figures) in enumerate(zip(data["plans"], plan_swings)):
+        plan["swing"] = dataclasses.asdict(figures)
+        if filler_energies is not None:
+            plan["filler_energy"] = filler_energies[k]
+    data["power_swing"] = {"reference": dataclasses.asdict(reference), "cap_fraction": cap_fraction}
+    Path(path).write_bytes(dumps(data))

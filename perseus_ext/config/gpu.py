@@ -26,7 +26,7 @@ STATE_FILE_IN_DIR = "sim-gpu-rank{rank}.json"  # a rank's clock state under `sta
 
 
 class SimPreset(StrChoice):
-    """The simulated GPU models (`perseus_ext.measurement.gpu.sim_presets.PRESETS` holds their curves)."""
+    """The simulated GPU models (`perseus_ext.measurement.gpu.sim.presets.PRESETS` holds their curves)."""
 
     A100_SXM = "a100_sxm"
     A40 = "a40"

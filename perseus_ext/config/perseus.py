@@ -242,7 +242,9 @@ class PerseusConfig(Section):
                           "computation launches that much work on the simulated device, which runs it "
                           "asynchronously at its effective clock (time and energy follow the GPU model, the math "
                           "is untouched). Split-backward schedules' input- and weight-gradient computations take "
-                          "the backward's shares by the planner's derivation rule (docs/schedules.md).")] = None
+                          "the backward's shares by the planner's derivation rule (docs/schedules.md). "
+                          "`\"reduce_grad_seconds\"` (s or [s per stage] in [0, 3600], default 0): a gradient sync "
+                          "action's work (torch.distributed.pipelining's REDUCE_GRAD, once per model chunk).")] = None
     policy: Annotated[
         Annotated[PolicySection, Rule("an object", PolicySection.example)] | None,
         Field(description="Which frontier plan to run: `null` = Perseus' straggler policy; Zeus/Chase cost "

@@ -40,14 +40,34 @@ _PER_STAGE_DURATIONS = TypeAdapter(listing(Seconds, what="numbers of seconds", e
 def _per_stage_seconds(value: Any) -> tuple[float, ...]:
     """One duration for every stage, or one per stage."""
     if isinstance(value, (list, tuple)):
-        return _PER_STAGE_DURATIONS.validate_python(value)
-    return (_ONE_DURATION.validate_python(value),)
+        return _PER_STAGE_DURATIONS.validate_python(value, strict=True)  # strict: true is no number
+    return (_ONE_DURATION.validate_python(value, strict=True),)
 
 
 PerStageSeconds = Annotated[
     tuple[float, ...],
     PlainValidator(_per_stage_seconds),
     Rule(f"a number of seconds in (0, {MAX_COMPUTATION_S:g}] or a list of them (one per stage)", 0.02),
+]
+
+# A gradient sync may take no simulated work at all (a plain module's REDUCE_GRAD only scales
+# the gradients): zero is allowed, and its node then costs what the profiler measures around it.
+SyncSeconds = number(example=0.002, unit="seconds", at_least=0, at_most=MAX_COMPUTATION_S)
+_ONE_SYNC = TypeAdapter(SyncSeconds)
+_PER_STAGE_SYNCS = TypeAdapter(listing(SyncSeconds, what="numbers of seconds", example=[0.002, 0.003]))
+
+
+def _per_stage_sync_seconds(value: Any) -> tuple[float, ...]:
+    """One sync duration for every stage, or one per stage."""
+    if isinstance(value, (list, tuple)):
+        return _PER_STAGE_SYNCS.validate_python(value, strict=True)
+    return (_ONE_SYNC.validate_python(value, strict=True),)
+
+
+PerStageSyncSeconds = Annotated[
+    tuple[float, ...],
+    PlainValidator(_per_stage_sync_seconds),
+    Rule(f"a number of seconds in [0, {MAX_COMPUTATION_S:g}] or a list of them (one per stage)", 0.002),
 ]
 
 
@@ -58,25 +78,32 @@ class SimulatedWorkload(Section):
     current clock (the real CPU work counts towards it), so energy and time follow the GPU model
     while the training math is untouched. Split-backward schedules (zero bubble, DualPipeV) run
     input-gradient and weight-gradient computations instead of some or all backwards; their
-    durations are the backward's shares by the planner's derivation rule
-    (`planning.derived`; the pacer in `measurement/pacing.py` applies it), so one backward's
-    worth of work is split, never added.
+    durations are the backward's shares by the planner's derivation rule (`planning.derived`;
+    the simulator's pacer in `measurement/gpu/sim/workload.py` applies it), so one backward's
+    worth of work is split, never added. A schedule that runs the gradient sync as an action
+    (torch.distributed.pipelining's REDUCE_GRAD, once per model chunk) launches
+    `reduce_grad_seconds` of work for it; the default 0 launches none, as for a plain module.
     """
 
     example: ClassVar[dict[str, Any]] = {"forward_seconds": 0.02, "backward_seconds": 0.04}
 
     forward_seconds: Annotated[PerStageSeconds, Field(description="one microbatch's forward at the max clock")]
     backward_seconds: Annotated[PerStageSeconds, Field(description="one microbatch's backward at the max clock")]
+    reduce_grad_seconds: Annotated[PerStageSyncSeconds, Field(
+        description="one model chunk's gradient sync action at the max clock (0: no work)")] = (0.0,)
 
     def seconds(self, stage: int, kind: str) -> float:
-        """The configured seconds of a forward or backward (the split kinds' follow from them)."""
-        if kind not in ("forward", "backward"):
-            raise ValueError(f"simulated_workload configures forward and backward seconds, not {kind!r}")
-        table = self.forward_seconds if kind == "forward" else self.backward_seconds
+        """The configured seconds of a forward, backward or gradient sync (the split kinds'
+        follow from the backward)."""
+        tables = {"forward": self.forward_seconds, "backward": self.backward_seconds,
+                  "reduce_grad": self.reduce_grad_seconds}
+        if kind not in tables:
+            raise ValueError(f"simulated_workload configures forward, backward and reduce_grad seconds, not {kind!r}")
+        table = tables[kind]
         return table[stage] if len(table) > 1 else table[0]
 
     def check_stages(self, num_stages: int) -> None:
-        for name in ("forward_seconds", "backward_seconds"):
+        for name in ("forward_seconds", "backward_seconds", "reduce_grad_seconds"):
             values = getattr(self, name)
             if len(values) not in (1, num_stages):
                 raise ConfigError(

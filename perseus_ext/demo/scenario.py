@@ -52,7 +52,10 @@ class Scenario:
             "straggler_check_interval": 2,
             "log_interval": 10,
             "control_timeout_s": 120.0,
-            "solver": {"min_grid_points": 300},  # a coarser grid: the toy frontier solves in ~1 s
+            # A coarser grid: the toy frontier solves in ~1 s. No clock-change budget: the toy's
+            # 10-30 ms computations would leave one clock per stage under the default 5 changes
+            # a second, which real computations (hundreds of ms) keep for free (docs/solver.md).
+            "solver": {"min_grid_points": 300, "max_clock_changes_per_s": 0},
             "simulated_workload": {
                 "forward_seconds": self.forward_seconds,
                 "backward_seconds": self.backward_seconds,

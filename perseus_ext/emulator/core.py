@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Callable
 
 import numpy as np
@@ -232,7 +232,12 @@ class Emulator:
         self.energy_scale = float(energy_scale)
         self.policy = policy or StragglerPolicy()
         if solver is None:
-            from perseus_ext.planning.solver import solve_frontier as solver
+            from perseus_ext.planning.options import SolverOptions
+            from perseus_ext.planning.solver import solve_frontier
+
+            # The frontier is solved on the profiled slice, whose times are the stage's divided
+            # by time_scale: the clock-change budget is put in the slice's seconds too.
+            solver = partial(solve_frontier, options=SolverOptions().for_time_scale(self.time_scale))
         self._solver = solver
         self.wait_aware = wait_aware
         tp = layout.tensor_parallel

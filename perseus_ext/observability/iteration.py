@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from perseus_ext.observability.phase import Phase
+from perseus_ext.observability.power_samples import PowerSamples
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class IterationRecord:
     # the SM clock it was planned to run: the profiled clock, the mean of the plan's clocks over
     # the stage's computations, or the GPU's maximum at default clocks (None: not known)
     clock_mhz: float | None = None
+    # the GPU's power at a fine rate from the previous iteration's end to this one's, where the
+    # device knows it (the simulated device; None on real GPUs: observability.power_samples)
+    power: PowerSamples | None = None
 
     @property
     def iteration(self) -> int:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from perseus_ext.inputs import InputError, iter_lines, validate_json_line
 from perseus_ext.observability.log_row import LogRow
-from perseus_ext.observability.run_figures import Sample, label_of
+from perseus_ext.observability.run_figures import DEPLOYED, Sample, label_of
 
 JOB_GAP_S = 60.0  # runs without a job id further apart than this are of different jobs
 LOG_SUFFIX = ".jsonl"
@@ -40,7 +40,9 @@ WHAT = "perseus-ext log"
 
 def sample_of(row: LogRow) -> Sample:
     """A log row as the report's statistics see it."""
-    return Sample(row.iteration, label_of(row.phase, row.fell_back, row.probe), row.factor, row.time_s, row.energy_j)
+    label = label_of(row.phase, row.fell_back, row.probe)
+    return Sample(row.iteration, label, row.factor, row.time_s, row.energy_j,
+                  row.plan if label == DEPLOYED else None, row.power_samples())
 
 
 @dataclass(frozen=True)

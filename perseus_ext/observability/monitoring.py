@@ -14,6 +14,9 @@ an iteration late) as scalars stepped by the iteration number:
   clock (the profiled clock, the mean of the plan's clocks over the stage's computations, the
   max clock at default);
 * `perseus/straggler_factor`: the slowdown the pipeline plans for (1 = fastest plan);
+* `perseus/power_swing_w`, `perseus/power_max_ramp_w_per_s`: the iteration's peak-to-trough power
+  and largest ramp (50 ms moving average) from 1 ms power samples, where the device gives them
+  (simulated GPUs; NVML's default power reading cannot, docs/monitoring.md);
 * `perseus/saving`, `perseus/saving_low`, `perseus/saving_high`: the energy saving measured
   against the baseline probes so far, with its 95 % interval.
 
@@ -57,6 +60,9 @@ def record_events(record: IterationRecord) -> list[tuple[str, float, int]]:
         "baseline_probe": float(setting.probe), "plan": -1 if setting.plan is None else setting.plan,
         "clock_coverage": record.coverage, "straggler_factor": setting.factor,
     }
+    if record.power is not None:  # fine power samples (simulated devices): this iteration's swing
+        swing = record.power.swing()
+        values.update(power_swing_w=swing.peak_to_trough_w, power_max_ramp_w_per_s=swing.max_ramp_w_per_s)
     return [(PREFIX + name, float(value), step) for name, value in values.items() if value is not None]
 
 

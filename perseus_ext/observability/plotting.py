@@ -77,9 +77,16 @@ def plot_frontier(
     *,
     marks: Mapping[str, Plan] | None = None,
     title: str | None = None,
+    swing_fractions: Sequence[float] | None = None,
+    capped: Frontier | None = None,
+    capped_label: str | None = None,
 ) -> None:
     """Iteration time vs energy of every frontier plan, with the baseline (every computation
     at its fastest clock: all max clock unless a top clock was measured slower than a lower one).
+
+    `swing_fractions`: each plan's pipeline power swing as a fraction of the all-max-clock
+    plan's (`power_swing.FrontierSwing.fractions`), drawn on a right-hand axis; `capped`: a
+    swing-capped frontier drawn as its own series (`capped_label`).
 
     `marks` labels plans worth pointing at (e.g. {"deployed": plan, "straggler": plan}); a
     marked plan need not be on the frontier (a Zeus-style global clock, say).
@@ -118,6 +125,16 @@ def plot_frontier(
         ax.plot(plan.time, plan.energy / scale, "*", color=color, ms=14, zorder=5,
                 markeredgecolor="black", markeredgewidth=0.5,
                 label=f"{label}: {plan.time:.4g} s, {plan.energy / scale:.4g} {unit}")
+    if capped is not None:
+        ax.plot([p.time for p in capped.plans], [p.energy / scale for p in capped.plans], "^-", color="tab:red",
+                ms=2.5, lw=1.0, zorder=3, label=f"{capped_label or 'swing-capped'}: {len(capped.plans)} plans")
+    if swing_fractions is not None:
+        right = ax.twinx()
+        right.plot(times, 100 * np.asarray(swing_fractions, dtype=float)[: len(ordinary)], ":", color="tab:gray",
+                   lw=1.2, label="pipeline swing, % of all-max (right axis)")
+        right.set_ylabel("pipeline power swing (% of all max clock)")
+        right.set_ylim(0, 130)
+        right.legend(fontsize=8, loc="lower right", framealpha=0.9)
     ax.set_xlabel("iteration time (s)")
     ax.set_ylabel(f"energy per iteration ({unit})")
     schedule = frontier.schedule

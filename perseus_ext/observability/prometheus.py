@@ -3,9 +3,10 @@
 Why: a training cluster's power and energy are watched in Prometheus and Grafana; perseus-ext's
 figures belong next to them, not only in DeepSpeed's monitor, Megatron's writers and JSONL.
 The exporter is one more sink of `perseus_ext.observability.monitoring.IterationMetrics`, so it
-exports exactly what the monitors get, per device record (energy, time, power, clock, phase, plan, coverage,
-straggler factor, measured saving), as gauges labelled `job`, `rank`, `stage`, `pipeline`, plus
-running totals of energy and iterations.
+exports exactly what the monitors get, per device record (energy, time, power, clock, phase, plan,
+coverage, straggler factor, measured saving; the power swing where the device gives fine power
+samples), as gauges labelled `job`, `rank`, `stage`, `pipeline`, plus running totals of energy and
+iterations.
 
 * `"prometheus": {"port": P}` (or env PERSEUS_PROMETHEUS_PORT=P): local rank r serves
   `http://<address>:P+r/metrics` from prometheus-client's own server thread, started when the
@@ -50,6 +51,10 @@ GAUGES: dict[str, tuple[str, str]] = {
     "saving": ("perseus_saving_ratio", "energy saving measured against the baseline probes"),
     "saving_low": ("perseus_saving_low_ratio", "lower end of the saving's 95% interval"),
     "saving_high": ("perseus_saving_high_ratio", "upper end of the saving's 95% interval"),
+    "power_swing_w": ("perseus_power_swing_watts", "peak-to-trough GPU power within the last recorded iteration, "
+                      "from 1 ms samples (simulated GPUs only: docs/monitoring.md)"),
+    "power_max_ramp_w_per_s": ("perseus_power_max_ramp_watts_per_second", "largest slope of the 50 ms moving "
+                               "average of the GPU's power within the last recorded iteration (simulated GPUs only)"),
 }
 
 

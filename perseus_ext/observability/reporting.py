@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from perseus_ext.observability.log_files import JobLogs, read_logs
+from perseus_ext.observability.power_samples import DeployedRun, job_swing, rank_swing
 from perseus_ext.observability.run_figures import RunFigures, Sample, job_sample, no_saving_reason
 from perseus_ext.observability.saving_estimate import Comparison
 
@@ -35,6 +36,8 @@ def analyse(logs: JobLogs, model_saving: float | None = None, *, timeline: bool 
     figure and the JSON: 4 values per job iteration, the only memory that grows with the logs)."""
     per_rank = {run.rank: RunFigures() for run in logs.runs}
     fell_back_at: dict[int, int | None] = dict.fromkeys(per_rank)
+    power_runs = {rank: DeployedRun() for rank in per_rank}  # bounded: the last deployed run's samples
+    with_power: set[int] = set()
 
     def on_sample(rank: int):
         figures = per_rank[rank]
@@ -43,6 +46,9 @@ def analyse(logs: JobLogs, model_saving: float | None = None, *, timeline: bool 
             figures.add(sample)
             if fell_back_at[rank] is None and sample.label == "fallback":
                 fell_back_at[rank] = sample.iteration
+            if (power := sample.iteration_power()) is not None:
+                power_runs[rank].add(power)
+                with_power.add(rank)
         return add
 
     job = RunFigures()
@@ -55,10 +61,14 @@ def analyse(logs: JobLogs, model_saving: float | None = None, *, timeline: bool 
             series["labels"].append(timeline_label(sample))
             series["time_s"].append(sample.time_s)
             series["energy_j"].append(sample.energy_j)
+    runs = {rank: collector.items() for rank, collector in power_runs.items()}
     ranks = {run.rank: {"pipeline": run.pipeline, "stage": run.stage, "iterations": per_rank[run.rank].iterations,
-                        "fell_back_at_iteration": fell_back_at[run.rank], "measured": per_rank[run.rank].measured()}
+                        "fell_back_at_iteration": fell_back_at[run.rank], "measured": per_rank[run.rank].measured(),
+                        "power_swing": rank_swing(runs[run.rank], run.rank in with_power)}
              for run in logs.runs}
-    return {"job_id": logs.job, "ranks": ranks, "job": {**job.figures(), "model_intrinsic_saving": model_saving},
+    return {"job_id": logs.job, "ranks": ranks,
+            "job": {**job.figures(), "model_intrinsic_saving": model_saving,
+                    "power_swing": job_swing(list(runs.values()))},
             "timeline": series if timeline else None}
 
 
@@ -74,7 +84,15 @@ def format_report(analysis: dict[str, Any]) -> str:
     """What `perseus-ext report` prints (the demo prints it too), at most 100 columns wide: the
     job's measured saving as labelled rows, every rank's own figures as a table, and what the
     lifecycle cost, each with what it means."""
-    from perseus_ext.observability.summary_text import WIDTH, labelled_rows, measured_rows, rank_table, table
+    from perseus_ext.observability.summary_text import (
+        WIDTH,
+        gpus_summed,
+        labelled_rows,
+        measured_rows,
+        rank_table,
+        swing_row,
+        table,
+    )
 
     job = analysis["job"]
     measured = job["measured"]
@@ -104,10 +122,13 @@ def format_report(analysis: dict[str, Any]) -> str:
     if job["model_intrinsic_saving"] is not None:
         rows.append(("model", f"{100 * job['model_intrinsic_saving']:.1f}% intrinsic (profile-based: pipeline 0's "
                               "fastest plan vs all max clock)"))
+    if (swing := swing_row(job.get("power_swing"), gpus_summed(ranks))) is not None:
+        rows.append(swing)
     lines += labelled_rows(rows)
     entries = [{"rank": rank, "pipeline": entry["pipeline"], "stage": entry["stage"],
                 "iterations": entry["iterations"], "measured": entry["measured"]["all"],
-                "fell_back_at_iteration": entry["fell_back_at_iteration"], "clock_coverage": entry.get("clock_coverage")}
+                "fell_back_at_iteration": entry["fell_back_at_iteration"], "clock_coverage": entry.get("clock_coverage"),
+                "power_swing_w": entry["power_swing"].get("peak_to_trough_w")}
                for rank, entry in analysis["ranks"].items()]
     if len(entries) > 1:  # one rank's figures are the job's, printed above
         lines += rank_table(entries, "--output writes every rank's figures as JSON")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from perseus_ext.observability.iteration import IterationRecord
+from perseus_ext.observability.power_samples import IterationPower, PowerSamples
 from perseus_ext.observability.saving_estimate import CONFIDENCE, Comparison, Moments
 
 PROBE = "baseline probe"
@@ -37,12 +38,19 @@ class Sample:
     factor: float | None
     time_s: float
     energy_j: float | None
+    plan: int | None = None  # the deployed plan, in an iteration that ran one (not a probe, no fallback)
+    power: PowerSamples | None = None  # fine power samples, where the device gives them
 
     @classmethod
     def of_record(cls, record: IterationRecord) -> Sample:
         setting = record.setting
-        return cls(setting.iteration, label_of(setting.phase.value, setting.fell_back, setting.probe),
-                   setting.factor, record.time_s, record.energy_j)
+        label = label_of(setting.phase.value, setting.fell_back, setting.probe)
+        return cls(setting.iteration, label, setting.factor, record.time_s, record.energy_j,
+                   setting.plan if label == DEPLOYED else None, record.power)
+
+    def iteration_power(self) -> IterationPower | None:
+        """The sample's power with its plan, for the measured swing (None without samples)."""
+        return None if self.power is None else IterationPower(self.iteration, self.plan, self.power)
 
 
 def label_of(phase: str, fell_back: bool, probe: bool) -> str:

@@ -60,20 +60,23 @@ def saving_cells(measured: Mapping[str, Any] | None) -> tuple[str, str, str, str
     return _percent(measured["saving"]), interval, str(measured["probes"]), "-" if needed is None else str(needed)
 
 
-RANK_HEADERS = ("rank", "pipeline", "stage", "iters", "saving", "95% CI", "probes", "need", "coverage", "note")
+RANK_HEADERS = ("rank", "pipeline", "stage", "iters", "saving", "95% CI", "probes", "need", "coverage", "swing W",
+                "note")
+OPTIONAL_COLUMNS = ("coverage", "swing W", "note")  # shown only where some rank has a figure
 
 
 def rank_rows(entries: Sequence[Mapping[str, Any]]) -> list[list[str]]:
     """One table row per rank; `entries` hold rank, pipeline, stage, iterations, measured (the
-    'all' comparison or None), fell_back_at_iteration and clock_coverage (None where unknown)."""
+    'all' comparison or None), fell_back_at_iteration, clock_coverage and power_swing_w (the
+    GPU's measured peak-to-trough; None where unknown)."""
     rows = []
     for entry in entries:
         saving, interval, probes, needed = saving_cells(entry["measured"])
         fell_back = entry.get("fell_back_at_iteration")
-        coverage = entry.get("clock_coverage")
+        coverage, swing = entry.get("clock_coverage"), entry.get("power_swing_w")
         rows.append([str(entry["rank"]), "-" if entry["pipeline"] is None else str(entry["pipeline"]),
                      "-" if entry["stage"] is None else str(entry["stage"]), str(entry["iterations"]),
-                     saving, interval, probes, needed, _percent(coverage),
+                     saving, interval, probes, needed, _percent(coverage), "-" if swing is None else f"{swing:.0f}",
                      "" if fell_back is None else f"fell back at it {fell_back}"])
     return rows
 
@@ -94,14 +97,17 @@ def rank_table(entries: Sequence[Mapping[str, Any]], where_the_rest_are: str) ->
     rows = rank_rows(shown)
     # a column nobody has a figure in (coverage in logs without it, the note when no rank fell back)
     kept = [k for k, header in enumerate(RANK_HEADERS)
-            if header not in ("coverage", "note") or any(row[k] not in ("", "-") for row in rows)]
+            if header not in OPTIONAL_COLUMNS or any(row[k] not in ("", "-") for row in rows)]
+    note_column = RANK_HEADERS.index("note")
     lines += table([RANK_HEADERS[k] for k in kept], [[row[k] for k in kept] for row in rows], indent="    ",
-                   left=(kept.index(9),) if 9 in kept else ()) + note
+                   left=(kept.index(note_column),) if note_column in kept else ()) + note
     legend = ("saving: 1 - deployed / baseline-probe energy per iteration; 95% CI: its interval; probes: "
               "baseline probes (default-clock iterations among the deployed ones); need: probes the interval "
               f"needs for ±{100 * TARGET_HALF_WIDTH:g} points (-: it has them)")
     if "coverage" in (RANK_HEADERS[k] for k in kept):
         legend += "; coverage: share of the planned compute time that ran at its planned clock"
+    if "swing W" in (RANK_HEADERS[k] for k in kept):
+        legend += "; swing W: the GPU's measured peak-to-trough power over its deployed iterations"
     lines += textwrap.wrap(legend, WIDTH, initial_indent="    ", subsequent_indent="    ")
     return lines
 
@@ -129,6 +135,25 @@ def measured_rows(measured: Mapping[str, Any]) -> list[tuple[str, str]]:
                                     f"deployed ones), their own cost {cost['energy_j']:.1f} J "
                                     f"({100 * (cost['share_of_energy'] or 0.0):.2f}% of the energy)"))
     return rows
+
+
+def gpus_summed(ranks: int) -> str:
+    """Whose power a job's swing is: the sum of its GPUs (one GPU per rank)."""
+    return f"the {ranks} GPUs summed" if ranks > 1 else "the job's one GPU"
+
+
+def swing_row(swing: Mapping[str, Any] | None, whose: str) -> tuple[str, str] | None:
+    """The measured power swing as one labelled row (None where it was not measured: a real
+    GPU's default power reading cannot show it, docs/monitoring.md)."""
+    if not swing or not swing.get("measured"):
+        return None
+    first, last = swing["iterations"]
+    return ("power swing", f"{whose}: {swing['peak_to_trough_w']:,.0f} W peak to trough "
+                           f"({100 * swing['peak_to_trough_fraction']:.1f}% of the mean {swing['mean_w']:,.0f} W), "
+                           f"max ramp {swing['max_ramp_w_per_s']:,.0f} W/s (50 ms average), "
+                           f"{100 * swing['band_energy_fraction']:.0f}% of the variance at 0.1-20 Hz; deployed "
+                           f"iterations {first}-{last}, {1000 * swing['sample_period_s']:g} ms samples "
+                           "(simulated device; docs/power.md)")
 
 
 def summary_line(summary: Mapping[str, Any]) -> str:
@@ -165,6 +190,8 @@ def summary_line(summary: Mapping[str, Any]) -> str:
     coverage = summary["clock_coverage"]["exact"] or summary["clock_coverage"]["estimated"]
     if coverage is not None:
         rows.append(("clock coverage", f"{100 * coverage:.1f}%"))
+    if (swing := swing_row(summary.get("power_swing"), "this GPU")) is not None:
+        rows.append(swing)
     return "\n".join(textwrap.wrap(head, WIDTH, subsequent_indent="  ") + labelled_rows(rows))
 
 
@@ -216,6 +243,8 @@ def job_line(job: Mapping[str, Any]) -> str:
                               "from the profile)"))
     if job["clock_coverage"] is not None:
         rows.append(("clock coverage", f"{100 * job['clock_coverage']:.1f}% (mean over the ranks)"))
+    if (swing := swing_row(job.get("power_swing"), gpus_summed(job["ranks"]))) is not None:
+        rows.append(swing)
     lines += labelled_rows(rows)
     if len(job.get("per_rank") or ()) > 1:  # one rank's figures are the job's, printed above
         lines += rank_table(job["per_rank"], "every rank's figures are in its summary (perseus.summary_path) "

@@ -166,11 +166,6 @@ class PipelineDAG:
         """(N, max in-degree) predecessors padded with NO_NODE (at least one column)."""
         return self._padded(self.pred_ptr, self.pred_idx)
 
-    @cached_property
-    def succ_matrix(self) -> np.ndarray:
-        """(N, max out-degree) successors padded with NO_NODE (at least one column)."""
-        return self._padded(self.succ_ptr, self.succ_idx)
-
     def _padded(self, ptr: np.ndarray, idx: np.ndarray) -> np.ndarray:
         return np.stack(_slots(ptr, idx, slice(0, len(self))), axis=1)
 

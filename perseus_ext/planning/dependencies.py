@@ -31,7 +31,7 @@ from perseus_ext.errors import ScheduleError
 from perseus_ext.planning.actions import Computation, Kind
 
 
-class PipelineSchedule(Protocol):
+class ScheduleShape(Protocol):
     """What the rules read of a `schedule.PipelineSchedule` (which imports this module)."""
 
     num_stages: int
@@ -59,7 +59,7 @@ class ScheduleIndex:
     flattened stage orders) that runs it, that action's position on its stage, and a table from
     (virtual stage, microbatch, kind) to the unit."""
 
-    def __init__(self, schedule: PipelineSchedule):
+    def __init__(self, schedule: ScheduleShape):
         self.schedule = schedule
         actions = [a for order in schedule.orders for a in order]
         self.actions = actions
@@ -205,7 +205,7 @@ class ScheduleIndex:
                     f"{self.actions[int(self.owner[late[0]])]}")
 
 
-def data_inputs(schedule: PipelineSchedule, action: Computation) -> tuple[Computation, ...]:
+def data_inputs(schedule: ScheduleShape, action: Computation) -> tuple[Computation, ...]:
     """The actions whose outputs `action` consumes from another virtual stage, in the order of
     its parts (the rules of the module docstring, for one action)."""
     index = schedule.__dict__.get("_dependency_index")
@@ -234,7 +234,7 @@ def data_inputs(schedule: PipelineSchedule, action: Computation) -> tuple[Comput
     return tuple(inputs)
 
 
-def check_schedule(schedule: PipelineSchedule) -> None:
+def check_schedule(schedule: ScheduleShape) -> None:
     """`ScheduleIndex(schedule).check()` and its cross-stage inputs: what `schedule_from_actions`
     runs before it returns."""
     index = ScheduleIndex(schedule)

@@ -5,6 +5,7 @@ the straggler policy, the emulator and the CLI.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -14,6 +15,26 @@ import numpy as np
 
 from perseus_ext.errors import ScheduleError, SolverError
 from perseus_ext.planning.schedule import ScheduleSummary
+
+
+@dataclass(frozen=True)
+class ClockFigures:
+    """How often a plan changes clocks, its iterations replayed back to back
+    (`clock_budget.clock_figures`): the most changes any one GPU makes in a window [t, t + 1 s),
+    and the shortest time any GPU holds a clock between two changes (inf: no GPU ever
+    changes its clock)."""
+
+    changes_per_s: float
+    shortest_hold_s: float
+
+    def to_dict(self) -> dict:
+        hold = None if math.isinf(self.shortest_hold_s) else self.shortest_hold_s
+        return {"changes_per_s": self.changes_per_s, "shortest_hold_s": hold}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ClockFigures":
+        hold = data.get("shortest_hold_s")
+        return cls(float(data["changes_per_s"]), math.inf if hold is None else float(hold))
 
 
 @dataclass(frozen=True, eq=False)
@@ -31,6 +52,7 @@ class Plan:
     time: float  # seconds: longest path of the DAG with the profiled times
     energy: float  # joules: computation + blocking energy of every stage
     frequencies: np.ndarray
+    clock: ClockFigures | None = None  # how often it changes clocks (None: not computed)
 
     def __post_init__(self) -> None:
         freqs = np.asarray(self.frequencies, dtype=np.int32)
@@ -49,11 +71,14 @@ class Plan:
         return row.tolist()
 
     def to_dict(self) -> dict:
-        return {"time": self.time, "energy": self.energy, "frequencies": self.frequencies.tolist()}
+        clock = {} if self.clock is None else {"clock": self.clock.to_dict()}
+        return {"time": self.time, "energy": self.energy, "frequencies": self.frequencies.tolist(), **clock}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
-        return cls(float(data["time"]), float(data["energy"]), np.array(data["frequencies"]))
+        clock = data.get("clock")
+        return cls(float(data["time"]), float(data["energy"]), np.array(data["frequencies"]),
+                   None if clock is None else ClockFigures.from_dict(clock))
 
 
 @dataclass(frozen=True)
@@ -219,6 +244,7 @@ class Frontier:
             "baseline": (self.baseline.time, self.baseline.energy),
             "stages": per_stage,
             "extension_start": _selected_extension_start(self.extension_start, chosen),
+            "clock_figures": _figures_of([self.plans[j] for j in chosen]),
         }
 
     def stage_table(self, stage: int) -> StagePlanTable:
@@ -242,11 +268,12 @@ class Frontier:
             table[:, s, : row.shape[1]] = row
             baseline[s, : row.shape[1]] = stages[s]["baseline"]
         table.flags.writeable = False
+        figures = data.get("clock_figures")
         return cls(
             schedule=data["schedule"],
             blocking_power=float(data["blocking_power"]),
             plans=tuple(
-                Plan(float(t), float(e), table[j])
+                Plan(float(t), float(e), table[j], None if figures is None else ClockFigures(*map(float, figures[j])))
                 for j, (t, e) in enumerate(zip(data["times"], data["energies"]))
             ),
             baseline=Plan(float(data["baseline"][0]), float(data["baseline"][1]), baseline),
@@ -279,6 +306,11 @@ class StagePlanTable:
     def extension_start(self) -> int | None:
         return self.compact["extension_start"]
 
+    def clock_figures(self, index: int) -> ClockFigures | None:
+        """How often plan `index` changes clocks (None when the frontier did not say)."""
+        figures = self.compact.get("clock_figures")
+        return None if figures is None else ClockFigures(*map(float, figures[index]))
+
     def clocks(self, index: int) -> tuple[int, ...]:
         """This stage's clocks under plan `index`, in its execution order."""
         return tuple(int(c) for c in self._table[index])
@@ -307,6 +339,14 @@ class StagePlanTable:
             baseline=Plan(float(data["baseline"][0]), float(data["baseline"][1]), no_clocks),
             extension_start=self.extension_start,
         )
+
+
+def _figures_of(plans: Sequence[Plan]) -> np.ndarray | None:
+    """(plans, 2) changes per s and shortest hold of every plan (float32: figures to report, sent
+    to every rank), or None if one lacks them."""
+    if any(plan.clock is None for plan in plans):
+        return None
+    return np.array([(plan.clock.changes_per_s, plan.clock.shortest_hold_s) for plan in plans], dtype=np.float32)
 
 
 def _selected_extension_start(start: int | None, chosen: np.ndarray) -> int | None:
@@ -381,9 +421,17 @@ def _plan(data: object, path: str | Path, where: str) -> Plan:
         table = np.array([])
     if table.ndim != 2 or table.dtype.kind not in "iu" or table.min() < 0 or table.max() > MAX_CLOCK_MHZ:
         raise _bad(path, where + ".frequencies", f"must hold integer clocks from 0 to {MAX_CLOCK_MHZ} MHz")
+    clock = data.get("clock")
+    if clock is not None:
+        if not isinstance(clock, dict):
+            raise _bad(path, where + ".clock", "must be an object with changes_per_s and shortest_hold_s")
+        hold = clock.get("shortest_hold_s")
+        clock = ClockFigures(_number(clock, "changes_per_s", path, where + ".clock."),
+                             math.inf if hold is None else _number(clock, "shortest_hold_s", path, where + ".clock."))
     return Plan(_number(data, "time", path, where + "."), _number(data, "energy", path, where + "."),
-                table.astype(np.int32))
+                table.astype(np.int32), clock)
 
 
 def _plan_json(plan: Plan) -> dict:
-    return {"time": plan.time, "energy": plan.energy, "frequencies": plan.frequencies}
+    clock = {} if plan.clock is None else {"clock": plan.clock.to_dict()}
+    return {"time": plan.time, "energy": plan.energy, "frequencies": plan.frequencies, **clock}

@@ -4,13 +4,14 @@
 the door with the field's name and the allowed range. `check_problem_size` estimates peak
 memory and time from the problem size (computations x grid deadlines) and refuses a solve that
 would not fit, naming the option to change; a profile in milliseconds instead of seconds (a
-1000 x longer frontier, so a 1000 x larger grid) is the usual cause.
+1000 x longer frontier, so a 1000 x larger grid) is the usual cause. `ClockBudget` is the
+clock-change budget two of the options set (`planning/clock_budget.py` plans within it).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from perseus_ext.errors import SolverError
 
@@ -35,7 +36,17 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "gap_polish_budget": (0, 10**12),
     "max_memory_gib": (0.1, 1024.0),
     "max_seconds": (1.0, 7 * 86400.0),
+    "max_clock_changes_per_s": (0.0, 1000.0),
+    "min_clock_hold_s": (0.0, 60.0),
+    "power_swing_cap": (0.0, 1.0),
 }
+
+# The clock-change budget's default: at most this many changes per second per GPU (a clock held
+# at least 1 / this long). NCCL collectives were reported to stall with a locked-clock change
+# about every 50 ms (20 changes a second) and not with a fixed clock; 5 a second is 4x under
+# that rate and costs little energy on the published profiles (docs/solver.md, "Clock-change
+# budget").
+DEFAULT_MAX_CLOCK_CHANGES_PER_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,13 @@ class SolverOptions:
     gap_polish_budget: int = 262_144  # max deadlines x computations^2 for the gap-targeted polish
     max_memory_gib: float = 8.0  # refuse solves estimated to need more memory
     max_seconds: float = 3600.0  # refuse solves estimated to take longer (CPU seconds)
+    # Clock-change budget per GPU (`clock_budget`): at most this many changes in any 1 s window
+    # (0: no limit), and no clock held shorter than `min_clock_hold_s` (0: no minimum).
+    max_clock_changes_per_s: float = DEFAULT_MAX_CLOCK_CHANGES_PER_S
+    min_clock_hold_s: float = 0.0
+    # Swing cap (`swing_cap.py`): every plan's pipeline power swing at most this fraction of the
+    # all-max-clock plan's, dummy work at fill/drain counted in its energy (0: no cap).
+    power_swing_cap: float = 0.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -75,6 +93,59 @@ class SolverOptions:
                     f"solver option {f.name} must be {kind} in [{low:g}, {high:g}], got {value!r}; "
                     f"the default is {f.default!r}"
                 )
+
+    def for_time_scale(self, time_scale: float) -> "SolverOptions":
+        """These options for a profile whose times are the real ones divided by `time_scale`
+        (the emulator solves a profiled slice of a `time_scale` times longer stage): the
+        clock-change budget in the slice's seconds, so its runs last as long in real time."""
+        high_rate, high_hold = BOUNDS["max_clock_changes_per_s"][1], BOUNDS["min_clock_hold_s"][1]
+        return replace(self, max_clock_changes_per_s=min(self.max_clock_changes_per_s * time_scale, high_rate),
+                       min_clock_hold_s=min(self.min_clock_hold_s / time_scale, high_hold))
+
+    @property
+    def clock_budget(self) -> "ClockBudget":
+        """The clock-change budget these options ask for (`ClockBudget.unlimited` with both 0)."""
+        return ClockBudget(self.max_clock_changes_per_s, self.min_clock_hold_s)
+
+
+@dataclass(frozen=True)
+class ClockBudget:
+    """How often a plan may change one GPU's clock, iterations replayed back to back.
+
+    `max_changes_per_s`: at most this many changes in any window [t, t + 1 s) (0: no limit);
+    `min_hold_s`: every clock a plan sets stays at least this long before the next change (0:
+    no minimum). The planner meets both with one rule, a hold of at least `hold_s` =
+    max(min_hold_s, 1 / max_changes_per_s): changes that far apart never put more than
+    max_changes_per_s of them in a half-open second. A clock that never changes holds forever.
+    """
+
+    max_changes_per_s: float = 0.0
+    min_hold_s: float = 0.0
+
+    @property
+    def hold_s(self) -> float:
+        """The shortest hold the planner allows (0: no budget)."""
+        rate = 1.0 / self.max_changes_per_s if self.max_changes_per_s > 0 else 0.0
+        return max(self.min_hold_s, rate)
+
+    @property
+    def active(self) -> bool:
+        return self.hold_s > 0
+
+    def allows(self, changes_per_s: float, shortest_hold_s: float) -> bool:
+        """Whether a plan with these figures (`ClockFigures`) keeps the budget."""
+        rate_ok = self.max_changes_per_s <= 0 or changes_per_s <= self.max_changes_per_s + 1e-9
+        return rate_ok and shortest_hold_s >= self.min_hold_s - 1e-9
+
+    def describe(self) -> str:
+        if not self.active:
+            return "no clock-change budget"
+        parts = []
+        if self.max_changes_per_s > 0:
+            parts.append(f"at most {self.max_changes_per_s:g} clock changes per s")
+        if self.min_hold_s > 0:
+            parts.append(f"clocks held at least {self.min_hold_s * 1e3:g} ms")
+        return " and ".join(parts)
 
 
 def estimate_cost(num_nodes: int, grid_points: int, anchors: int) -> tuple[float, float]:

@@ -83,7 +83,7 @@ class ConvexRelaxation:
         lp.a_matrix_.index_ = index
         lp.a_matrix_.value_ = value
         self._lp = lp
-        self.highs = _simplex(lp)
+        self.highs = simplex_highs(lp)
         self.t_col = t_col
         self.n, self.m = n, m
         # The LP omits each node's cost at its fastest clock: a plan's energy is objective +
@@ -101,7 +101,7 @@ class ConvexRelaxation:
     def twin(self) -> "ConvexRelaxation":
         """The same LP in a second HiGHS instance (another thread can walk it)."""
         twin = copy.copy(self)
-        twin.highs = _simplex(self._lp)
+        twin.highs = simplex_highs(self._lp)
         return twin
 
     def min_energy_deadline(self, t_min: float, t_slowest: float) -> float:
@@ -136,7 +136,7 @@ class ConvexRelaxation:
         return self.t_min + np.bincount(self.seg_node, weights=fills, minlength=self.n)
 
 
-def _simplex(lp: "highspy.HighsLp") -> "highspy.Highs":
+def simplex_highs(lp: "highspy.HighsLp") -> "highspy.Highs":
     """A quiet HiGHS instance holding `lp`, solved by simplex (warm starts).
 
     highspy's `Highs()` (1.16) logs its banner to stdout while it is constructed, before
@@ -163,7 +163,7 @@ def _simplex(lp: "highspy.HighsLp") -> "highspy.Highs":
 
 
 def quiet_highs() -> "highspy.Highs":
-    """A HiGHS instance that prints nothing: no banner (`_simplex`), no log."""
+    """A HiGHS instance that prints nothing: no banner (`simplex_highs`), no log."""
     highs = _QuietHighs()
     set_option(highs, "output_flag", False)
     set_option(highs, "log_to_console", False)

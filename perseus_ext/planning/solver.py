@@ -37,30 +37,33 @@ clock-change latency is not 0); only the Pareto-optimal ones form the frontier, 
 times and energies are exact replays and no plan is dominated. Where the frontier is flat,
 neighbouring plans can be more than `resolution` apart: the plans found inside such a gap were
 all no cheaper than the plan before it.
+
+A clock-change budget (`SolverOptions.clock_budget`) that these plans break is met by solving
+again over runs of computations tied to one clock (`clock_budget.py`, `grouped.py`); every plan
+carries its clock-change figures (`Plan.clock`). The candidate pool and its Pareto and gap-fill
+selections live in `pool.py`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable
 
 import numpy as np
 
-from perseus_ext.background import start_background
+from perseus_ext.planning.clock_budget import solve_within_budget, with_figures
 from perseus_ext.planning.energy import CostModel
-from perseus_ext.planning.first_pass import FirstPass, Replayed, replayed
+from perseus_ext.planning.first_pass import FirstPass, replayed
 from perseus_ext.planning.frontier import Frontier
 from perseus_ext.planning.options import SolverOptions, check_problem_size
-from perseus_ext.planning.passes import CELLS, CHOICE_DTYPE, polish, reclaim_slack, repair_deadline
-from perseus_ext.planning.profile import Profile, pareto_indices
+from perseus_ext.planning.passes import CELLS, polish, reclaim_slack, repair_deadline
+from perseus_ext.planning.pool import CandidatePool, best_so_far, even_block, gap_deadlines, in_two, pareto
+from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.relaxation import AnchorWalk
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.planning.switching import merge_switches
 
 logger = logging.getLogger(__name__)
 
-_EPS = 1e-9
 # Stretch rounds; each fills the gaps the previous one opened. A third round (8 x 24: 4
 # deadlines) found nothing in 8 of the 9 reference cases and 0.0024 % at one deadline of A40
 # 8 x 96, for the cost of a DAG pass and a frontier (docs/solver.md).
@@ -70,11 +73,7 @@ _GAP_ROUNDS = 2
 # them gain little), and its local search moves a computation by one clock step for at most
 # these rounds (A40 8 x 8: as close to the MILP as +-2 steps and 20 rounds, in a third of the time).
 _GAP_TARGET, _GAP_POLISH_MIN_PLANS, _GAP_POLISH_ROUNDS = 1e-3, 8, 6
-_FILL_BIN = 0.5  # gap-fill bin width as a fraction of the resolution
 _MERGE_FASTEST, _MERGE_SAMPLE = 64, 64  # Pareto plans the latency merge pass works on
-# Fewer plans than this go through a pass on one thread: below it, handing the GIL back and
-# forth costs what the second thread gains.
-_SPLIT_COLUMNS = 1024
 
 
 def solve_frontier(
@@ -100,13 +99,33 @@ def solve_frontier(
     from `Frontier.extension_start` on (`wait_aware.py` has the cost). The same solve: its LP,
     rounding and reclaim minimise that cost at every deadline already, so the extension only
     continues the deadline grid past T* to the all-slowest plan.
+
+    Every plan keeps `options.clock_budget` (at most `max_clock_changes_per_s` clock changes per
+    second per GPU, no clock held shorter than `min_clock_hold_s`; both 0: no budget) and
+    carries its figures (`Plan.clock`). Where the plans solved per computation break it, the
+    frontier is solved again over runs of computations that share a clock (`clock_budget.py`).
     """
     options = options or SolverOptions()
     options.validate()  # also catches options changed with object.__setattr__ or pickled
+    if options.power_swing_cap > 0:  # swing-capped plans (swing_cap.py) from the uncapped frontier
+        from dataclasses import replace
+
+        from perseus_ext.planning.swing_cap import capped_frontier
+
+        uncapped = solve_frontier(schedule, profile, blocking_power, replace(options, power_swing_cap=0.0),
+                                  switch_latency_s, wait_aware=wait_aware)
+        return capped_frontier(uncapped, schedule, profile, options.power_swing_cap, switch_latency_s,
+                               clock_budget=options.clock_budget).frontier
     num_nodes = sum(len(order) for order in schedule.orders)
     check_problem_size(options, num_nodes, options.min_grid_points, _anchor_count(options, num_nodes))
     model = planning_model(schedule, profile, blocking_power, switch_latency_s, wait_aware=wait_aware)
-    return FrontierSolver(model, options, wait_aware).solve()
+    solver = FrontierSolver(model, options, wait_aware)
+    frontier = solver.solve()
+    budget = options.clock_budget
+    if not budget.active or all(budget.allows(p.clock.changes_per_s, p.clock.shortest_hold_s) for p in frontier.plans):
+        return frontier
+    return solve_within_budget(schedule, profile, blocking_power, switch_latency_s, budget, frontier, model,
+                               solver.choices, wait_aware=wait_aware)
 
 
 def planning_model(
@@ -134,6 +153,7 @@ class FrontierSolver:
         self.model = model
         self.options = options
         self.wait_aware = wait_aware
+        self.choices: np.ndarray | None = None  # the frontier's plans (option indices), once solved
 
     def solve(self) -> Frontier:
         model = self.model
@@ -169,7 +189,7 @@ class FrontierSolver:
         finally:
             walk.close()
         grid = first_pass.grid
-        pool = _CandidatePool.around(first_pass, fastest[:, None])
+        pool = CandidatePool.around(first_pass, fastest[:, None])
         reclaimed = first_pass.reclaimed_columns()
         # The ordinary frontier's deadlines (to the walk's ordinary end past T*); the
         # extension's follow on the same grid.
@@ -177,20 +197,20 @@ class FrontierSolver:
         # Rounding loses more at some deadlines than at others. Give deadlines a second chance:
         # the best plan found for any earlier deadline, stretched into the new slack (past the
         # ordinary end: best in energy - blocking power x stages x time).
-        best = _best_so_far(pool.times, pool.energies, ordinary_grid)
+        best = best_so_far(pool.times, pool.energies, ordinary_grid)
         if len(grid) > len(ordinary_grid):
             waiting = pool.energies - self._slope * pool.times
-            best = np.r_[best, _best_so_far(pool.times, waiting, grid[len(ordinary_grid):])]
+            best = np.r_[best, best_so_far(pool.times, waiting, grid[len(ordinary_grid):])]
         # Where that plan is the deadline's own reclaimed one, a second reclaim would give it
         # back unchanged (a reclaim leaves no slack a computation could take: 8 x 24, 337 of
         # 818 deadlines). Of the others, every other one: the deadline between is served by the
         # plan carried to the one before it, a grid step earlier (carrying to both took ~5 ms
         # more of the 8 x 24 command's ~0.27 s, for 0.002 % less energy on average: docs/solver.md).
         carry = np.flatnonzero(best != reclaimed)[::2]
-        block = _even_block(len(carry), block)
+        block = even_block(len(carry), block)
         for k in range(0, len(carry), block):
             carried, deadlines = pool.choices[:, best[carry[k : k + block]]], grid[carry[k : k + block]]
-            pool.extend_all(_in_two(
+            pool.extend_all(in_two(
                 lambda lo, hi: [replayed(model, reclaim_slack(model, carried[:, lo:hi], deadlines[lo:hi]))],
                 len(deadlines),
             ))
@@ -207,11 +227,11 @@ class FrontierSolver:
             if previous is not None and np.array_equal(keep, previous):
                 break  # the last round's plans changed nothing: another would repeat it
             previous = keep
-            stretch_from, stretch_to = _gap_deadlines(pool.times[keep], resolution)
+            stretch_from, stretch_to = gap_deadlines(pool.times[keep], resolution)
             if not stretch_to.size:
                 break
             stretched = pool.choices[:, keep[stretch_from]]
-            pool.extend_all(_in_two(
+            pool.extend_all(in_two(
                 lambda lo, hi: [replayed(model, reclaim_slack(model, stretched[:, lo:hi], stretch_to[lo:hi]))],
                 len(stretch_to),
             ))
@@ -226,7 +246,7 @@ class FrontierSolver:
         if model.switch_latency_s > 0:
             # Merging pays most near T_min, where every switch on the critical path costs
             # time: all the fastest Pareto plans, then an even sample of the rest.
-            keep = np.array(_pareto(pool.times, pool.energies))
+            keep = np.array(pareto(pool.times, pool.energies))
             rest = keep[_MERGE_FASTEST:]
             sample = rest[np.linspace(0, len(rest) - 1, min(len(rest), _MERGE_SAMPLE)).astype(int)]
             keep = np.r_[keep[:_MERGE_FASTEST], sample] if rest.size else keep
@@ -234,24 +254,25 @@ class FrontierSolver:
 
         # Only non-dominated plans: a gap filler (slower and no cheaper than a faster plan)
         # would be read as a frontier point by users and the straggler policy.
-        keep = np.array(_pareto(pool.times, pool.energies))
+        keep = np.array(pareto(pool.times, pool.energies))
         extension_start = None
         if self.wait_aware:
             # Cheapest in energy - P_block S T for some deadline T' the iteration is held to,
             # and not already an ordinary plan (mostly past T*).
-            waiting = _pareto(pool.times, pool.energies - self._slope * pool.times)
+            waiting = pareto(pool.times, pool.energies - self._slope * pool.times)
             extension = np.setdiff1d(waiting, keep)
             extension = extension[np.argsort(pool.times[extension], kind="stable")]
             if extension.size:
                 extension_start = len(keep)
                 keep = np.r_[keep, extension]
-        plans = tuple(model.make_plans(pool.choices[:, keep], pool.times[keep], pool.energies[keep]))
+        self.choices = pool.choices[:, keep]
+        plans = tuple(with_figures(model, self.choices, model.make_plans(self.choices, pool.times[keep], pool.energies[keep])))
         frontier = Frontier(
             model.schedule.summary(), model.blocking_power, plans, model.to_plan(fastest), extension_start,
         )
         ordinary = frontier.ordinary_plans
         if logger.isEnabledFor(logging.DEBUG):  # the certificate: how far from optimal at worst
-            gap = pool.energies[_best_so_far(pool.times, pool.energies, ordinary_grid)] / walk.lower_bound(ordinary_grid) - 1
+            gap = pool.energies[best_so_far(pool.times, pool.energies, ordinary_grid)] / walk.lower_bound(ordinary_grid) - 1
             logger.debug(
                 "frontier: within %.3f %% of the optimum at every grid deadline (mean %.3f %%, worst at T %.4f s; "
                 "against the LP bound)", 100 * gap.max(), 100 * gap.mean(), ordinary_grid[gap.argmax()],
@@ -264,7 +285,7 @@ class FrontierSolver:
         )
         return frontier
 
-    def _gap_polish(self, walk: AnchorWalk, pool: "_CandidatePool", grid: np.ndarray) -> None:
+    def _gap_polish(self, walk: AnchorWalk, pool: "CandidatePool", grid: np.ndarray) -> None:
         """Step 5 on the ordinary grid: polish the best plans at evenly spaced deadlines among
         those the LP bound cannot certify within `_GAP_TARGET`, as many as `gap_polish_budget`
         allows (none if that is fewer than `_GAP_POLISH_MIN_PLANS`; each costs ~N^2), and carry
@@ -281,7 +302,7 @@ class FrontierSolver:
         if plans < _GAP_POLISH_MIN_PLANS:
             return
         bound = walk.lower_bound(grid)
-        best = _best_so_far(pool.times, pool.energies, grid)
+        best = best_so_far(pool.times, pool.energies, grid)
         uncertified = np.flatnonzero(pool.energies[best] > bound * (1 + _GAP_TARGET))
         if not uncertified.size:
             return
@@ -306,7 +327,7 @@ class FrontierSolver:
             pool.add(reclaim_slack(model, repair_deadline(model, b, grid[between], frozen=a == b), grid[between]))
             pool.add(reclaim_slack(model, a, grid[between], cap=b))
         # Deadlines where a new plan is now the best get it with their slack reclaimed.
-        now_best = _best_so_far(pool.times, pool.energies, grid)
+        now_best = best_so_far(pool.times, pool.energies, grid)
         changed = np.flatnonzero(now_best != best)
         if changed.size:
             pool.add(reclaim_slack(model, pool.choices[:, now_best[changed]], grid[changed]))
@@ -330,165 +351,8 @@ class FrontierSolver:
         grid[-1] = max(grid[-1], t_max)
         return grid
 
-def _in_two(work: Callable[[int, int], list[Replayed]], columns: int) -> list[Replayed]:
-    """`work(lo, hi)` over the columns [0, columns), the second half on a helper thread, the
-    parts joined column by column (the same candidates in the same order as `work(0, columns)`).
-
-    The passes treat every plan (column) on its own, and numpy lets go of the GIL inside
-    operations on rows this long: a reclaim pass over 2,118 plans at 8 x 96 took 114 ms on two
-    threads instead of 180 ms.
-    """
-    if columns < _SPLIT_COLUMNS:
-        return work(0, columns)
-    half = columns // 2
-    second: list = []
-
-    def run_second() -> None:
-        try:
-            second.append(work(half, columns))
-        except BaseException as err:  # raised again below, in the solver's thread
-            second.append(err)
-
-    thread = start_background(threading.Thread(target=run_second, name="frontier-pass", daemon=True))
-    try:
-        first = work(0, half)
-    finally:
-        thread.join()
-    if isinstance(second[0], BaseException):
-        raise second[0]
-    return [
-        tuple(np.concatenate([a, b], axis=-1) for a, b in zip(left, right))
-        for left, right in zip(first, second[0])
-    ]
-
-
-class _CandidatePool:
-    """Every candidate plan found so far (columns), with its replayed time and energy."""
-
-    DTYPE = CHOICE_DTYPE  # int16 option indices (passes.py)
-
-    def __init__(self, model: CostModel, buffer: np.ndarray, times: np.ndarray, energies: np.ndarray):
-        """Candidates in `buffer`'s first len(times) columns; the pool grows into the rest."""
-        self.model = model
-        self._buffer = buffer
-        self.size = len(times)
-        self.times, self.energies = times, energies
-
-    @classmethod
-    def around(cls, first_pass: FirstPass, fastest: np.ndarray) -> "_CandidatePool":
-        """The pool in the first pass's buffer: its candidates, and `fastest` in column 0."""
-        pool = cls(first_pass.model, *first_pass.hand_over())
-        pool._buffer[:, :1] = fastest
-        pool.times[:1], pool.energies[:1] = first_pass.model.replay(fastest)
-        return pool
-
-    @property
-    def choices(self) -> np.ndarray:
-        """(N, plans) option indices of every candidate (a view; `add` may reallocate)."""
-        return self._buffer[:, : self.size]
-
-    def add(self, choices: np.ndarray) -> None:
-        self.extend(*replayed(self.model, choices))
-
-    def extend_all(self, parts: list[Replayed]) -> None:
-        """Append replayed candidates, part by part."""
-        for part in parts:
-            self.extend(*part)
-
-    def extend(self, choices: np.ndarray, times: np.ndarray, energies: np.ndarray) -> None:
-        """Append plans whose replayed times and energies the caller has."""
-        end = self.size + choices.shape[1]
-        if end > self._buffer.shape[1]:  # grow by half: amortised O(1) per plan
-            grown = np.empty((self._buffer.shape[0], max(end, self._buffer.shape[1] * 3 // 2)), self.DTYPE)
-            grown[:, : self.size] = self.choices
-            self._buffer = grown
-        self._buffer[:, self.size : end] = choices
-        self.size = end
-        self.times = np.r_[self.times, times]
-        self.energies = np.r_[self.energies, energies]
-
-    def best_for(self, deadlines: np.ndarray) -> np.ndarray:
-        """Choices of the lowest-energy plan meeting each deadline."""
-        return self.choices[:, _best_so_far(self.times, self.energies, deadlines)]
-
-    def frontier(self, resolution: float) -> np.ndarray:
-        """Indices of the Pareto plans plus the gap-filling ones, by time."""
-        return _fill_gaps(self.times, self.energies, _pareto(self.times, self.energies), resolution)
-
-
-def _even_block(columns: int, block: int) -> int:
-    """Columns per block when `columns` are cut into as few blocks of at most `block` as
-    possible, all about the same size: a short last block would go through its pass on one
-    thread (`_SPLIT_COLUMNS`) while the other core waits (8 x 96: 3,061 deadlines were 2,604 +
-    457)."""
-    blocks = max(1, -(-columns // block))
-    return max(1, -(-columns // blocks))
-
-
 def _anchor_count(options: SolverOptions, num_nodes: int) -> int:
     """LP anchors: `anchors`, more for small pipelines (up to `anchor_budget` / computations)."""
     return max(options.anchors, options.anchor_budget // max(num_nodes, 1), 2)
 
 
-def _best_so_far(times: np.ndarray, energies: np.ndarray, deadlines: np.ndarray) -> np.ndarray:
-    """For each deadline, the index of the lowest-energy plan whose time meets it."""
-    order = np.argsort(times, kind="stable")
-    sorted_energy = energies[order]
-    running = np.minimum.accumulate(sorted_energy)
-    # position of the running minimum within the sorted order
-    arg = np.arange(len(order))
-    arg = np.where(sorted_energy == running, arg, 0)
-    arg = np.maximum.accumulate(arg)
-    count = np.searchsorted(times[order], deadlines + _EPS, side="right")
-    return order[arg[np.maximum(count - 1, 0)]]
-
-
-def _gap_deadlines(kept_times: np.ndarray, resolution: float) -> tuple[np.ndarray, np.ndarray]:
-    """(index of the plan starting each gap, deadline) pairs, finely spaced inside each gap."""
-    starts, deadlines = [], []
-    bin_width = resolution * _FILL_BIN
-    for k, (a, b) in enumerate(zip(kept_times[:-1], kept_times[1:])):
-        if b - a > 2 * bin_width:
-            inner = np.arange(a + bin_width, b, bin_width)
-            starts += [k] * len(inner)
-            deadlines += inner.tolist()
-    return np.array(starts, dtype=np.int64), np.array(deadlines)
-
-
-def _fill_gaps(times: np.ndarray, energies: np.ndarray, keep: list[int], resolution: float) -> np.ndarray:
-    """Add, inside every gap wider than `resolution` between Pareto plans, the lowest-energy
-    candidate of each bin (bins half the resolution wide: plans in neighbouring bins are less
-    than `resolution` apart).
-
-    Such gaps only occur where the frontier is flat (a slower plan cannot beat a faster one by
-    more than rounding noise); the fill keeps the promised time resolution, and the straggler
-    lookup still picks the cheapest plan meeting a deadline.
-    """
-    kept_times = times[keep]
-    bin_width = resolution * _FILL_BIN
-    # Each candidate's gap k: kept_times[k] < t < kept_times[k + 1], the gap wider than 2 bins.
-    after = np.searchsorted(kept_times, times, side="left")
-    gap = after - 1
-    inside = (after > 0) & (after < len(kept_times))
-    inside[inside] &= times[inside] < kept_times[after[inside]]
-    inside[inside] &= kept_times[after[inside]] - kept_times[gap[inside]] > 2 * bin_width
-    members = np.flatnonzero(inside)
-    gaps = gap[members]
-    bins = np.floor((times[members] - kept_times[gaps]) / bin_width).astype(np.int64)
-    # the lowest energy of each (gap, bin); the first candidate among equals
-    order = np.lexsort((members, energies[members], bins, gaps))
-    first = np.r_[True, (np.diff(gaps[order]) != 0) | (np.diff(bins[order]) != 0)][: len(order)]
-    # The kept and filling candidates without repeats, by time, then energy, then index (a mask:
-    # np.unique imports numpy.ma, the CLI's start-up time; a Python sort with a key took ~1 ms).
-    chosen = np.zeros(len(times), dtype=bool)
-    chosen[keep] = True
-    chosen[members[order[first]]] = True
-    out = np.flatnonzero(chosen)
-    return out[np.lexsort((energies[out], times[out]))]
-
-
-def _pareto(times: np.ndarray, energies: np.ndarray) -> list[int]:
-    """Indices of Pareto-optimal (time, energy) points, by increasing time. Times within 1e-12 s
-    count as equal: replays of different plans along the same critical path can differ by
-    rounding, and a costlier plan must not win on that."""
-    return pareto_indices(np.round(times, 12), energies, tolerance=1e-9)

@@ -40,6 +40,7 @@ import logging
 import numpy as np
 
 from perseus_ext.errors import SolverError
+from perseus_ext.planning.clock_budget import with_figures
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier, Plan
 from perseus_ext.planning.passes import REPLAY_CELLS
@@ -239,7 +240,8 @@ def solve_stage_constant(
         if {tuple(pool.pareto(s)) for s in slopes} == before:
             break
     keep = np.unique(np.concatenate([pool.pareto(s) for s in slopes]))
-    plans = model.make_plans(space.choices(pool.levels[:, keep]), pool.times[keep], pool.energies[keep])
+    choices = space.choices(pool.levels[:, keep])
+    plans = with_figures(model, choices, model.make_plans(choices, pool.times[keep], pool.energies[keep]))
     candidates = distinct_plans(plans)
     ordinary = pareto_plans(candidates, 0.0)
     extension: list[Plan] = []

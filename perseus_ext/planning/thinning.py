@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 
+from perseus_ext.planning.clock_budget import with_figures
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.frontier import Frontier
 from perseus_ext.planning.profile import Profile
@@ -31,7 +32,9 @@ def with_fewer_switches(frontier: Frontier, schedule: PipelineSchedule, profile:
     """
     if switch_cost_j <= 0:
         return frontier
-    model = CostModel(schedule, profile.useful_clocks(blocking_power), blocking_power, switch_latency_s)
+    # Every measured clock: plans solved within a clock-change budget use clocks common to runs
+    # of computations, which one computation's useful clocks may lack.
+    model = CostModel(schedule, profile, blocking_power, switch_latency_s)
     plans = frontier.plans
     choices = np.stack([model.choice_of(plan) for plan in plans], axis=1)
     deadlines = np.array([plan.time for plan in plans])
@@ -44,8 +47,14 @@ def with_fewer_switches(frontier: Frontier, schedule: PipelineSchedule, profile:
         return frontier
     times, energies = model.replay(merged[:, changed])
     thinned = list(plans)
-    for column, plan in zip(changed, model.make_plans(merged[:, changed], times, energies)):
-        thinned[column] = plan
+    made = with_figures(model, merged[:, changed], model.make_plans(merged[:, changed], times, energies))
+    for column, plan in zip(changed, made):
+        # A merge moves a change, which can shorten a hold: a plan solved within a clock-change
+        # budget keeps it only if the merge changes clocks no more often (`clock_budget.py`).
+        before = plans[column].clock
+        if before is None or (plan.clock.changes_per_s <= before.changes_per_s
+                              and plan.clock.shortest_hold_s >= before.shortest_hold_s - 1e-12):
+            thinned[column] = plan
     ordinary = pareto_plans(distinct_plans(thinned), 0.0)  # from every plan, as the solver does
     slope = len(frontier.fastest.frequencies) * frontier.blocking_power
     if frontier.extension_start is None:

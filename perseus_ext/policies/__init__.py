@@ -27,9 +27,9 @@ from perseus_ext.policies.cost import CostWeights, EnergyTimeCost, ZeusCost
 from perseus_ext.policies.power_limit import PowerLimitOptimizer
 from perseus_ext.policies.recurring_job import (
     BatchSizeDecision,
+    FinishedRun,
     PerseusEarlyStop,
     RecurringJob,
-    RunReport,
     TargetMetric,
 )
 from perseus_ext.policies.zeus import ZeusPolicy
@@ -49,13 +49,13 @@ __all__ = [
     "CSVCarbonTrace",
     "EnergyTimeCost",
     "ExternalSignal",
+    "FinishedRun",
     "HTTPCarbonSignal",
     "OperatingPointPolicy",
     "PerseusEarlyStop",
     "PowerLimitOptimizer",
     "RecurringJob",
     "RunOutcome",
-    "RunReport",
     "StragglerPolicy",
     "Suggestion",
     "TargetMetric",

@@ -190,12 +190,7 @@ def start_recurring_job(
     clock: Callable[[], float] = time.monotonic,
 ) -> RecurringJob:
     """Ask the store for this run's batch size (rank 0, before the engine is built)."""
-    options = section.batch_size
-    if options is None:
-        raise ConfigError(f"{PREFIX}.batch_size is not configured")
-    return RecurringJob.start(
-        options.location, options.job_id, list(options.batch_sizes), options.default_batch_size,
-        max_power_w=_max_power(section, gpu_max_power_w, f"{PREFIX}.batch_size"), num_gpus=num_gpus,
-        target=target_metric(section), eta=section.eta, beta=options.beta, pruning_rounds=options.pruning_rounds,
-        seed=options.seed, lease_s=options.lease_s, network_timeout_s=options.timeout_s, clock=clock,
-    )
+    optimizer = build_batch_size_optimizer(section, gpu_max_power_w)
+    if optimizer is None:
+        raise ConfigError(f"{PREFIX}.batch_size is not configured", keys=(f"{PREFIX}.batch_size",))
+    return RecurringJob.with_optimizer(optimizer, num_gpus=num_gpus, target=target_metric(section), clock=clock)

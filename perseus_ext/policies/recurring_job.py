@@ -76,8 +76,8 @@ class BatchSizeDecision:
 
 
 @dataclass(frozen=True)
-class RunReport:
-    """How the run ended, as recorded in the store."""
+class FinishedRun:
+    """A finished run as the store records it: how it ended, its time, energy and cost."""
 
     run_id: int
     batch_size: int
@@ -133,7 +133,7 @@ class RecurringJob:
         self.started_at = clock()
         self.energy_j = 0.0
         self.stopped = False
-        self.report: RunReport | None = None
+        self.report: FinishedRun | None = None
         self._frozen: tuple[float, float] | None = None  # time, energy at the stop or target
         self._weights = optimizer.cost.weights()
         self._done = threading.Event()
@@ -168,10 +168,22 @@ class RecurringJob:
             store, job_id, batch_sizes, default_batch_size, eta=eta, max_power_w=max_power_w,
             beta=beta, pruning_rounds=pruning_rounds, seed=seed, lease_s=lease_s, network_timeout_s=network_timeout_s,
         )
+        return cls.with_optimizer(optimizer, num_gpus=num_gpus, target=target, clock=clock)
+
+    @classmethod
+    def with_optimizer(
+        cls,
+        optimizer: BatchSizeOptimizer,
+        *,
+        num_gpus: int,
+        target: TargetMetric | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> "RecurringJob":
+        """`start` with the optimizer built already (from a config section: `policies.factories`)."""
         job = cls(optimizer, optimizer.suggest(), num_gpus=num_gpus, target=target, clock=clock)
         logger.info(
             "batch-size optimizer: run %d of job %r uses batch size %d (%s; cost limit %s)",
-            job.decision.run_id, job_id, job.decision.batch_size, job.decision.phase,
+            job.decision.run_id, job.decision.job_id, job.decision.batch_size, job.decision.phase,
             "none yet" if job.decision.cost_limit is None else f"{job.decision.cost_limit:.4g}",
         )
         return job
@@ -231,7 +243,7 @@ class RecurringJob:
         return True
 
     # ------------------------------------------------------------------ the end
-    def finish(self, outcome: RunOutcome | None = None) -> RunReport:
+    def finish(self, outcome: RunOutcome | None = None) -> FinishedRun:
         """Record how the run ended (idempotent): stopped if it passed its cost limit, else
         `outcome`, by default not reached (a run that ends without reaching its target)."""
         if self.report is not None:
@@ -245,7 +257,7 @@ class RecurringJob:
         cost = self.optimizer.report(
             self.decision.run_id, time_s, energy_j, num_gpus=self.num_gpus, outcome=outcome
         )
-        self.report = RunReport(
+        self.report = FinishedRun(
             self.decision.run_id, self.decision.batch_size, RunOutcome(outcome), time_s,
             energy_j, cost, self.decision.cost_limit,
         )

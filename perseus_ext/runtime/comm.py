@@ -299,15 +299,27 @@ class ControlPlane:
                 return False
         return True
 
+    def store(self) -> Any:
+        """The process group's rendezvous store, a key-value store every rank of the job reaches
+        without a collective (None without a process group, or where torch keeps none)."""
+        if self._dist is None:
+            return None
+        from torch.distributed import distributed_c10d
+
+        try:
+            return distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError, AttributeError):
+            return None
+
     def settle(self, name: str, deadline_s: float) -> None:
         """Wait (on the rendezvous store, not gloo) until every rank of the job has reached
         `name`, or until `deadline_s` (`time.monotonic()`). After the last collective at close:
         a rank whose gloo peers are still inside that collective must not exit under them."""
         if self._dist is None:
             return
-        from torch.distributed import distributed_c10d
-
-        store = distributed_c10d._get_default_store()
+        store = self.store()
+        if store is None:
+            return
         key = f"perseus-ext/{name}"
         store.add(key, 1)
         while store.add(key, 0) < len(self.members) and time.monotonic() < deadline_s:

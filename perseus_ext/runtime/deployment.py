@@ -16,16 +16,22 @@ plan numbering; the policy sees the extension only when there is a deadline (the
 ends at the deadline anyway), the ordinary frontier otherwise.
 
 Returning is not left to the checks alone: a pipeline slowed for a measured straggler holds the
-whole job up from the moment the straggler recovers, so at every iteration boundary each of its
-ranks reads that iteration's wait at the gradient sync (`straggler.RecoveryWatch`) and, when the
-wait says this pipeline has become the slowest, goes back to the plan it ran with no straggler
-from the next iteration on: the recovered iteration is the only one run slowed, and no collective
-is added. Every rank judges the same iteration by the same rule on the check's shared figures and
-its own wait; on a deterministic device they agree, and where host noise makes one stage see it an
-iteration before another, that stage's return makes the other the slowest, which it sees at the
-next iteration (the next check re-agrees the plan in any case). The checks keep their
-hysteresis: slowing down again takes `straggler_confirmations` checks, and checks whose
-measurements predate the return never count towards them.
+whole job up from the moment the straggler recovers. Each stretch of plans slowed for a measured
+straggler is a straggler episode; its iterations carry the fastest plan's clocks as a recovery
+program (`ClockSequencer`) and are judged off the training thread as the device ends them
+(`recovery.RecoveryJudge`: their wait at the gradient sync, `straggler.RecoveryWatch`), or told by
+the straggler itself during its first recovered iteration (`recovery_signal.py`). Either overrides
+the episode on the device at once, so every computation the device has not started runs fast; the
+training thread never waits for a device record. At the first iteration boundary after the
+iteration that told (`RETURN_BOUNDARIES`, or later where the verdict comes later), the pipeline
+deploys the plan it ran with no straggler. Every rank judges every iteration by the same rule on
+the check's shared figures and its own wait, and the straggler's post names one iteration for all,
+so on a deterministic device all ranks of a pipeline return at the same boundary; where host
+noise makes one stage see it an iteration before another, that stage's override makes the other
+the slowest, which it sees at the next iteration (the next check re-agrees the plan in any case),
+and nothing waits on anything meanwhile. The checks keep their hysteresis: slowing down again
+takes `straggler_confirmations` checks, checks whose measurements predate the return never count
+towards them, and iterations the override ran fast are left out of the checks' measurements.
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ import datetime
 import logging
 import math
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from perseus_ext.errors import PerseusError
@@ -47,14 +52,18 @@ from perseus_ext.config import PerseusConfig
 from perseus_ext.runtime.baseline import BaselineProbes
 from perseus_ext.observability.phase import Phase
 from perseus_ext.observability.iteration import IterationRecord, IterationSetting
+from perseus_ext.actuation.sequencer import RecoveryProgram
 from perseus_ext.runtime.records import MeasuredProfile, PlanChoice, PlanSwitch
-from perseus_ext.runtime.straggler import HeldStraggler, RecoveryWatch, SlowdownTracker
+from perseus_ext.runtime.recovery import HeldIteration, RecoveryJudge, Verdict
+from perseus_ext.runtime.recovery_signal import RecoverySignal
+from perseus_ext.runtime.straggler import FreeWaits, HeldStraggler, SlowdownTracker
 
 logger = logging.getLogger(__name__)
 
 CHECK_BOUNDARIES = 3  # iteration boundaries from a straggler check's start to its plan switch
 NOISE_MARGINS = 2.0  # a slowed plan ends at least this many wait spreads before the straggler
-RECORD_KEEP = 8  # this rank's latest device records kept for the recovery verdict
+RECORD_KEEP = 8  # this rank's latest device records kept (the latest unslowed one: `_straggler_gone`)
+RETURN_BOUNDARIES = 1  # from the iteration that told of a recovery to the boundary where the plan returns
 MODEL_DISAGREEMENT = 0.10  # warn when the fastest pipeline's compute time is this far off the model
 
 
@@ -63,9 +72,13 @@ class PlanDeployment:
 
     def __init__(self, frontier: Frontier, policy: OperatingPointPolicy, config: PerseusConfig,
                  comm: ControlPlane, schedule: PipelineSchedule, measured: MeasuredProfile | None,
-                 table: StagePlanTable) -> None:
+                 table: StagePlanTable, judge: RecoveryJudge | None = None,
+                 signal: RecoverySignal | None = None) -> None:
         """frontier: what the policy chooses from (the leader's whole one, the others' without
-        clocks); table: this rank's stage plan table, the clocks it runs on every rank alike."""
+        clocks); table: this rank's stage plan table, the clocks it runs on every rank alike;
+        judge: where held iterations are judged as the device ends them (one of its own when
+        None: fed by hand); signal: the straggler's post through the rendezvous store (None:
+        none)."""
         self.frontier = frontier
         self.table = table
         self.schedule = schedule
@@ -88,15 +101,22 @@ class PlanDeployment:
         self._recent_times: list[float] = []
         self._clock_cache: dict[tuple[int, int], tuple] = {}
         self._model_warned = False
-        self.watch = RecoveryWatch()
+        self.free_waits = FreeWaits()
+        self.judge = judge if judge is not None else RecoveryJudge()
+        self.signal = signal
+        self.episode: int | None = None  # the straggler episode in force (None: no plan slowed for one)
+        self._held: HeldStraggler | None = None
+        self._episode_free_wait_s = 0.0
+        self._verdict: Verdict | None = None  # taken, waiting for its return boundary
+        self._overridden = range(0)  # iterations the device ran (partly) at the recovery program
+        self._checks_decided = 0  # straggler checks decided so far, the same count on every rank
         self._records: dict[int, IterationRecord] = {}  # this rank's latest, by iteration
-        self._returns = 0  # recoveries found between checks (RecoveryWatch), for stale checks
+        self._returns = 0  # recoveries found between checks (RecoveryJudge), for stale checks
         # Waits at the unslowed plan, kept until a check covering their iterations finds no
-        # straggler (then they teach the watch what waiting for nobody looks like) or finds one.
+        # straggler (then they teach `free_waits` what waiting for nobody looks like) or finds one.
         self._unvetted_free: list[tuple[int, float]] = []
         self._unslowed_index = 0  # the plan agreed for "no deadline", to go back to
         self._last_iteration = -1
-        self._check_applied_at: int | None = None  # the boundary where a check last changed the plan
 
     @property
     def plan(self) -> Plan:
@@ -146,19 +166,31 @@ class PlanDeployment:
         return IterationSetting(iteration, Phase.DEPLOYED, plan=None if fell_back or probe else self.index,
                                 factor=self.factor, fell_back=fell_back, probe=probe)
 
+    def recovery_program(self, setting: IterationSetting) -> RecoveryProgram | None:
+        """At a deployed iteration's start: when a plan slowed for a measured straggler is in
+        force, the judge is told what the iteration runs (non-blocking), and the fastest plan's
+        clocks come back as the iteration's recovery program (None: nothing to recover from, or a
+        baseline probe, which runs default clocks anyway)."""
+        if self.episode is None or self._held is None or setting.fell_back:
+            return None
+        extra = self._planned_time(setting) - self.frontier.fastest.time
+        self.judge.expect(HeldIteration(setting.iteration, self.episode, self._held, self._episode_free_wait_s,
+                                        extra, setting.plan == self.index))
+        if setting.plan is None:
+            return None
+        return RecoveryProgram(self.episode, self.stage_clocks(self.table.stage, self._unslowed_index))
+
     def deploy(self, iteration: int) -> None:
         """First deployment (every rank of the job, same iteration); announced slowdowns count
         from the first straggler check on."""
         self._agree(iteration, None, factor=1.0, reason="deploy")
 
-    def on_iteration(self, iteration: int, records: list[IterationRecord], announced: SlowdownAnnouncement | None,
-                     await_records: Callable[[int], list[IterationRecord]] | None = None) -> None:
-        """End of a deployed iteration on every rank: feed records, move the straggler checks in
-        flight one step on, start a check when due, or go back to the fastest plan when this
-        pipeline has become the slowest. `await_records(i)`: waits (bounded) until iteration i's
-        device record is in and returns every record that came meanwhile; asked only while a
-        plan slowed for a straggler is in force (None, or nothing returned: no verdict)."""
+    def on_iteration(self, iteration: int, records: list[IterationRecord], announced: SlowdownAnnouncement | None) -> None:
+        """End of a deployed iteration on every rank: go back to the fastest plan when a verdict
+        says this pipeline has become the slowest, feed records, move the straggler checks in
+        flight one step on, start a check when due. Never waits for the device."""
         self._last_iteration = iteration
+        returned = self._learn(iteration)
         self._ingest(records)
         for stale in [i for i in self._records if i < iteration - RECORD_KEEP]:
             del self._records[stale]
@@ -169,12 +201,8 @@ class PlanDeployment:
         interval = self.config.straggler_check_interval
         if (self._deployed_iterations + CHECK_BOUNDARIES) % interval == 0:
             self._start_check(announced)
-        if self._deployed_iterations % interval == 0:
-            if self._check_applied_at != iteration:  # a check that kept the plan: judge the wait too
-                self._watch(iteration, await_records)
+        if returned or self._deployed_iterations % interval == 0:
             return  # a straggler check's plan switch lands here
-        if self._watch(iteration, await_records):
-            return
         if self._policy_check_at is not None and self._deployed_iterations >= self._policy_check_at:
             self._agree(iteration, self._deadline, factor=self.tracker.factor,
                         reason=f"{self.policy.name} re-evaluated (period {self.policy.period_s:g} s)")
@@ -185,6 +213,8 @@ class PlanDeployment:
         for record in records:
             self._recent_times.append(record.time_s)
             self._records[record.iteration] = record
+            if record.iteration in self._overridden:
+                continue  # not the plan its setting names: the override ran it (partly) at the fastest plan's clocks
             if record.setting.plan is not None and not record.setting.fell_back:
                 planned = self.frontier.plans[record.setting.plan].time
                 self._check_times.append(record.compute_s - (planned - fastest))
@@ -192,39 +222,45 @@ class PlanDeployment:
                     self._unvetted_free.append((record.iteration, record.time_s - record.compute_s))
         del self._recent_times[:-10]
 
-    def _watch(self, iteration: int, await_records: Callable[[int], list[IterationRecord]] | None) -> bool:
-        """The recovery verdict on the iteration that just ended, the same one on every rank of
-        the pipeline; True when this pipeline went back to its unslowed plan.
-
-        Waiting for the iteration's device record is a host-device synchronisation, which
-        deployed iterations otherwise never do; here it is free: this pipeline waits for the
-        straggler at every gradient sync anyway, longer than the host takes to launch the next
-        iteration's first computation, and the wait it leaves is what the verdict measures."""
-        if self.watch.held is None or self.index == self._unslowed_index:
+    def _learn(self, iteration: int) -> bool:
+        """The episode's verdict, if one came (never waits): the fastest plan from the next
+        iteration on, at the first boundary `RETURN_BOUNDARIES` after the iteration that told --
+        the same boundary on every rank of the pipeline whenever the verdict is in by then (the
+        device ran the fastest plan's clocks meanwhile). True when this pipeline returned."""
+        if self.episode is None:
             return False
-        record = self._records.get(iteration)
-        if record is None and await_records is not None:
-            self._ingest(await_records(iteration))
-            record = self._records.get(iteration)
-        if record is None or record.setting.fell_back or record.phase is not Phase.DEPLOYED:
+        if self._verdict is None or self._verdict.episode != self.episode:
+            self._verdict = self.judge.take(self.episode)
+        verdict = self._verdict
+        if verdict is None or iteration < verdict.iteration + RETURN_BOUNDARIES:
             return False
-        wait = record.time_s - record.compute_s
-        extra = self._planned_time(record.setting) - self.frontier.fastest.time
-        if record.setting.plan == self.index and self.watch.observe_held(wait, extra):
-            return False
-        threshold = self.watch.threshold_s(extra)
-        if threshold is None or not self.watch.became_slowest(wait, extra):
-            return False
-        held_wait = 2 * threshold - self.watch.free_wait_s  # the midpoint's upper end
+        self._verdict = None
+        self._overridden = range(verdict.iteration, iteration + 1)
         self.tracker.recovered()
-        self.watch.hold(None)
+        self._hold(None)
         self._deadline = None
         self._returns += 1
         self._plan_factor = 1.0
         self._switch(iteration, self._unslowed_index, factor=1.0,
-                     reason=f"this pipeline became the slowest: it waited {1000 * wait:.1f} ms at the gradient "
-                            f"sync in iteration {record.iteration}, {1000 * held_wait:.1f} ms while the straggler lasted")
+                     reason=f"{verdict.reason}; the device has run the fastest plan's clocks since")
         return True
+
+    def _hold(self, held: HeldStraggler | None, window_start: int = 0) -> None:
+        """A check's measured straggler holds this pipeline (None: not, or no longer): a plan
+        slowed for it begins or renews a straggler episode, which the judge and the straggler's
+        post can end. `window_start`: the first iteration the check measured; a post of a
+        recovery before the episode's first check began measuring is not this straggler's."""
+        if held is None or self.index == self._unslowed_index:
+            self.episode, self._held = None, None
+        elif self.episode is None:
+            self.episode, self._held = self.judge.new_episode(), held
+            self._episode_free_wait_s = self.free_waits.free_wait_s
+            if self.signal is not None:
+                self.signal.arm_held(self.episode, window_start)
+        else:
+            self._held = held
+        if self.signal is not None and self.episode is None:
+            self.signal.arm_held(None)
 
     def _straggler_gone(self, lead_s: float) -> bool:
         """Whether this rank's latest unslowed iteration waited at the gradient sync for less
@@ -233,10 +269,10 @@ class PlanDeployment:
         slowing down now would slow the job. Only the pipeline leader's view picks the plan."""
         latest = max((r for r in self._records.values() if not r.setting.fell_back
                       and r.setting.plan in (None, self._unslowed_index)), key=lambda r: r.iteration, default=None)
-        if latest is None or not self.watch.has_free_wait:
+        if latest is None or not self.free_waits.has_free_wait:
             return False
         extra = self._planned_time(latest.setting) - self.frontier.fastest.time
-        return latest.time_s - latest.compute_s < self.watch.free_wait_s + 0.5 * (lead_s - extra)
+        return latest.time_s - latest.compute_s < self.free_waits.free_wait_s + 0.5 * (lead_s - extra)
 
     def _planned_time(self, setting: IterationSetting) -> float:
         """The model time of what an iteration ran: its plan, or all max clocks (a probe)."""
@@ -246,7 +282,7 @@ class PlanDeployment:
         own = statistics.median(self._check_times) if self._check_times else None
         self._check_times = []
         announced = announced or SlowdownAnnouncement()
-        exchange = StragglerExchange(self.comm, own, announced.factor, announced.time_s, self.watch.noise_s)
+        exchange = StragglerExchange(self.comm, own, announced.factor, announced.time_s, self.free_waits.noise_s)
         self._checks.append(_CheckInFlight(self, exchange, self._returns, self._last_iteration + 1))
 
     def _decide(self, exchanged: ExchangeResult, returns_at_start: int, window_end: int) -> _Decision | None:
@@ -255,16 +291,21 @@ class PlanDeployment:
         measurements began before this pipeline last went back to its fastest plan may keep or
         lower the slowdown, never raise it (they describe the straggler that has gone)."""
         mine, normal, slowest, factor_announced, time_announced, wait_noise = exchanged
+        self._checks_decided += 1
         if mine is None:
             return None
         self._check_model(normal)
+        if self.signal is not None:  # the slowest pipeline, by more than the threshold: it posts its recovery
+            straggler_here = mine >= slowest and slowest - normal > self.config.straggler_threshold * self.frontier.fastest.time
+            self.signal.arm_straggler(self._checks_decided if straggler_here else None,
+                                      window_end - self.config.straggler_check_interval)
         straggler = max(slowest, factor_announced * normal, time_announced)
         # This pipeline may take (straggler - mine) longer without slowing the job down.
         ratio = 1.0 + (straggler - mine) / self.frontier.fastest.time
         if ratio < 1.0 + self.config.straggler_threshold:  # nobody to wait for in the check's window
             for iteration, wait in self._unvetted_free:
                 if iteration < window_end:
-                    self.watch.observe_free(iteration, wait)
+                    self.free_waits.observe_free(iteration, wait)
             self._unvetted_free = [(i, w) for i, w in self._unvetted_free if i >= window_end]
         else:
             self._unvetted_free = []
@@ -392,12 +433,9 @@ class _CheckInFlight:
         if held is not None and int(index) != deployment._unslowed_index and deployment.index == deployment._unslowed_index \
                 and deployment._straggler_gone(held.slowest_s - held.mine_s):
             return True  # the straggler recovered since the check decided: no slowing down for it
-        before = deployment.index
         deployment._apply(iteration, PlanChoice(int(index), None if interval < 0 else int(interval)),
                           factor=decision.factor, reason=decision.reason)
-        if deployment.index != before:
-            deployment._check_applied_at = iteration
-        deployment.watch.hold(decision.held)
+        deployment._hold(decision.held, self._window_end - deployment.config.straggler_check_interval)
         return True
 
 

@@ -6,40 +6,27 @@ the runtime is built; pipeline 0's measured one is saved there). The pipeline le
 a child process while training goes on, or inline), keeps the frontier it solved for each
 schedule (a `reschedule` back to one re-uses it), ships every other rank its own stage's share
 (`shipping.py`) and saves pipeline 0's frontier to `frontier_path`. Every rank polls `collect()`
-once per solving iteration: it returns None until every leader of the job has an outcome (one
-all-reduce), then this rank's `ShippedFrontier`. Leader-only work never raises past
-`collect()`, so no rank skips a collective.
+once per solving iteration: it returns None until every leader of the job has a result (one
+all-reduce), then this rank's view of it, a `StageSolve` (the leader's holds the whole frontier).
+Leader-only work never raises past `collect()`, so no rank skips a collective.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
 
+from perseus_ext.config import PerseusConfig
 from perseus_ext.measurement.gpu.timeline import SwitchLatency
-from perseus_ext.planning.frontier import Frontier, StagePlanTable
+from perseus_ext.planning.frontier import Frontier
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.runtime.comm import ControlPlane
-from perseus_ext.config import PerseusConfig
 from perseus_ext.runtime.profile_store import ProfileStore
-from perseus_ext.runtime.records import MeasuredProfile, SolveOutcome, SolveProblem
-from perseus_ext.runtime.shipping import StageFrontier, ship, shipped_bytes
+from perseus_ext.runtime.records import MeasuredProfile, SolveProblem, SolveResult, StageSolve
+from perseus_ext.runtime.shipping import ship, shipped_bytes
 from perseus_ext.runtime.solver_process import BackgroundSolve, solve
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ShippedFrontier:
-    """What one rank deploys: the frontier its policy chooses from (the leader's whole one; every
-    other rank's without clocks) and, on every rank alike, its stage's plan table (the clocks it
-    runs), or why there is none."""
-
-    frontier: Frontier | None
-    error: str | None
-    measured: MeasuredProfile | None
-    table: StagePlanTable | None  # this rank's stage: every plan's figures and clocks(index)
 
 
 class PipelineSolve:
@@ -55,11 +42,11 @@ class PipelineSolve:
         self.latency = latency
         self.store = store
         self.saved_profile = store.load(schedule)
-        self.outcome: SolveOutcome | StageFrontier | None = None  # the leader's, or this rank's share
+        self.outcome: StageSolve | None = None  # this rank's view of the last result collected
         self._measured: MeasuredProfile | None = None  # the pipeline leader's, kept for re-plans
         self._solver: BackgroundSolve | None = None
-        self._leader_outcome: SolveOutcome | None = None
-        self._solved: dict[PipelineSchedule, SolveOutcome] = {}  # the leader's frontiers, per schedule
+        self._leader_result: SolveResult | None = None
+        self._solved: dict[PipelineSchedule, SolveResult] = {}  # the leader's frontiers, per schedule
 
     def start(self, schedule: PipelineSchedule, measured: MeasuredProfile | None) -> None:
         """Every rank, as the solving phase starts; only the leader (with a profile) solves."""
@@ -67,7 +54,7 @@ class PipelineSolve:
         if not self.comm.is_pipeline_leader:
             return
         if measured is None:
-            self._leader_outcome = SolveOutcome(None, "no usable profile", 0.0, False)
+            self._leader_result = SolveResult(None, "no usable profile", 0.0, False)
             return
         try:
             # Changes within an iteration are issued so that the ramp starts as the previous
@@ -80,40 +67,46 @@ class PipelineSolve:
             if self.config.solve_in_background:
                 self._solver = BackgroundSolve(problem)
             else:
-                self._leader_outcome = solve(problem)
+                self._leader_result = solve(problem)
         except Exception as err:  # leader-only work: failing it must not skip a collective
             logger.exception("perseus-ext: pipeline %d: starting the solve failed", self.comm.pipeline)
-            self._leader_outcome = SolveOutcome(None, f"starting the solve failed: {err!r}", 0.0, False)
+            self._leader_result = SolveResult(None, f"starting the solve failed: {err!r}", 0.0, False)
 
-    def collect(self) -> ShippedFrontier | None:
-        """Every rank, once per solving iteration: None until every leader has an outcome, then
-        this rank's share (the leader scatters, logs and saves)."""
+    def collect(self) -> StageSolve | None:
+        """Every rank, once per solving iteration: None until every leader has a result, then
+        this rank's view of it (the leader scatters, logs and saves)."""
         leader = self.comm.is_pipeline_leader
-        if leader and self._leader_outcome is None and self._solver is not None:
+        if leader and self._leader_result is None and self._solver is not None:
             try:
-                self._leader_outcome = self._solver.result()
+                self._leader_result = self._solver.result()
             except Exception as err:  # leader-only work: failing it must not skip a collective
-                self._leader_outcome = SolveOutcome(None, f"reading the solver's result failed: {err!r}", 0.0, True)
-        (all_ready,) = self.comm.all_min([float(self._leader_outcome is not None or not leader)])
+                self._leader_result = SolveResult(None, f"reading the solver's result failed: {err!r}", 0.0, True)
+        (all_ready,) = self.comm.all_min([float(self._leader_result is not None or not leader)])
         if not all_ready:
             return None
-        shipments = ship(self._leader_outcome, self.comm.pipeline_members) if leader else None
-        shipment: StageFrontier = self.comm.scatter_pipeline(shipments)
-        self.outcome = self._leader_outcome if leader else shipment
-        if shipment.table is None:
-            return ShippedFrontier(None, shipment.error, shipment.measured, None)
-        # The leader keeps the whole frontier; the others get their own stage's clocks only.
-        frontier = self._leader_outcome.frontier if leader else shipment.table.frontier()
-        if leader:
-            self._report(frontier, shipment, shipments)
-        return ShippedFrontier(frontier, None, shipment.measured, shipment.table)
+        shipments = ship(self._leader_result, self.comm.pipeline_members) if leader else None
+        shipment: StageSolve = self.comm.scatter_pipeline(shipments)
+        if leader:  # the leader keeps the whole frontier; the others get their own stage's clocks only
+            shipment = dataclasses.replace(shipment, whole_frontier=self._leader_result.frontier)
+            if shipment.frontier is not None:
+                self._report(shipment.frontier, shipment, shipments)
+        self.outcome = shipment
+        return shipment
 
-    def _report(self, frontier: Frontier, shipment: StageFrontier, shipments: dict[int, StageFrontier]) -> None:
+    def _report(self, frontier: Frontier, shipment: StageSolve, shipments: dict[int, StageSolve]) -> None:
         how = "in a background process while training went on" if shipment.in_background else "inline"
         logger.info("perseus-ext: pipeline %d frontier: %d plans, solved in %.1f s %s; the fastest "
                     "plan saves %.1f%% energy at no slowdown (model); %.3f MB shipped per rank",
                     self.comm.pipeline, len(frontier.plans), shipment.solve_s, how,
                     100 * frontier.intrinsic_saving(), max(map(shipped_bytes, shipments.values())) / 1e6)
+        cap = self.config.solver.power_swing_cap if self.config.solver is not None else 0.0
+        if cap > 0 and self.comm.pipeline == 0 and self.comm.is_pipeline_leader:
+            # The capped plans count the dummy work that lifts the power trough to the cap
+            # (docs/power.md); perseus-ext sets the plans' clocks but runs no dummy work itself.
+            logger.warning("perseus-ext: perseus.solver.power_swing_cap %g: the plans' clocks are chosen for the "
+                           "cap, and their model energy counts the dummy work that lifts the trough to it, which "
+                           "perseus-ext does not run; the measured swing (summary, report) is what the clocks "
+                           "alone leave -- pair the cap with the GPU's or the site's power floor", cap)
         if self.comm.pipeline == 0 and self.config.frontier_path:
             try:
                 frontier.save(self.config.frontier_path)
@@ -124,24 +117,24 @@ class PipelineSolve:
         """A new schedule from the next iteration on: the frontier deployed for `old` is kept,
         any solve in flight is dropped and, when the pipeline plans (`solving_again`), the
         frontier for `new` is the one solved before, if any, else solved now."""
-        if deployed and self._leader_outcome is not None:
-            self._solved[old] = self._leader_outcome
+        if deployed and self._leader_result is not None:
+            self._solved[old] = self._leader_result
         self.cancel()
-        self._leader_outcome = None
+        self._leader_result = None
         if not solving_again:
             return
         cached = self._solved.get(new)
         if cached is None:
             self.start(new, self._measured)
         else:
-            self._leader_outcome = dataclasses.replace(cached, solve_s=0.0, in_background=False)
+            self._leader_result = dataclasses.replace(cached, solve_s=0.0, in_background=False)
 
     def forget(self) -> None:
         """The profile is stale (`PerseusRuntime.reprofile`): drop it, every frontier and the
         saved profile; the new one is not saved (`profile_path` keeps describing the job as
         configured)."""
         self.cancel()
-        self._leader_outcome = self._measured = self.saved_profile = None
+        self._leader_result = self._measured = self.saved_profile = None
         self._solved.clear()
         self.store.path = None
 

@@ -83,7 +83,7 @@ class ProfileStore:
 
         The sidecar goes through `ProfileSidecar`, the model the next run reads it with: a
         profile whose side file that run would refuse (no blocking power, when the estimate
-        failed: `profiling.py`) is not written, so the next run profiles again instead of
+        failed: `profiling_run.py`) is not written, so the next run profiles again instead of
         stopping at the door (a recurring job broke on its second run this way)."""
         if self.path is None:
             return

@@ -22,10 +22,23 @@ through the clocks that are useful once a wait is paid -- below the minimum-ener
 computation that waits anyway costs energy minus blocking power x time, which is lowest at a
 lower clock -- so the planner's wait-aware frontier finds them in the profile.
 
-Framework overhead (the host's own work between two computations: sends, receives, loss) is
-separated from pipeline waits: the time the device spends waiting for an input (after the host
-reached the next computation) is never counted, and only gaps before computations whose input is
-local (the data loader, the last stage's own forward) are used when the schedule has any.
+Framework overhead, the time between two computations that the planner's model must add to
+each, is what a *deployed* iteration pays there, not what a profiling one does. Profiling
+synchronises around every computation, so its gaps hold the host's whole turn (Python,
+launches, the data loader, any sleep), which a deployed iteration, launching ahead of the
+device, hides behind the computations still queued. Each profiling gap is therefore split on
+the device timeline: its *host part*, from the previous computation's end until the host reached
+the next one, and its *device part*, from then until the device started it (device work the
+host queued in the gap, or, where the input comes from another stage, the pipeline wait, which
+the planner models itself and is never counted). Only gaps before computations whose input is
+local (the data loader, the last stage's own forward) are used when the schedule has any. What
+a deployed iteration pays is read off the device's own markers in an unsynchronised iteration
+(the last warm-up one, `on_free_running_iteration`): the device gap before each such
+computation, which holds the device part in full (communication kernels, copies, waits on
+other ranks' events, queued behind the previous computation) and the host part only where the
+host fell behind the device. Counting the host part as hidden by the previous computation
+instead would miss device work that overlapped the host's turn while profiling, and plans
+would come out too tight. Without an unsynchronised iteration the whole profiling gap counts.
 """
 
 from __future__ import annotations
@@ -43,8 +56,12 @@ from perseus_ext.measurement.counter_updates import build_windows
 from perseus_ext.measurement.windows import EnergyEstimator, MeasurementError, WindowRecord
 from perseus_ext.planning.schedule import Kind
 
-# The kinds a stage's rows are measured for, in the order they are summed (`_block_time`).
-TIMED_KINDS = (Kind.FORWARD.value, Kind.BACKWARD.value, Kind.INPUT_GRADIENT.value, Kind.WEIGHT_GRADIENT.value)
+# The kinds a stage's rows are measured for, in the order they are summed (`_block_time`); a
+# combined unit (megatron-core's combined_1f1b step) is timed as one computation of its own, and
+# so is a gradient sync where the schedule runs it as an action (torch.distributed.pipelining's
+# REDUCE_GRAD: the FSDP post-backward and the gradient scaling), so it is planned like the rest.
+TIMED_KINDS = (Kind.FORWARD.value, Kind.BACKWARD.value, Kind.INPUT_GRADIENT.value, Kind.WEIGHT_GRADIENT.value,
+               Kind.COMBINED.value, Kind.REDUCE_GRAD.value)
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +155,11 @@ class StageProfiler:
         self.reads: list[tuple[float, int | None]] = []
         self.computations: list[tuple[int, float, float]] = []  # (clock, start, end)
         self.block_energy: dict[int, float] = {}  # clock -> estimated J of one computation of each kind
-        self.gaps: list[float] = []  # host work between consecutive computations, waits excluded
+        self.gaps: list[float] = []  # host parts of the gaps between consecutive computations
         self.local_gaps: list[float] = []  # those before a computation whose input is local
-        self.waits_s: list[float] = []  # device waits for an input, never counted as overhead
+        self.waits_s: list[float] = []  # device parts: input waits (never overhead) or device work
+        self.local_device_s: list[float] = []  # device parts before a local input: device work
+        self.free_running_gaps: list[float] = []  # device gaps of unsynchronised iterations, local inputs
         self._windows: tuple[tuple[int, ...], list[WindowRecord]] | None = None  # (data key, windows)
         self._last_end: float | None = None
         self._position = 0  # of the next computation in the iteration
@@ -180,11 +199,24 @@ class StageProfiler:
         if self._last_end is not None:
             self.gaps.append(reached - self._last_end)
             self.waits_s.append(start - reached)
-            if self.local_inputs is not None and self._position < len(self.local_inputs) \
-                    and self.local_inputs[self._position]:
+            if self._local_input(self._position):
                 self.local_gaps.append(reached - self._last_end)
+                self.local_device_s.append(start - reached)
         self._last_end = end
         self._position += 1
+
+    def _local_input(self, position: int) -> bool:
+        return self.local_inputs is not None and position < len(self.local_inputs) and self.local_inputs[position]
+
+    def on_free_running_iteration(self, start_s: float, spans: Sequence[tuple[float, float]]) -> None:
+        """The device's iteration start and (start, end) of each computation of one iteration
+        run without synchronising (in the stage's order): the gaps before local inputs, the
+        first one's from the iteration start included, are what a deployed iteration pays
+        before its computations (`overhead_s`). Every gap counts when the inputs are unknown."""
+        ends = [start_s] + [end for _, end in spans[:-1]]
+        for position, ((begin, _), previous_end) in enumerate(zip(spans, ends)):
+            if self.local_inputs is None or self._local_input(position):
+                self.free_running_gaps.append(max(begin - previous_end, 0.0))
 
     def end_iteration(self) -> None:
         """Advance the clock search; decide the early stop after each clock's block."""
@@ -434,16 +466,29 @@ class StageProfiler:
 
     @property
     def overhead_s(self) -> float | None:
-        """The framework's own time between two computations when nothing is waited for;
-        None when every gap may hold a pipeline wait (the pipeline leader fills it in).
+        """The time a deployed iteration spends between two computations when nothing is waited
+        for; None when every gap may hold a pipeline wait (the pipeline leader fills it in).
 
-        Gaps are host work (sending, receiving, loading) plus, on a host-side transport such as
-        gloo, waits for other stages; device-side waits are already excluded. The low end of the
-        gaps before computations with a local input is the work alone. The planner's model has
-        no such term, so it is added to every computation's time (and its blocking energy to
-        its energy): plans then never spend slack the framework needs.
+        The planner's model has no such term, so it is added to every computation's time (and
+        its blocking energy to its energy): plans then never spend slack the framework needs.
+        With an unsynchronised iteration's device gaps, it is their median (no pipeline wait
+        precedes a local input, so each is what an iteration pays there, the one before the
+        first computation included), never less than the low end (`OVERHEAD_PERCENTILE`) of
+        the profiling gaps' device parts (device work, which runs whoever launches it).
+        Without, the low end of the profiling gaps, host and device parts together (the low end
+        leaves out host-side waits of a host-side transport; the module docstring says why the
+        host part is not simply taken as hidden).
         """
-        gaps = self.local_gaps if self.local_inputs is not None else self.gaps
+        if self.local_inputs is None:  # device parts may be pipeline waits: host parts only
+            gaps = self.gaps
+            device = [0.0] * len(gaps)
+        else:
+            gaps, device = self.local_gaps, self.local_device_s
         if not gaps:
             return None if self.gaps else 0.0
-        return max(float(np.percentile(gaps, OVERHEAD_PERCENTILE)), 0.0)
+        device_part = float(np.percentile(device, OVERHEAD_PERCENTILE))
+        if self.free_running_gaps:
+            paid = float(np.median(self.free_running_gaps))
+            return max(paid, device_part, 0.0)
+        whole = [host + dev for host, dev in zip(gaps, device)]
+        return max(float(np.percentile(whole, OVERHEAD_PERCENTILE)), 0.0)

@@ -19,7 +19,7 @@ from perseus_ext.errors import ConfigError
 from perseus_ext.measurement.gpu import GPU, GPUError, open_gpu
 from perseus_ext.measurement.gpu.timeline import DeviceTimeline, SwitchLatency
 from perseus_ext.measurement.gpu.timeline_factory import gpu_switch_latency, open_timeline
-from perseus_ext.measurement.pacing import ComputationPacer, NoPacing, SimulatedWorkloadPacer
+from perseus_ext.measurement.pacing import ComputationPacer, NoPacing
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy, StragglerPolicy
 from perseus_ext.policies.factories import build_policy
@@ -82,9 +82,12 @@ class RankSetup:
         if workload is None:
             return NoPacing()
         workload.check_stages(schedule.num_stages)
+        from perseus_ext.measurement.gpu.sim.workload import SimulatedWorkloadPacer  # the simulator, asked for
+
         return SimulatedWorkloadPacer(
             timeline, schedule, stage=stage, pipeline=pipeline, num_pipelines=num_pipelines,
             forward_s=workload.forward_seconds, backward_s=workload.backward_seconds,
+            reduce_grad_s=workload.reduce_grad_seconds,
         )
 
 

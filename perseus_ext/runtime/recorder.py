@@ -10,16 +10,20 @@ appended, so a restarted job keeps its earlier lines) and one concise line every
 (INFO on rank 0, DEBUG elsewhere, so a job's console shows one line, not one per stage): what the
 iteration really ran (a fallen-back rank says so whatever the phase), its time and energy, and the
 saving of this rank's stage measured against the baseline probes so far -- labelled as the stage's,
-since the job's (energy summed over every GPU) differs and is known only at close.
+since the job's (energy summed over every GPU) differs and is known only at close. Where the
+device knows its power finely (the simulated GPU), a record also carries the power per
+millisecond from the previous iteration's end marker to its own (`observability.power_samples`:
+the measured power swing).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from perseus_ext.actuation.clock_control import ClockControl
 from perseus_ext.actuation.sequencer import IterationTrace
@@ -28,13 +32,20 @@ from perseus_ext.measurement.gpu.timeline import DeviceMarker, SwitchLatency
 from perseus_ext.observability.feed import RankFeed
 from perseus_ext.observability.iteration import IterationRecord, IterationSetting
 from perseus_ext.observability.log_row import LogRow
+from perseus_ext.observability.power_samples import MAX_ITERATIONS, POWER_BIN_S, PowerSamples
 from perseus_ext.observability.run_figures import label_of
 from perseus_ext.observability.saving_estimate import Comparison
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
 START, COMPUTE_END, END = "start", "compute_end", "end"
+# (start, end, bin seconds) of device time -> (first bin, mean watts per bin) or None
+PowerBins = Callable[[float, float, float], "tuple[int, np.ndarray] | None"]
 WAIT_POLL_S = 0.001
+POWER_KEPT = 2 * MAX_ITERATIONS  # records that keep their power samples in the history
 
 
 @dataclass
@@ -53,9 +64,10 @@ class RunRecorder:
                  log_path: str | None, log_interval: int, job_id: str | None = None,
                  on_record: Callable[[IterationRecord], None] | None = None,
                  saving: Callable[[], Comparison | None] | None = None, feed: RankFeed | None = None,
-                 default_clock_mhz: float | None = None) -> None:
+                 default_clock_mhz: float | None = None, power_bins: PowerBins | None = None) -> None:
         """default_clock_mhz: the clock an iteration at default clocks is planned to run (the
-        GPU's maximum; None when the GPU cannot say)."""
+        GPU's maximum; None when the GPU cannot say). power_bins: the device's fine power
+        samples (`DeviceTimeline.power_bins`; None or answering None on real GPUs)."""
         self.controller = controller
         self.rank, self.pipeline, self.stage = rank, pipeline, stage
         self.job_id = job_id  # every row names its job: `perseus-ext report` never merges two jobs
@@ -69,6 +81,8 @@ class RunRecorder:
         self._saving = saving
         self.feed = feed
         self.default_clock_mhz = default_clock_mhz
+        self._power_bins = power_bins
+        self._previous_end: tuple[int, float] | None = None  # (iteration, device time of its end marker)
         self.log_failure: str | None = None  # why the log stopped (clocks are planned on regardless)
         self._log_path: Path | None = None
         self._log_file = None
@@ -160,15 +174,43 @@ class RunRecorder:
             setting=pending.setting, rank=self.rank, pipeline=self.pipeline, stage=self.stage,
             time_s=end_s - start_s, compute_s=compute_s - start_s, energy_j=energy,
             coverage=self._coverage(pending), wall_time=pending.wall_time,
-            clock_mhz=self._planned_clock_mhz(pending),
+            clock_mhz=self._planned_clock_mhz(pending), power=self._power(pending.setting.iteration, start_s, end_s),
         )
         self.history.append(record)
+        self._forget_old_power()
         self._write(record)
         if self._on_record is not None:
             self._on_record(record)
         if self.feed is not None:
             self.feed.publish(record)
         return record
+
+    def _forget_old_power(self) -> None:
+        """Keep power samples on the latest `POWER_KEPT` records only: the measured swing reads
+        at most `MAX_ITERATIONS` of them, and a long simulated run must not hold every
+        millisecond of its history (the log and the feed have had them)."""
+        old = len(self.history) - POWER_KEPT - 1
+        if old >= 0 and self.history[old].power is not None:
+            self.history[old] = dataclasses.replace(self.history[old], power=None)
+
+    def _power(self, iteration: int, start_s: float, end_s: float) -> PowerSamples | None:
+        """The device's power samples from the previous iteration's end marker (when that
+        iteration was the one before) to this one's end: consecutive records tile device time,
+        the gaps between iterations included. A failing read costs the samples, never the record."""
+        previous, self._previous_end = self._previous_end, (iteration, end_s)
+        if self._power_bins is None:
+            return None
+        begin = previous[1] if previous is not None and previous[0] == iteration - 1 else start_s
+        try:
+            bins = self._power_bins(begin, end_s, POWER_BIN_S)
+        except Exception as err:  # a device that cannot answer: no samples, the record stands
+            logger.debug("perseus-ext: rank %d: no power samples for iteration %d: %s", self.rank, iteration, err)
+            return None
+        if bins is None:
+            return None
+        first_bin, watts = bins
+        watts.flags.writeable = False
+        return PowerSamples(POWER_BIN_S, int(first_bin), watts)
 
     def _planned_clock_mhz(self, pending: _Pending) -> float | None:
         """The SM clock the iteration was planned to run: the profiled clock, the mean of the

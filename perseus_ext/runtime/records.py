@@ -4,8 +4,10 @@ so no collaborator parses another one's dicts or strings."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
-from perseus_ext.planning.frontier import Frontier
+from perseus_ext.planning.frontier import Frontier, StagePlanTable
+from perseus_ext.planning.options import SolverOptions
 from perseus_ext.planning.profile import Profile
 from perseus_ext.planning.schedule import PipelineSchedule
 
@@ -49,21 +51,55 @@ class SolveProblem:
 
     schedule: PipelineSchedule
     measured: MeasuredProfile
-    options: object | None  # perseus_ext.planning.solver.SolverOptions, or None for its defaults
+    options: SolverOptions | None  # None: the solver's defaults
     switch_latency_s: float
     switch_cost_j: float = 0.0  # what a clock change must save to be kept (planning/switching.py)
     stage_constant: bool = False  # one clock per stage (full-iteration CUDA graphs: planning/stage_constant.py)
 
 
 @dataclass(frozen=True)
-class SolveOutcome:
-    """The frontier, or why there is none; broadcast from the pipeline leader to its stages."""
+class SolveResult:
+    """The solve's one result: the frontier, or why there is none, and how it was solved.
+
+    The solver returns it (inline, or pickled by the child process) and the pipeline leader keeps
+    it; each rank of the pipeline deploys its own view of it, `for_stage(stage)`, which is also
+    what the leader scatters (`shipping.py`).
+    """
 
     frontier: Frontier | None
     error: str | None
     solve_s: float
     in_background: bool
     measured: MeasuredProfile | None = None  # what the frontier was solved from (planned durations)
+
+    def for_stage(self, stage: int) -> StageSolve:
+        """The view of the rank that runs `stage`, as it travels (no whole frontier)."""
+        table = None if self.frontier is None else self.frontier.stage_table(stage)
+        return StageSolve(stage, table, self.error, self.solve_s, self.in_background, self.measured)
+
+
+@dataclass(frozen=True)
+class StageSolve:
+    """One rank's view of its pipeline's `SolveResult`: every plan's time and energy and the
+    clocks of its own stage (`table`), or why there is none. The pipeline leader scatters one to
+    each rank (pickled by gloo: this is the wire format); the leader's own view also holds the
+    whole frontier it solved (`whole_frontier`, never scattered)."""
+
+    stage: int
+    table: StagePlanTable | None  # this stage's plan table; None when there is no frontier
+    error: str | None
+    solve_s: float
+    in_background: bool
+    measured: MeasuredProfile | None
+    whole_frontier: Frontier | None = None
+
+    @cached_property
+    def frontier(self) -> Frontier | None:
+        """What this rank's policy chooses from: the leader's whole frontier; on every other rank
+        every plan's time and energy without clocks (its table's figures)."""
+        if self.whole_frontier is not None:
+            return self.whole_frontier
+        return None if self.table is None else self.table.frontier()
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from perseus_ext.policies.chase import ChasePolicy
 from perseus_ext.policies.factories import start_recurring_job, target_metric
 from perseus_ext.config.policy import BudgetScope
 from perseus_ext.policies.power_budget import PowerBudgetPolicy
-from perseus_ext.policies.recurring_job import PerseusEarlyStop, RecurringJob, RunReport, TargetMetric
+from perseus_ext.policies.recurring_job import FinishedRun, PerseusEarlyStop, RecurringJob, TargetMetric
 from perseus_ext.runtime.comm import ControlPlane
 from perseus_ext.config import PREFIX, PerseusConfig
 
@@ -200,7 +200,7 @@ class JobCoordinator:
         self.job = prepared.job if prepared is not None else None
         self._prepared = prepared
         self.target = target
-        self.report: RunReport | None = None  # rank 0, once the run is reported
+        self.report: FinishedRun | None = None  # rank 0, once the run is reported
         self.stop_requested = False
         self.reached = False
         self.job_energy_j = 0.0

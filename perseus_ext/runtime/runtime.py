@@ -6,15 +6,15 @@ warm-up (default clocks) -> profiling (candidate clocks, all stages in parallel,
 With `policy.mode: "power_limit"` warm-up is followed by the power-limit phase instead.
 
 Adapters call, on every rank: `iteration_start()`, `before_computation()` / `after_computation()`
-around every forward and backward, optionally `mark_compute_end()` right before the gradient
-all-reduce, and `iteration_end()`. The runtime is a phase machine over collaborators that
+around every computation of the plan (forwards, backwards, and where the schedule plans it the
+gradient sync's own step), optionally `mark_compute_end()` after this stage's last planned
+computation, before it waits for the other data-parallel replicas, and `iteration_end()`. The runtime is a phase machine over collaborators that
 `RankParts` (wiring.py) builds: `RankSetup`, `ClockSequencer` (clocks ordered by device markers),
 `ComputationPacer`, `RunRecorder`, `ProfilingRun`, `PipelineSolve`, `PlanDeployment`,
 `PowerLimitMode` (whole-iteration mode: `whole_iteration.py`). Deployed iterations never synchronise the
-host with the device, with one bounded exception: while its pipeline runs a plan slowed for a
-straggler (and so waits for the straggler at every gradient sync anyway), a rank's iteration end
-waits, at most `LATE_RECORD_WAIT_S`, for that iteration's device record, which tells whether
-the straggler has recovered (`PlanDeployment`); a rank that fell back never waits. Phase changes are decided from collective results only, so every rank
+host with the device: whether a straggler has recovered is judged off the training thread as the
+device runs (`recovery.RecoveryJudge`, `recovery_signal.RecoverySignal`), and the training thread
+learns it at a later iteration boundary without waiting. Phase changes are decided from collective results only, so every rank
 changes phase at the same iteration. Nothing raises into the training step: a failure logs its
 traceback once and the rank falls back to default clocks while still taking part in the
 collectives, so it cannot hang the others.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,23 +36,25 @@ from perseus_ext.config import PerseusConfig
 from perseus_ext.runtime.deployment import PlanDeployment, SlowdownAnnouncement, parse_announcement
 from perseus_ext.observability.phase import Phase
 from perseus_ext.runtime.power_limit_mode import PowerLimitMode
-from perseus_ext.runtime.profiling import ProfilingRun
+from perseus_ext.runtime.profiling_run import ProfilingRun
 from perseus_ext.runtime.rank_setup import describe_gpu
 from perseus_ext.runtime.run_report import RunReport
 from perseus_ext.runtime import whole_iteration
 from perseus_ext.runtime.recurring import PreparedRun
-from perseus_ext.observability.iteration import IterationRecord, IterationSetting
+from perseus_ext.observability.iteration import IterationSetting
+from perseus_ext.runtime.recovery import RecoveryJudge
+from perseus_ext.runtime.recovery_signal import RecoverySignal, Span
 from perseus_ext.runtime.records import MeasuredProfile
 from perseus_ext.runtime.summary import RunSnapshot
 from perseus_ext.runtime.wiring import RankParts
 from perseus_ext.measurement.gpu import GPU
+from perseus_ext.measurement.pacing import ComputationPacer
+from perseus_ext.measurement.gpu.timeline import DeviceMarker
 
 logger = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 5.0
 RECORD_WAIT_S = 5.0  # power-limit mode: longest wait for the previous iteration's device record
-LATE_RECORD_WAIT_S = 2.0  # deployed, slowed for a straggler: longest wait for the iteration's own record
-RECORD_POLL_S = 0.001
 
 
 def _hook(method: Callable[..., None]) -> Callable[..., None]:
@@ -66,7 +67,7 @@ def _hook(method: Callable[..., None]) -> Callable[..., None]:
     def hook(self: PerseusRuntime, *args: Any, **kwargs: Any) -> None:
         if self._closed:
             return
-        if self.hooks.entered(starts_iteration=starts_iteration):
+        if self.parts.hooks.entered(starts_iteration=starts_iteration):
             return
         try:
             method(self, *args, **kwargs)
@@ -101,11 +102,7 @@ class PerseusRuntime:
                                 prepared_run=prepared_run, fall_back=self.fall_back)
         self.config, self.whole_iterations, self.local_rank = config, whole_iterations, local_rank
         self.schedule, self.stage, self.order = schedule, stage, schedule.orders[stage]
-        self.setup, self.gpu, self.policy = parts.setup, parts.setup.gpu, parts.setup.policy
-        self.controller, self.comm, self.job_id = parts.controller, parts.comm, parts.job_id
-        self.timeline, self.pacer, self.sequencer = parts.timeline, parts.pacer, parts.sequencer
-        self.hooks, self.solve, self.emissions = parts.hooks, parts.solve, parts.emissions
-        self.probes, self.recorder, self.job = parts.probes, parts.recorder, parts.job
+        self.pacer = self._pacer_for(schedule)  # the schedule's simulated work (NoPacing on real GPUs)
         self.phase = Phase.WARMUP if config.mode == "optimize" else Phase.OBSERVING
         self.fallback_reason: str | None = None
         self.iteration, self.control_plane_failed = 0, False  # failed: this rank joins no more collectives
@@ -115,6 +112,9 @@ class PerseusRuntime:
         self._announced: SlowdownAnnouncement | None = None
         self._setting = IterationSetting(-1, self.phase)
         self._phase_iterations, self._compute_ended, self._closed = 0, False, False
+        self.recovery_judge = RecoveryJudge(self.controller)  # held iterations, judged as the device ends them
+        self.recovery_signal = RecoverySignal(self.comm.store() if self.comm.num_pipelines > 1 else None,
+                                              parts.job_id, self.recovery_judge, config.straggler_threshold / 2)
         self.report = RunReport(self.snapshot, config.summary_path)
         on_interrupt(self)  # SIGINT/SIGTERM: the summary is written after the clocks are restored
         parts.announce_ready(stage, schedule)
@@ -127,7 +127,10 @@ class PerseusRuntime:
         setting = self._setting = self._current_setting()
         if self._profiling_now:
             self.profiling.start_iteration()
-        clocks = durations = None
+        clocks = durations = recovery = None
+        if setting.phase is Phase.DEPLOYED:
+            program = self.deployment.recovery_program(setting)  # a held iteration is told to the judge
+            recovery = None if self.whole_iterations else program  # a whole iteration keeps its one clock
         if setting.plan is not None:
             if self.whole_iterations:  # a stage-constant plan: its one clock for the whole iteration
                 clocks = whole_iteration.stage_clock(self.deployment, self.stage)
@@ -136,15 +139,17 @@ class PerseusRuntime:
                 durations = self.deployment.stage_durations(self.stage)
         elif setting.profiled_clock_mhz is not None:
             clocks = (setting.profiled_clock_mhz,) * len(self.order)
-        start = self.sequencer.start_iteration(self.iteration, clocks, durations)
+        start = self.sequencer.start_iteration(self.iteration, clocks, durations, recovery)
         self.recorder.begin(setting, start)
         if self.whole_iterations:  # the whole iteration is the one span the stage's clock covers
             self.sequencer.computation_started()
 
     @_hook
-    def before_computation(self, kind: Kind | str, microbatch: int, chunk: int = 0) -> None:
-        """The framework is about to launch this computation's work."""
-        computation = Computation(self.stage, chunk, microbatch, Kind(kind))
+    def before_computation(self, kind: Kind | str, microbatch: int, chunk: int = 0,
+                           parts: tuple[Computation, ...] = ()) -> None:
+        """The framework is about to launch this computation's work (a combined unit names its
+        `parts`, e.g. megatron-core's combined_1f1b step: one forward and another's backward)."""
+        computation = Computation(self.stage, chunk, microbatch, Kind(kind), tuple(parts))
         position = self.sequencer.position
         if self.fallback_reason is None:
             expected = self.order[position] if position < len(self.order) else None
@@ -161,11 +166,26 @@ class PerseusRuntime:
         self.pacer.compute(self.iteration, computation, planned)
 
     @_hook
-    def after_computation(self, kind: Kind | str, microbatch: int, chunk: int = 0) -> None:
+    def after_computation(self, kind: Kind | str, microbatch: int, chunk: int = 0,
+                          parts: tuple[Computation, ...] = ()) -> None:
         """The framework has launched this computation's work: queue what comes next."""
         if self._profiling_now:
             self.profiling.after_computation(Kind(kind).value, self.sequencer.planned_clock())
-        self.sequencer.computation_finished()
+        position = self.sequencer.position
+        end = self.sequencer.computation_finished()
+        if self.recovery_signal.watching and self._setting.plan is not None:
+            self._watch_span(position, end)
+
+    def _watch_span(self, position: int, end: DeviceMarker) -> None:
+        """The straggler pipeline's computation, handed to the recovery signal's thread (which
+        posts when the straggler runs at model speed again); a queue put."""
+        durations = self.deployment.stage_durations(self.stage) if self.deployment is not None else None
+        spans = self.sequencer.trace.spans
+        if durations is None or position >= len(durations) or not spans:
+            return
+        clocks = self.sequencer.trace.planned_clocks
+        steady = position > 0 and len(clocks) > position and clocks[position] == clocks[position - 1]
+        self.recovery_signal.computation(Span(self.iteration, spans[-1][0], end, durations[position], steady))
 
     @_hook
     def mark_compute_end(self) -> None:
@@ -181,9 +201,9 @@ class PerseusRuntime:
         """Record the iteration's end on the device and advance the lifecycle (collectives)."""
         if self._closed:
             return
-        self.hooks.silence.heartbeat()
+        self.parts.hooks.silence.heartbeat()
         try:
-            if not self.hooks.capture_noticed():  # captured: nothing ran on the device, nothing to record
+            if not self.parts.hooks.capture_noticed():  # captured: nothing ran on the device, nothing to record
                 self._record_end()
         except Exception as err:
             self.fall_back("iteration_end failed", err)
@@ -237,11 +257,11 @@ class PerseusRuntime:
             raise PerseusError(f"reschedule: the new schedule has {schedule.num_stages} stages, this "
                                f"pipeline {self.schedule.num_stages}; a new pipeline needs a new runtime")
         solving_again = self.phase in (Phase.SOLVING, Phase.DEPLOYED)
-        self.solve.reschedule(self.schedule, schedule, deployed=self.deployment is not None, solving_again=solving_again)
+        self.parts.solve.reschedule(self.schedule, schedule, deployed=self.deployment is not None,
+                                    solving_again=solving_again)
         self.schedule = schedule
         self.order = schedule.orders[self.stage]
-        self.pacer = self.setup.pacer(self.config, self.timeline, schedule, stage=self.stage,
-                                      pipeline=self.comm.pipeline, num_pipelines=self.comm.num_pipelines)
+        self.pacer = self._pacer_for(schedule)
         logger.info("perseus-ext: stage %d runs %s from iteration %d on", self.stage,
                     schedule.describe(), self.iteration)
         if solving_again:
@@ -256,29 +276,54 @@ class PerseusRuntime:
         which keeps describing the job as configured. Warm-up, observe and power-limit mode go on."""
         if self._closed or self.phase not in (Phase.PROFILING, Phase.SOLVING, Phase.DEPLOYED):
             return
-        self.solve.forget()
+        self.parts.solve.forget()
         self.deployment = None
+        self.recovery_signal.disarm()
         logger.info("perseus-ext: stage %d profiles again from iteration %d on (%s)", self.stage,
                     self.iteration, reason)
         self._set_phase(Phase.WARMUP)
 
     # ------------------------------------------------------------------ state
+    def _pacer_for(self, schedule: PipelineSchedule) -> ComputationPacer:
+        return self.parts.setup.pacer(self.config, self.parts.timeline, schedule, stage=self.stage,
+                                      pipeline=self.parts.comm.pipeline, num_pipelines=self.parts.comm.num_pipelines)
+
+    @property
+    def policy(self) -> OperatingPointPolicy | None:
+        """The frontier policy (None in power-limit mode); replacing it before deployment (the demo's
+        variants do) changes the policy the deployment and the summary take."""
+        return self.parts.setup.policy
+
+    @policy.setter
+    def policy(self, policy: OperatingPointPolicy | None) -> None:
+        self.parts.setup.policy = policy
+
     @property
     def _profiling_now(self) -> bool:
         return (self.phase is Phase.PROFILING and self.fallback_reason is None
                 and self.profiling is not None and not self.profiling.profiler.done)
 
-    # Read-only views of the collaborators, for adapters, tests and monitoring.
+    # Read-only views of the collaborators (`self.parts`), for adapters, tests and monitoring.
+    gpu = property(lambda self: self.parts.setup.gpu)
+    controller = property(lambda self: self.parts.controller)
+    comm = property(lambda self: self.parts.comm)
+    timeline = property(lambda self: self.parts.timeline)
+    sequencer = property(lambda self: self.parts.sequencer)
+    recorder = property(lambda self: self.parts.recorder)
+    probes = property(lambda self: self.parts.probes)
+    emissions = property(lambda self: self.parts.emissions)
+    job = property(lambda self: self.parts.job, doc="The job-wide exchange of a recurring job (None without one).")
     plan = property(lambda self: self.deployment.plan if self.deployment is not None else None)
     frontier = property(lambda self: self.deployment.frontier if self.deployment is not None else None)
     history = property(lambda self: self.recorder.history)
-    saved_profile = property(lambda self: self.solve.saved_profile, doc="The profile saved beside the job, if any.")
-    solve_outcome = property(lambda self: self.solve.outcome,
-                             doc="The pipeline leader's solve outcome, or this rank's share of it (None before).")
-    silence = property(lambda self: self.hooks.silence)
-    captured_hooks = property(lambda self: self.hooks.captured_hooks)
+    saved_profile = property(lambda self: self.parts.solve.saved_profile,
+                             doc="The profile saved beside the job, if any.")
+    solve_outcome = property(lambda self: self.parts.solve.outcome,
+                             doc="This rank's view of its pipeline's solve result (a StageSolve; None before).")
+    silence = property(lambda self: self.parts.hooks.silence)
+    captured_hooks = property(lambda self: self.parts.hooks.captured_hooks)
     profiling_iterations = property(lambda self: self.profiling.iterations if self.profiling is not None else 0)
-    candidate_clocks = property(lambda self: self.setup.candidate_clocks)
+    candidate_clocks = property(lambda self: self.parts.setup.candidate_clocks)
 
     def _current_setting(self) -> IterationSetting:
         fell_back = self.fallback_reason is not None
@@ -306,50 +351,34 @@ class PerseusRuntime:
         elif self.phase is Phase.SOLVING:
             self._solving_step()
         elif self.phase is Phase.DEPLOYED:
-            self.deployment.on_iteration(self.iteration, records, self._announced, await_records=self._await_records)
+            self.deployment.on_iteration(self.iteration, records, self._announced)
         elif self.phase is Phase.POWER_LIMIT:
             if self._phase_iterations > 1:  # fed one iteration late: its device record is in by now
                 self.power_limit.step(self.iteration, self.recorder.wait_for(self.iteration - 1, RECORD_WAIT_S))
 
-    def _await_records(self, iteration: int) -> list[IterationRecord]:
-        """Every device record that comes until `iteration`'s is in (at most
-        `LATE_RECORD_WAIT_S`), seen by the baseline probes too; never waits on a rank that fell
-        back (its device may be what failed)."""
-        arrived: list[IterationRecord] = []
-        if self.fallback_reason is not None:
-            return arrived
-        deadline = time.perf_counter() + LATE_RECORD_WAIT_S
-        while True:
-            new = self.recorder.collect()
-            self.probes.observe(new)
-            arrived += new
-            if any(r.iteration == iteration for r in arrived) or time.perf_counter() > deadline:
-                return arrived
-            time.sleep(RECORD_POLL_S)
-
     def _end_warmup(self) -> None:
-        if self.setup.power_limit_mode:
+        if self.parts.setup.power_limit_mode:
             self.power_limit = PowerLimitMode.start(
-                self.gpu, self.controller, self.setup.policy_config, self.comm,
+                self.gpu, self.controller, self.parts.setup.policy_config, self.comm,
                 can_take_part=not self.controller.dry_run and self.fallback_reason is None,
                 settle=lambda: self.controller.flush(FLUSH_TIMEOUT_S))
             self.emissions.power_limit = self.power_limit
             self._set_phase(Phase.POWER_LIMIT if self.power_limit is not None else Phase.OBSERVING)
             return
         have_profile, can_set_clocks, none_fell_back = self.comm.all_min([
-            float(self.solve.saved_profile is not None),
-            float(not self.controller.dry_run and bool(self.setup.candidate_clocks)),
+            float(self.parts.solve.saved_profile is not None),
+            float(not self.controller.dry_run and bool(self.parts.setup.candidate_clocks)),
             float(self.fallback_reason is None),
         ])
         if have_profile:
             logger.info("perseus-ext: using saved profile %s; skipping profiling", self.config.profile_path)
-            self._start_solve(self.solve.saved_profile if self.comm.is_pipeline_leader else None)
+            self._start_solve(self.parts.solve.saved_profile if self.comm.is_pipeline_leader else None)
         elif self.whole_iterations:
             whole_iteration.warn_nothing_to_solve_from()
             self._set_phase(Phase.OBSERVING)
         elif can_set_clocks and none_fell_back:
-            self.profiling = ProfilingRun.create(self.config, self.stage, self.setup, self.controller,
-                                                 self.timeline, self.schedule)
+            self.profiling = ProfilingRun.create(self.config, self.stage, self.parts.setup, self.controller,
+                                                 self.timeline, self.schedule, free_running=self.sequencer.trace)
             self._set_phase(Phase.PROFILING)
         else:
             why = ("a rank fell back to default clocks during warm-up (its error says why)" if not none_fell_back
@@ -361,16 +390,16 @@ class PerseusRuntime:
     def _profiling_step(self) -> None:
         done, measured = self.profiling.finish_iteration(
             self.comm, self.fallback_reason, blocking_override_w=self.config.blocking_power_w,
-            gpu_name=describe_gpu(self.gpu), save=lambda profile: self.solve.store.save(profile, self.schedule))
+            gpu_name=describe_gpu(self.gpu), save=lambda profile: self.parts.solve.store.save(profile, self.schedule))
         if done:
             self._start_solve(measured)
 
     def _start_solve(self, measured: MeasuredProfile | None) -> None:
         self._set_phase(Phase.SOLVING)
-        self.solve.start(self.schedule, measured)
+        self.parts.solve.start(self.schedule, measured)
 
     def _solving_step(self) -> None:
-        shipped = self.solve.collect()
+        shipped = self.parts.solve.collect()
         if shipped is None:
             return
         if shipped.frontier is None:
@@ -378,8 +407,9 @@ class PerseusRuntime:
                            self.comm.pipeline, shipped.error)
             self._set_phase(Phase.OBSERVING)
             return
+        self.recovery_signal.disarm()  # a redeployment: the last one's straggler episodes are over
         self.deployment = PlanDeployment(shipped.frontier, self.policy, self.config, self.comm, self.schedule,
-                                         shipped.measured, shipped.table)
+                                         shipped.measured, shipped.table, self.recovery_judge, self.recovery_signal)
         self.deployment.deploy(self.iteration)
         self._set_phase(Phase.DEPLOYED)
 
@@ -448,13 +478,14 @@ class PerseusRuntime:
             return
         self._closed = True
         forget_interrupt(self)
-        self.solve.cancel()
-        self.hooks.close()
+        self.parts.solve.cancel()
+        self.parts.hooks.close()
+        self.recovery_signal.close()
         for what, step in (("recording the last iterations", lambda: self.recorder.close(FLUSH_TIMEOUT_S)),
                            ("closing the policy", self._close_policy), ("restoring clocks", self.controller.close),
                            ("closing the device timeline", self.timeline.close),
                            ("writing the summary", lambda: self.report.write_at_close(
-                               self.comm, job_id=self.job_id, control_timeout_s=self.config.control_timeout_s,
+                               self.comm, job_id=self.parts.job_id, control_timeout_s=self.config.control_timeout_s,
                                control_plane_failed=self.control_plane_failed))):
             try:
                 step()

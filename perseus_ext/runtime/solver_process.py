@@ -7,7 +7,7 @@ forkserver modes re-import the training script's `__main__`, which would start a
 run in scripts without a main guard.
 
 The child lowers its priority, reads a pickled `SolveProblem` on stdin and writes a pickled
-`SolveOutcome` to stdout, which the parent drains without blocking once per iteration: no
+`SolveResult` to stdout, which the parent drains without blocking once per iteration: no
 temporary file can be left behind. On Linux the child asks the kernel to kill it when its
 parent dies (PR_SET_PDEATHSIG), so a dead leader never leaves a solver running.
 """
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from perseus_ext.allocator import keep_freed_memory
-from perseus_ext.runtime.records import SolveOutcome, SolveProblem
+from perseus_ext.runtime.records import SolveProblem, SolveResult
 
 NICENESS = 10
 READ_CHUNK_BYTES = 1 << 20
@@ -35,7 +35,7 @@ PR_SET_PDEATHSIG = 1
 logger = logging.getLogger(__name__)
 
 
-def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveOutcome:
+def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveResult:
     """The frontier with its wait-aware extension and without clock changes that save less than
     `problem.switch_cost_j`, or the error that prevented the frontier; never raises."""
     started = time.perf_counter()
@@ -49,13 +49,13 @@ def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveOutcome
 
             frontier = solve_stage_constant(problem.schedule, profile, measured.blocking_power_per_stage_w,
                                             problem.switch_latency_s, wait_aware=True)
-            return SolveOutcome(frontier, None, time.perf_counter() - started, in_background, measured)
+            return SolveResult(frontier, None, time.perf_counter() - started, in_background, measured)
         frontier = solve_frontier(
             problem.schedule, profile, measured.blocking_power_per_stage_w,
             problem.options, switch_latency_s=problem.switch_latency_s, wait_aware=True,
         )
     except Exception as err:  # reported to every rank of the pipeline instead
-        return SolveOutcome(None, f"{type(err).__name__}: {err}", time.perf_counter() - started, in_background)
+        return SolveResult(None, f"{type(err).__name__}: {err}", time.perf_counter() - started, in_background)
     try:
         from perseus_ext.planning.thinning import with_fewer_switches
 
@@ -66,14 +66,14 @@ def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveOutcome
     except Exception:  # the frontier as solved is still exact, only with more clock changes
         logger.exception("perseus-ext: merging clock changes that save less than %.3g J failed",
                          problem.switch_cost_j)
-    return SolveOutcome(frontier, None, time.perf_counter() - started, in_background, measured)
+    return SolveResult(frontier, None, time.perf_counter() - started, in_background, measured)
 
 
 class BackgroundSolve:
     """One frontier solve running in a child process; poll `result()` once per iteration."""
 
     def __init__(self, problem: SolveProblem) -> None:
-        self._result: SolveOutcome | None = None
+        self._result: SolveResult | None = None
         self._chunks: list[bytes] = []
         self._process = subprocess.Popen(
             [sys.executable, "-m", "perseus_ext.runtime.solver_process", str(os.getpid())],
@@ -84,8 +84,8 @@ class BackgroundSolve:
         self._process.stdin.close()
         os.set_blocking(self._process.stdout.fileno(), False)
 
-    def result(self) -> SolveOutcome | None:
-        """The outcome once the child has finished, None while it still runs; never blocks."""
+    def result(self) -> SolveResult | None:
+        """The result once the child has finished, None while it still runs; never blocks."""
         if self._result is not None:
             return self._result
         if not self._drain():
@@ -95,9 +95,9 @@ class BackgroundSolve:
         try:
             outcome = pickle.loads(b"".join(self._chunks)) if code == 0 else None
         except (pickle.UnpicklingError, EOFError, ValueError) as err:
-            outcome = SolveOutcome(None, f"cannot read the solver's output: {err}", 0.0, True)
-        if not isinstance(outcome, SolveOutcome):
-            outcome = SolveOutcome(None, f"the solver process exited with code {code}", 0.0, True)
+            outcome = SolveResult(None, f"cannot read the solver's output: {err}", 0.0, True)
+        if not isinstance(outcome, SolveResult):
+            outcome = SolveResult(None, f"the solver process exited with code {code}", 0.0, True)
         self._chunks.clear()
         self._result = outcome
         return outcome
@@ -149,7 +149,7 @@ def _main(parent_pid: int) -> None:
     os.nice(NICENESS)
     keep_freed_memory()
     output = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    sys.stdout = sys.stderr  # only the pickled outcome goes to the parent's pipe
+    sys.stdout = sys.stderr  # only the pickled result goes to the parent's pipe
     problem = pickle.loads(sys.stdin.buffer.read())
     output.write(pickle.dumps(solve(problem, in_background=True)))
     output.close()

@@ -69,6 +69,13 @@ FREE_WAIT_QUANTILE = 0.25  # of those: the wait with nobody to wait for, the hos
 NOISE_QUANTILE = 0.5  # of the changes from one free wait to the next: how far one iteration strays
 HELD_CALIBRATION = 2  # held iterations whose median wait calibrates a rank's own lead
 NOISE_LEADS = 2.0  # a verdict needs the predicted lead above this many times the spread
+# Where between the free wait and the predicted lead a wait says "nobody is slower any more":
+# near the free wait, since a straggler that only got a little faster (its lead halved) still
+# leads, and slowing down for it again would take confirmed checks. A verdict also needs evidence
+# worth EVIDENCE_LEAD_SHARE of the lead: a wait that falls all the way to the free wait gives
+# VERDICT_LEAD_SHARE of it in one iteration; a dip only just below the line needs a second one.
+VERDICT_LEAD_SHARE = 0.3
+EVIDENCE_LEAD_SHARE = 0.2
 
 
 @dataclass(frozen=True)
@@ -88,37 +95,12 @@ class HeldStraggler:
 
 
 @dataclass
-class RecoveryWatch:
-    """Tells a pipeline slowed for a measured straggler that it has become the slowest one.
-
-    Why: the straggler's recovery shows at the gradient sync an iteration after it happens,
-    while the straggler checks see it only once a whole check window of records lies after it;
-    meanwhile the slowed pipeline holds up the whole job. Each rank reads its own wait at the
-    gradient sync (iteration time minus compute time on the device): while the straggler lasts
-    it is the straggler's lead over the slowed plan, which the check that chose the plan
-    predicts (`HeldStraggler.wait_s`, the planning margin at least); once nobody is slower it
-    falls to what the rank waits with nobody to wait for (`free_wait_s`, learnt at the fastest
-    plan with no straggler). The verdict needs the wait below the midpoint of the two levels,
-    and a predicted lead that stands out of the pipeline's iteration-to-iteration noise (its
-    noisiest rank's, from the check); otherwise the straggler checks decide, as before.
-
-    No collective of its own: the inputs are this rank's device records and the check's result,
-    which every rank of the pipeline holds alike (the noise rides the check's pipeline
-    reduction); every rank judges the same iteration (the previous one) by the same rule, so the
-    ranks of a pipeline reach the same verdict whenever their waits tell the same story -- on a
-    deterministic device always: the straggler's recovery shortens the wait of every stage that
-    was waiting for it at once.
-    """
+class FreeWaits:
+    """What a rank waits at the gradient sync with nobody to wait for: its recent waits at the
+    unslowed plan in windows a straggler check found free of stragglers (kept on the training
+    thread, from device records; a held plan's verdict takes a snapshot, `RecoveryWatch.hold`)."""
 
     _free: list[tuple[int, float]] = field(default_factory=list)  # (iteration, wait), oldest first
-    held: HeldStraggler | None = None
-    # This rank's wait in its first held iterations (median) less the pipeline-level prediction:
-    # a stage that ends its computations earlier than the pipeline's last one waits for the
-    # straggler's same stage, whose lead differs (None: not calibrated yet, no verdict before).
-    _offset_s: float | None = None
-    _held_offsets: list[float] = field(default_factory=list)
-    _held_seen: int = 0  # held iterations read so far
-    _evidence_s: float = 0.0  # how far below the midpoint the waits have added up to (CUSUM)
 
     def observe_free(self, iteration: int, wait_s: float) -> None:
         """A wait at the unslowed plan in a window a check found free of stragglers."""
@@ -142,7 +124,42 @@ class RecoveryWatch:
         waits = [w for _, w in self._free]
         return float(np.quantile(np.abs(np.diff(waits)), NOISE_QUANTILE)) if len(waits) > 1 else 0.0
 
-    def hold(self, held: HeldStraggler | None) -> None:
+
+@dataclass
+class RecoveryWatch:
+    """Tells a pipeline slowed for a measured straggler that it has become the slowest one.
+
+    Why: the straggler's recovery shows at the gradient sync of its first recovered iteration,
+    while the straggler checks see it only once a whole check window of records lies after it;
+    meanwhile the slowed pipeline holds up the whole job. Each rank reads its own wait at the
+    gradient sync (iteration end minus compute end on the device): while the straggler lasts
+    it is the straggler's lead over the slowed plan, which the check that chose the plan
+    predicts (`HeldStraggler.wait_s`, the planning margin at least); once nobody is slower it
+    falls to what the rank waits with nobody to wait for (`free_wait_s`, learnt at the fastest
+    plan with no straggler). The verdict needs the wait near the free level (`VERDICT_LEAD_SHARE` of the way up),
+    and a predicted lead that stands out of the pipeline's iteration-to-iteration noise (its
+    noisiest rank's, from the check); otherwise the straggler checks decide, as before.
+
+    Judged off the training thread, as the device reaches each iteration's end
+    (`runtime.recovery.RecoveryJudge`); no collective of its own: the inputs are this rank's
+    device times and the check's result, which every rank of the pipeline holds alike (the
+    noise rides the check's pipeline reduction); every rank judges every iteration by the same
+    rule, so the ranks of a pipeline reach the same verdict on the same iteration whenever
+    their waits tell the same story -- on a deterministic device always: the straggler's
+    recovery shortens the wait of every stage that was waiting for it at once.
+    """
+
+    held: HeldStraggler | None = None
+    free_wait_s: float = 0.0  # the rank's free wait when the hold began (`FreeWaits.free_wait_s`)
+    # This rank's wait in its first held iterations (median) less the pipeline-level prediction:
+    # a stage that ends its computations earlier than the pipeline's last one waits for the
+    # straggler's same stage, whose lead differs (None: not calibrated yet, no verdict before).
+    _offset_s: float | None = None
+    _held_offsets: list[float] = field(default_factory=list)
+    _held_seen: int = 0  # held iterations read so far
+    _evidence_s: float = 0.0  # how far below the verdict line the waits have added up to (CUSUM)
+
+    def hold(self, held: HeldStraggler | None, free_wait_s: float = 0.0) -> None:
         """A plan slowed for a measured straggler is in force (None: no longer). Each check
         renews the held straggler; this rank's offset, a property of its stage, is kept until
         the pipeline stops being held (a renewal must not calibrate on a recovered iteration)."""
@@ -151,6 +168,8 @@ class RecoveryWatch:
             self._held_offsets = []
             self._held_seen = 0
             self._evidence_s = 0.0
+        elif self.held is None:
+            self.free_wait_s = free_wait_s
         self.held = held
 
     def observe_held(self, wait_s: float, planned_extra_s: float) -> bool:
@@ -183,16 +202,18 @@ class RecoveryWatch:
         lead = self.held.wait_s(planned_extra_s) + self._offset_s
         if lead <= NOISE_LEADS * self.held.wait_noise_s or lead <= 0.0:
             return None
-        return self.free_wait_s + 0.5 * lead
+        return self.free_wait_s + VERDICT_LEAD_SHARE * lead
 
     def became_slowest(self, wait_s: float, planned_extra_s: float) -> bool:
-        """The verdict on one more iteration. Waits below the midpoint add up as evidence and
+        """The verdict on one more iteration. Waits below the verdict line add up as evidence and
         waits above it take it back (a cumulative sum); the verdict comes once the evidence
-        exceeds the pipeline's wait noise: at the first recovered iteration on a deterministic
-        device (noise 0), or where one iteration's wait only just dips below the midpoint, after
-        a second one confirms it -- one noisy iteration does not make plans flap."""
+        exceeds the pipeline's wait noise and `EVIDENCE_LEAD_SHARE` of the predicted lead: at the
+        first recovered iteration where the wait falls to the free wait (a deterministic device),
+        or where one iteration's wait only dips below the line, after a second one confirms it
+        -- one noisy iteration does not make plans flap."""
         threshold = self.threshold_s(planned_extra_s)
         if threshold is None:
             return False
+        lead_s = (threshold - self.free_wait_s) / VERDICT_LEAD_SHARE
         self._evidence_s = max(0.0, self._evidence_s + threshold - wait_s)
-        return self._evidence_s > self.held.wait_noise_s
+        return self._evidence_s > max(self.held.wait_noise_s, EVIDENCE_LEAD_SHARE * lead_s)

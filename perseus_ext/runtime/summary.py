@@ -31,6 +31,7 @@ from perseus_ext.observability.iteration import IterationRecord
 from perseus_ext.observability.phase import Phase
 from perseus_ext.observability.run_figures import FALLBACK, MIXED, PROBE, RunFigures, Sample
 from perseus_ext.observability.summary_text import job_line, summary_line, zeusd_line
+from perseus_ext.runtime.measured_swing import gather_job_swing, rank_power_swing
 from perseus_ext.runtime.records import PlanSwitch
 
 __all__ = ["RunSnapshot", "build_summary", "close_summary"]
@@ -200,6 +201,7 @@ def build_summary(run: RunSnapshot) -> dict[str, Any]:
         "default_per_iteration": figures["default_per_iteration"],
         "phase_costs": figures["phase_costs"],
         "clock_coverage": _coverage(run, deployed),
+        "power_swing": rank_power_swing(history),  # measured from fine power samples (simulated devices)
         "plan_switches": [dataclasses.asdict(s) for s in run.plan_switches],
         "controller_errors": run.controller_errors,
         "zeusd": dataclasses.asdict(run.zeusd) if run.zeusd is not None else None,
@@ -295,7 +297,7 @@ def _decode(sums: list[float], maxes: list[float], length: int, ranks: int) -> l
 
 # Each rank's own figures, in its slot of one summed vector (the others add zeros; NaN: unknown).
 RANK_FIELDS = ("pipeline", "stage", "iterations", "saving", "saving_low", "saving_high", "probes", "probes_needed",
-               "fell_back_at_iteration", "clock_coverage")
+               "fell_back_at_iteration", "clock_coverage", "power_swing_w")
 
 
 def _own_row(summary: dict[str, Any]) -> list[float]:
@@ -304,7 +306,8 @@ def _own_row(summary: dict[str, Any]) -> list[float]:
     coverage = summary["clock_coverage"]["exact"] or summary["clock_coverage"]["estimated"]
     values = (summary["pipeline"], summary["stage"], summary["iterations"], overall.get("saving"),
               overall.get("saving_low"), overall.get("saving_high"), overall.get("probes"),
-              overall.get("probes_needed"), summary["fell_back_at_iteration"], coverage)
+              overall.get("probes_needed"), summary["fell_back_at_iteration"], coverage,
+              summary["power_swing"].get("peak_to_trough_w"))
     return [math.nan if value is None else float(value) for value in values]
 
 
@@ -322,7 +325,7 @@ def _rank_entries(summed: list[float], ranks: list[int]) -> list[dict[str, Any]]
         entries.append({"rank": rank, "pipeline": whole["pipeline"], "stage": whole["stage"],
                         "iterations": whole["iterations"], "measured": measured,
                         "fell_back_at_iteration": whole["fell_back_at_iteration"],
-                        "clock_coverage": row["clock_coverage"]})
+                        "clock_coverage": row["clock_coverage"], "power_swing_w": row["power_swing_w"]})
     return entries
 
 
@@ -330,7 +333,7 @@ def gather_job_summary(comm: "ControlPlane", run: RunSnapshot, summary: dict[str
                        control_timeout_s: float) -> tuple[dict[str, Any] | None, str | None]:
     """(the job's figures, None), identical on every rank, or (None, why not). Every rank whose
     control plane still works calls it at close: three reductions over the control plane, of
-    eight numbers per iteration and ten per rank (its own figures, for the per-rank table). Every rank gives up after a bounded wait (`JOB_SUMMARY_WAIT_S`,
+    eight numbers per iteration and eleven per rank (its own figures, for the per-rank table). Every rank gives up after a bounded wait (`JOB_SUMMARY_WAIT_S`,
     at most `control_timeout_s`); never raises."""
     samples = [Sample.of_record(r) for r in run.history]
     coverage = summary["clock_coverage"]["exact"] or summary["clock_coverage"]["estimated"]
@@ -355,6 +358,7 @@ def gather_job_summary(comm: "ControlPlane", run: RunSnapshot, summary: dict[str
         sums, maxes = comm.all_reduce_by(sums + own_rows, "sum", deadline_s), comm.all_reduce_by(maxes, "max", deadline_s)
     except Exception as err:
         return None, f"gathering the ranks' figures failed: {err}"
+    power_swing = gather_job_swing(comm, run.history, deadline_s)  # never raises
     try:
         comm.settle(f"job-summary/{job_id}", time.monotonic() + min(timeout_s, JOB_SUMMARY_WAIT_S))
     except Exception as err:  # the figures are complete; only the exit's ordering is at stake
@@ -372,7 +376,7 @@ def gather_job_summary(comm: "ControlPlane", run: RunSnapshot, summary: dict[str
         first_fallback_iteration=None if first_fallback == -math.inf else round(-first_fallback),
         clock_coverage=coverage_sum / coverage_count if coverage_count else None,
         model_intrinsic_saving=summary["model"]["intrinsic_saving"] if "model" in summary else None,
-        per_rank=_rank_entries(rank_rows, member_ranks),
+        per_rank=_rank_entries(rank_rows, member_ranks), power_swing=power_swing,
     )
     return job, None
 

@@ -18,7 +18,6 @@ from perseus_ext.actuation.controller import FrequencyController
 from perseus_ext.actuation.sequencer import ClockSequencer
 from perseus_ext.errors import PerseusError
 from perseus_ext.measurement.gpu.timeline import DeviceTimeline
-from perseus_ext.measurement.pacing import ComputationPacer
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
 from perseus_ext.measurement.gpu import GPU
@@ -35,7 +34,7 @@ from perseus_ext.runtime.rank_setup import RankSetup, describe_gpu
 from perseus_ext.runtime.recorder import RunRecorder
 from perseus_ext.runtime.deployment import PlanDeployment
 from perseus_ext.runtime.power_limit_mode import PowerLimitMode
-from perseus_ext.runtime.profiling import ProfilingRun
+from perseus_ext.runtime.profiling_run import ProfilingRun
 from perseus_ext.runtime.recurring import JobCoordinator, PreparedRun
 from perseus_ext.runtime.summary import RunSnapshot, policy_snapshot
 
@@ -54,7 +53,6 @@ class RankParts:
     comm: ControlPlane
     job_id: str  # the same on every rank
     timeline: DeviceTimeline
-    pacer: ComputationPacer
     sequencer: ClockSequencer
     hooks: HookWatch
     solve: PipelineSolve
@@ -63,7 +61,7 @@ class RankParts:
     recorder: RunRecorder
     job: JobCoordinator | None  # the job-wide exchange (batch-size run, early stop, shared signal)
     feed: RankFeed  # what the rank publishes for its metrics writers (observability.feed)
-    # `pacer` is the first schedule's; PerseusRuntime.reschedule builds the next one's
+    # The pacer (the schedule's simulated work) is the runtime's: it changes with the schedule.
 
     @classmethod
     def build(cls, config: PerseusConfig, schedule: PipelineSchedule, stage: int, *, dp_group: Any,
@@ -83,8 +81,6 @@ class RankParts:
         job_id = comm.broadcast_job(secrets.token_hex(8))
         # a simulated device's wait for another rank is bounded like every collective
         timeline = setup.timeline(job_id, comm.rank, peer_timeout_s=config.control_timeout_s)
-        pacer = setup.pacer(config, timeline, schedule, stage=stage, pipeline=comm.pipeline,
-                            num_pipelines=comm.num_pipelines)
         sequencer = ClockSequencer(controller, timeline, communication_clock=setup.communication_clock,
                                    latency=setup.latency)
         # Hooks that fall silent never leave a clock held; hooks during a CUDA graph capture do nothing.
@@ -98,9 +94,9 @@ class RankParts:
         recorder = RunRecorder(controller, rank=comm.rank, pipeline=comm.pipeline, stage=stage,
                                latency=setup.latency, log_path=config.log_path, log_interval=config.log_interval,
                                job_id=job_id, on_record=emissions.on_record, saving=probes.estimate, feed=feed,
-                               default_clock_mhz=_max_clock_mhz(setup.gpu))
+                               default_clock_mhz=_max_clock_mhz(setup.gpu), power_bins=timeline.power_bins)
         job = JobCoordinator.create(config, comm, setup.gpu, setup.policy, prepared_run)
-        return cls(setup, controller, comm, job_id, timeline, pacer, sequencer, hooks, solve, emissions,
+        return cls(setup, controller, comm, job_id, timeline, sequencer, hooks, solve, emissions,
                    probes, recorder, job, feed)
 
     def announce_ready(self, stage: int, schedule: PipelineSchedule) -> None:

@@ -3,7 +3,9 @@
 `open_gpu()` opens the backend a typed GPU spec names (`perseus_ext.config.gpu`: the config
 door parses the spec string once) so that the same training script runs on a real GPU
 (``nvml``), through the zeusd daemon when the job is not root (``zeusd``), or on a CPU-only
-machine (``sim:<preset>``), per rank.
+machine (``sim:<preset>``), per rank. Each backend is imported when a spec asks for it: the
+simulator (`perseus_ext.measurement.gpu.sim`: `SimulatedGPU`, its presets) is never loaded by a
+job on real GPUs.
 """
 
 from __future__ import annotations
@@ -23,9 +25,6 @@ from perseus_ext.measurement.gpu.common import (
     SIMULATED_HINT,
 )
 from perseus_ext.measurement.gpu.restore_spec import NVMLRestoreSpec, RestoreSpec, SimRestoreSpec, ZeusdRestoreSpec
-from perseus_ext.measurement.gpu.sim_board import DEFAULT_TRANSFER_S
-from perseus_ext.measurement.gpu.sim_presets import PRESETS, Preset
-from perseus_ext.measurement.gpu.simulated import SimulatedGPU
 from perseus_ext.measurement.gpu.timeline import (
     CoverageTally,
     DeviceMarker,
@@ -49,12 +48,9 @@ __all__ = [
     "HostOnlyTimeline",
     "NVMLRestoreSpec",
     "PERMISSION_HELP",
-    "PRESETS",
     "SIMULATED_HINT",
-    "Preset",
     "RestoreSpec",
     "SimRestoreSpec",
-    "SimulatedGPU",
     "SwitchLatency",
     "ZeusdRestoreSpec",
     "gpu_switch_latency",
@@ -125,7 +121,9 @@ def _through_zeusd_if_needed(gpu: GPU) -> GPU:
     return ZeusdGPU(gpu, endpoint)
 
 
-def _open_simulated(spec: SimSpec, *, rank: int, seed: int) -> SimulatedGPU:
+def _open_simulated(spec: SimSpec, *, rank: int, seed: int) -> GPU:
+    from perseus_ext.measurement.gpu.sim import DEFAULT_TRANSFER_S, SimulatedGPU
+
     return SimulatedGPU(
         spec.preset.value,
         seed=(spec.seed if spec.seed is not None else seed) + rank,
@@ -151,6 +149,8 @@ def _seconds(milliseconds: float | None) -> float | None:
 def open_restore_target(restore_spec: RestoreSpec) -> GPU:
     """Re-open a GPU from `GPU.restore_spec()` (used by the watchdog process)."""
     if isinstance(restore_spec, SimRestoreSpec):
+        from perseus_ext.measurement.gpu.sim import SimulatedGPU
+
         return SimulatedGPU(restore_spec.preset, state_file=restore_spec.state_file, pace=False)
     if isinstance(restore_spec, NVMLRestoreSpec):
         from perseus_ext.measurement.gpu.nvml import NVMLGPU

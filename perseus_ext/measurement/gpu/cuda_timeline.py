@@ -34,6 +34,23 @@ bound the fit is extended along its tangent. The bounds are kept as the lowest o
 between fits a bound below the fit lowers it at once). After a long link (`LONG_LINK_S`, a pause
 of the job) the estimate starts afresh from the pause on; markers before it keep the fit they
 had.
+
+After a pause. The first iterations after a pause leave a handful of bounds, and the envelope
+of a handful tilts by tens of ppm whenever the earliest notices happen to be late and the
+later ones early: 60 s further on, that is more than a millisecond. But the rate is not unknown
+there: the pause itself measures its mean. The device time across the pause is one float32
+link, off by half a unit in its last place (0.5 ms after 3 h), and the offset before it is the
+old fit's, so the offset's change over the pause, divided by the pause, gives the rate's mean
+over the pause to a fraction of a ppm; for a pause of minutes, where that quotient is noisy,
+the rate before the pause weighs in (each by its precision). The rate at the pause's end
+differs from that mean by as much as the rate wanders, so the young fit is the most likely
+line under the notice delays' exponential distribution (mean: the old fit's residuals) and a
+Gaussian prior on its rate around that centre, whose spread is how far the fitted rate has
+wandered over the last day (at least `RATE_PRIOR_MIN_SD`): with few bounds the prior holds
+the rate, and it gives way as the bounds span more (`_anchored_line`). The envelope of few
+bounds also sits above the truth by about the least of their delays, so the young fit is
+lowered by the mean delay over the number of bounds (the posterior mean of its level). Once
+the bounds span `CURVED_SPAN_S` the ordinary fit takes over.
 """
 
 from __future__ import annotations
@@ -59,6 +76,21 @@ BUCKET_S = 4.0  # device time over which only the lowest bound is kept (<= 300 b
 REFIT_S = 120.0  # device time between two fits (between them: the tangent, lowered by any bound below it)
 MIN_RATE_SPAN_S = 10.0  # no rate is fitted over a shorter span (the previous rate is kept)
 MAX_RATE = 1e-3  # |drift| above 1000 ppm is noise in the bounds, not a clock
+RATE_HISTORY_S = 86_400.0  # device time over which the fitted rates' spread sets a pause's prior
+RATE_PRIOR_MIN_SD = 2e-6  # the least spread of the rate prior after a pause (2 ppm)
+MIN_DELAY_S = 1e-5  # the least mean notice delay a prior assumes
+
+
+@dataclasses.dataclass(frozen=True)
+class RatePrior:
+    """What the fit before a pause says about the rate after it (`OffsetEstimate.restart`)."""
+
+    before_d: float  # the old fit's newest device time
+    before_offset: float  # its offset there
+    before_rate: float  # its rate there
+    delay_s: float  # mean notice delay above the old fit (its residuals)
+    sd: float  # spread of the rate after the pause around the centre (`RATE_PRIOR_MIN_SD` at least)
+    link_error_s: float  # half a float32 unit of the pause's link: the device time's error across it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +137,33 @@ def _envelope(d: list[float], bound: list[float], *, curved: bool) -> tuple[floa
     return floor + level, rate, bend / (span * span)
 
 
+def _anchored_line(d: list[float], bound: list[float], prior: RatePrior) -> tuple[float, float, float]:
+    """(level, rate, 0) at the newest d of the young fit after a pause: the rate that maximises
+    the bounds' likelihood (exponential delays of mean `prior.delay_s` above the line) times a
+    Gaussian prior around the pause's rate (module docstring), the level the line's highest
+    below every bound, lowered by the expected least delay of that many bounds."""
+    import numpy as np
+    from scipy.optimize import minimize_scalar
+
+    x, y = np.asarray(d) - d[-1], np.asarray(bound)
+    # The offset's mean rate over the pause, from the lowest bound carried back to the pause's end.
+    pause_s = d[0] - prior.before_d
+    after_pause = float(np.min(y - prior.before_rate * (x - x[0])))
+    mean_rate = (after_pause - prior.before_offset) / pause_s
+    mean_sd = (prior.delay_s + prior.link_error_s) / pause_s
+    weights = (1.0 / prior.sd ** 2, 1.0 / mean_sd ** 2)
+    centre = (weights[0] * prior.before_rate + weights[1] * mean_rate) / sum(weights)
+    stiffness = prior.delay_s / (2.0 * prior.sd ** 2)
+
+    def minus_log_posterior(rate: float) -> float:  # in units of the mean delay, constants dropped
+        return -(len(x) * float(np.min(y - rate * x)) + rate * float(x.sum()) - stiffness * (rate - centre) ** 2)
+
+    reach = 10.0 * prior.sd + MAX_RATE
+    rate = float(minimize_scalar(minus_log_posterior, bounds=(centre - reach, centre + reach), method="bounded",
+                                 options={"xatol": 1e-12}).x)
+    return float(np.min(y - rate * x)) - prior.delay_s / len(x), rate, 0.0
+
+
 class OffsetEstimate:
     """host time − device time from notice bounds; thread-safe to read (one immutable fit per
     segment), written under the timeline's lock. An update costs O(1), but every `REFIT_S` of
@@ -116,6 +175,8 @@ class OffsetEstimate:
         self._fit = OffsetFit(first_d=0.0, last_d=0.0)
         self._fitted_at_d = -math.inf
         self._before: tuple[float, OffsetFit] | None = None  # (restart's d, the fit until then)
+        self._prior: RatePrior | None = None  # after a pause, until the bounds span CURVED_SPAN_S
+        self._rates: collections.deque[tuple[float, float]] = collections.deque()  # (d, fitted rate)
 
     def add(self, d: float, bound: float) -> None:
         """A marker at device time d was noticed at host time d + bound."""
@@ -143,6 +204,10 @@ class OffsetEstimate:
         d = [bucket[1] for bucket in buckets]
         bound = [bucket[2] for bucket in buckets]
         span = d[-1] - d[0]
+        if self._prior is not None and span < CURVED_SPAN_S:
+            self._fit = OffsetFit(d[0], d[-1], *_anchored_line(d, bound, self._prior))
+            return
+        self._prior = None
         found = None
         if len(d) >= 3 and span >= MIN_RATE_SPAN_S:
             found = _envelope(d, bound, curved=span >= CURVED_SPAN_S and len(d) >= 8)
@@ -150,13 +215,28 @@ class OffsetEstimate:
             rate = self._fit.rate
             found = (min(b - rate * (x - d[-1]) for x, b in zip(d, bound)), rate, 0.0)
         self._fit = OffsetFit(d[0], d[-1], *found)
+        if span >= MIN_RATE_SPAN_S:
+            rates = self._rates
+            rates.append((d[-1], found[1]))
+            while rates[0][0] < d[-1] - RATE_HISTORY_S:
+                rates.popleft()
 
-    def restart(self, at_d: float) -> None:
+    def restart(self, at_d: float, link_s: float = 0.0) -> None:
         """Forget the bounds from device time `at_d` on (the device clock's coordinate may have
-        shifted there); earlier markers keep the fit they had, later ones start from its rate."""
-        self._before = (at_d, self._fit)
+        shifted there by half a float32 unit of the `link_s` across the pause); earlier markers
+        keep the fit they had, later ones start from a prior on the rate (module docstring)."""
+        fit = self._fit
+        self._before = (at_d, fit)
+        if self._buckets and math.isfinite(fit.level) and at_d > fit.last_d:
+            import numpy as np
+
+            delay_s = max(float(np.mean([b - fit.offset_s(x) for _, x, b in self._buckets])), MIN_DELAY_S)
+            spread = float(np.std([rate for _, rate in self._rates])) if len(self._rates) > 1 else 0.0
+            link_error_s = float(np.spacing(np.float32(link_s * 1000.0))) / 2000.0
+            self._prior = RatePrior(fit.last_d, fit.offset_s(fit.last_d), fit.rate, delay_s,
+                                    max(spread, RATE_PRIOR_MIN_SD), link_error_s)
         self._buckets.clear()
-        self._fit = dataclasses.replace(self._fit, level=math.inf)
+        self._fit = dataclasses.replace(fit, level=math.inf)
         self._fitted_at_d = -math.inf
 
     def offset_s(self, d: float) -> float:
@@ -224,7 +304,7 @@ class CudaTimeline(DeviceTimeline):
                     self._anchor_event, self._anchor_seq, self._anchor_d = marker.event, marker.seq, d
                     self.anchors += 1
                     if link_s >= LONG_LINK_S:
-                        self.offset.restart(d)
+                        self.offset.restart(d, link_s)
             self.offset.add(d, at_s - d)
         return d
 

@@ -14,8 +14,10 @@ accounting) talks to the compute stream through this module:
 * `CoverageTally`: how much device compute time ran at its planned clock.
 
 Real GPUs get `CudaTimeline` (torch.cuda events, `cuda_timeline.py`), simulated GPUs their own
-asynchronous device (`sim_device.py`), and anything else `HostOnlyTimeline`; `timeline_factory.py`
-picks one (`open_timeline`), so this abstract module imports none of its implementations.
+asynchronous device (`sim/device.py`: such a GPU is an `OwnTimeline`), and anything else
+`HostOnlyTimeline`; `timeline_factory.py` picks one (`open_timeline`), so this abstract module
+imports none of its implementations, and asking a GPU whether it brings its own timeline loads no
+simulator.
 """
 
 from __future__ import annotations
@@ -24,8 +26,12 @@ import abc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from perseus_ext.measurement.gpu.common import GPUNotSupportedError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -137,6 +143,14 @@ class DeviceTimeline(abc.ABC):
         """Exact coverage tally (simulated devices); None where only an estimate is possible."""
         return None
 
+    def power_bins(self, start_s: float, end_s: float, period_s: float) -> tuple[int, np.ndarray] | None:
+        """(first bin, mean watts per bin) of the device's power over the bins
+        floor(start / period) .. floor(end / period) - 1 of device time (bin b spans [b period,
+        (b + 1) period)), where the device knows its power that finely: the simulated device.
+        None elsewhere: a real GPU's default power reading is averaged over a second on H100/H200
+        and of unknown rate elsewhere (docs/monitoring.md), not the swing within an iteration."""
+        return None
+
     def close(self) -> None:
         """Release what the timeline holds; markers already recorded stay readable."""
 
@@ -166,3 +180,19 @@ class HostOnlyTimeline(DeviceTimeline):
     def synchronize(self) -> None:
         """Nothing runs anywhere but on the host."""
 
+
+class OwnTimeline(abc.ABC):
+    """A GPU that brings its own compute stream and clock-change latency (the simulator's device).
+
+    A real GPU's work is launched by the framework, so its stream is the framework's (CUDA events)
+    and its latency a measured default for the model. A GPU that simulates its device instead says
+    so by being an `OwnTimeline`; `timeline_factory` asks this, never the simulator's class, so a
+    job on real GPUs never imports the simulator.
+    """
+
+    switch_latency: SwitchLatency
+
+    @abc.abstractmethod
+    def open_timeline(self, *, job_id: str | None = None, rank: int | None = None,
+                      peer_timeout_s: float | None = None) -> DeviceTimeline:
+        """This GPU's compute stream, joined to the cross-rank dependencies of `job_id`."""

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from perseus_ext.measurement.gpu.common import GPU
 from perseus_ext.measurement.gpu.cuda_timeline import CudaTimeline
-from perseus_ext.measurement.gpu.simulated import SimulatedGPU
 from perseus_ext.measurement.gpu.timeline import (
     CONSERVATIVE_SWITCH_LATENCY,
     NO_LATENCY,
     NVML_SWITCH_LATENCIES,
     DeviceTimeline,
     HostOnlyTimeline,
+    OwnTimeline,
     SwitchLatency,
 )
 
@@ -20,15 +20,15 @@ from perseus_ext.measurement.gpu.timeline import (
 def open_timeline(gpu: GPU | None, *, job_id: str, rank: int, peer_timeout_s: float | None = None) -> DeviceTimeline:
     """The compute stream of this process's GPU.
 
-    A `SimulatedGPU` gets its simulated device, joined to the cross-rank board of `job_id` (all
-    ranks of one job must pass the same job_id, and a job_id must not be reused by a concurrent
-    job); an NVML GPU gets `CudaTimeline` when torch has CUDA, else `HostOnlyTimeline`.
+    A GPU with its own timeline (`OwnTimeline`: the simulated GPU) gets its simulated device,
+    joined to the cross-rank board of `job_id` (all ranks of one job must pass the same job_id,
+    and a job_id must not be reused by a concurrent job); an NVML GPU gets `CudaTimeline` when torch has CUDA, else `HostOnlyTimeline`.
     """
     from perseus_ext.measurement.gpu.zeusd import ZeusdGPU  # here: httpx only where a runtime starts
 
     if isinstance(gpu, ZeusdGPU):  # the work runs on the GPU it reads from
         return open_timeline(gpu.reader, job_id=job_id, rank=rank)
-    if isinstance(gpu, SimulatedGPU):
+    if isinstance(gpu, OwnTimeline):
         return gpu.open_timeline(job_id=job_id, rank=rank, peer_timeout_s=peer_timeout_s)
     if gpu is not None and _cuda_available():
         return CudaTimeline()
@@ -48,7 +48,7 @@ def gpu_switch_latency(gpu: GPU | None) -> SwitchLatency:
     if isinstance(gpu, ZeusdGPU):
         direct = gpu_switch_latency(gpu.reader)
         return SwitchLatency(direct.switch_s, direct.transition_s, call_s=direct.call_s + gpu.round_trip_s)
-    if isinstance(gpu, SimulatedGPU):
+    if isinstance(gpu, OwnTimeline):
         return gpu.switch_latency
     name = gpu.name.upper()
     for pattern, latency in NVML_SWITCH_LATENCIES:

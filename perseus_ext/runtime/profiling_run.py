@@ -5,7 +5,9 @@ put in force before the iteration (the controller is flushed and the switching l
 out), and the device is synchronised around every computation so counter reads bracket exactly
 that computation. The computation itself is timed by device markers around it: the host wakes
 from the synchronisation late (about a millisecond on a loaded host), and that idle time must
-not count as computing. Deployed iterations never do either.
+not count as computing. Deployed iterations never do either, so what they pay between
+computations is read off the last warm-up iteration's device markers instead (it ran
+unsynchronised, like them; `profiler.py` says how the gaps are split).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import statistics
 from collections.abc import Callable
 
 from perseus_ext.actuation.clock_control import ClockControl
+from perseus_ext.actuation.sequencer import IterationTrace
 from perseus_ext.errors import PerseusError
 from perseus_ext.measurement.gpu.timeline import DeviceMarker, DeviceTimeline
 from perseus_ext.measurement.windows import EnergyMeter, MeasurementError
@@ -35,8 +38,13 @@ FLUSH_TIMEOUT_S = 5.0
 class ProfilingRun:
     """One stage's profiling: candidate clocks, synchronised timing, counter reads."""
 
-    def __init__(self, profiler: StageProfiler, setup: RankSetup, controller: ClockControl, timeline: DeviceTimeline) -> None:
+    def __init__(self, profiler: StageProfiler, setup: RankSetup, controller: ClockControl, timeline: DeviceTimeline,
+                 free_running: IterationTrace | None = None) -> None:
+        """free_running: an iteration run without synchronising (the last warm-up one; not the
+        job's first), whose device gaps tell what deployed iterations pay between computations
+        (`profiler.py`)."""
         self.profiler = profiler
+        self.free_running = free_running
         self.setup = setup
         self.controller = controller
         self.timeline = timeline
@@ -50,7 +58,8 @@ class ProfilingRun:
 
     @classmethod
     def create(cls, config: PerseusConfig, stage: int, setup: RankSetup, controller: ClockControl,
-               timeline: DeviceTimeline, schedule: PipelineSchedule | None = None) -> "ProfilingRun":
+               timeline: DeviceTimeline, schedule: PipelineSchedule | None = None,
+               free_running: IterationTrace | None = None) -> "ProfilingRun":
         """schedule: tells which computations take a local input (no pipeline wait before
         them), so waits are never counted as framework overhead."""
         local_inputs = None
@@ -62,7 +71,7 @@ class ProfilingRun:
             early_stop=config.early_stop, patience=config.early_stop_patience,
             blocking_power_w=config.blocking_power_w, local_inputs=local_inputs,
         )
-        return cls(profiler, setup, controller, timeline)
+        return cls(profiler, setup, controller, timeline, free_running)
 
     def start_iteration(self) -> None:
         """Put this iteration's candidate clock in force before its first computation."""
@@ -111,6 +120,15 @@ class ProfilingRun:
         """This rank's rows. A rank that fell back cannot vouch for the clocks it was asked to
         run; its default clock (the maximum) is real, so the planner keeps that stage there."""
         clocks = self.setup.candidate_clocks[:1] if fell_back else None
+        # Read once profiling has synchronised (every marker reached); unreached: not counted.
+        # The job's first iteration is no guide (allocations, first launches): without a later
+        # one, the profiling gaps count whole.
+        trace = self.free_running if self.free_running is not None and self.free_running.iteration > 0 else None
+        start_s = trace.start.device_time_s() if trace is not None and trace.start is not None else None
+        spans = trace.device_spans() if start_s is not None else None
+        if spans:
+            self.profiler.on_free_running_iteration(start_s, [(start, end) for start, end, _ in spans])
+        self.free_running = None
         try:
             measured = self.profiler.measurements(clocks)
         except Exception as err:  # this stage's gap is reported by the pipeline leader

@@ -1,6 +1,6 @@
 """The simulated GPU models: each preset's curve parameters and limits (the physics is in
-`simulated.py`'s docstring and docs/device.md). Its own module so that the simulated device
-(`sim_device.py`) and the simulated GPU (`simulated.py`) both read it without importing each other.
+`simulated_gpu.py`'s docstring and docs/device.md). Its own module so that the simulated device
+(`device.py`) and the simulated GPU (`simulated_gpu.py`) both read it without importing each other.
 The presets' names are the config's (`perseus_ext.config.gpu.SimPreset`: the door checks a spec
 without loading these curves)."""
 

@@ -14,7 +14,7 @@ Physics (per preset, fitted to `examples/profiles`, see `docs/device.md`):
 so energy = P * t has its minimum well below the max clock, where the voltage floor is reached.
 While no computation runs, the GPU draws its idle/blocking power (the paper's blocking power).
 
-Timeline: work runs on the GPU's asynchronous device (`sim_device.py`), launched through its
+Timeline: work runs on the GPU's asynchronous device (`device.py`), launched through its
 `DeviceTimeline`; `run()` is launch + synchronize. With `pace=True` (default) the device lives on
 the wall clock; with `pace=False` it keeps a virtual clock that only waiting on it advances, which
 makes tests fast and exactly reproducible.
@@ -40,13 +40,14 @@ from perseus_ext.measurement.gpu.common import (
     check_clock,
 )
 from perseus_ext.measurement.gpu.restore_spec import SimRestoreSpec
-from perseus_ext.measurement.gpu.sim_board import DEFAULT_TRANSFER_S, Board
-from perseus_ext.measurement.gpu.sim_device import SimDevice, SimulatedTimeline
-from perseus_ext.measurement.gpu.sim_presets import PRESETS, find_preset
-from perseus_ext.measurement.gpu.timeline import SwitchLatency
+from perseus_ext.measurement.gpu.sim.board import DEFAULT_TRANSFER_S, Board
+from perseus_ext.measurement.gpu.sim.device import SimDevice
+from perseus_ext.measurement.gpu.sim.presets import PRESETS, find_preset
+from perseus_ext.measurement.gpu.sim.stream import SimulatedTimeline
+from perseus_ext.measurement.gpu.timeline import OwnTimeline, SwitchLatency
 
 
-class SimulatedGPU(GPU):
+class SimulatedGPU(GPU, OwnTimeline):
     """A GPU whose time, power and energy counter follow a preset's curves (see module doc)."""
 
     PRESETS = PRESETS

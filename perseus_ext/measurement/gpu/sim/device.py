@@ -28,19 +28,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from perseus_ext.background import start_background
 from perseus_ext.measurement.gpu.clock_ramp import ClockTrajectory
 from perseus_ext.measurement.gpu.common import GPUError
-from perseus_ext.measurement.gpu.sim_board import POLL_S, Board
-from perseus_ext.measurement.gpu.timeline import (
-    CoverageTally,
-    DeviceMarker,
-    DeviceTimeline,
-    SwitchLatency,
-)
+from perseus_ext.measurement.gpu.sim.board import POLL_S, Board
+from perseus_ext.measurement.gpu.sim.power_log import PowerLog
+from perseus_ext.measurement.gpu.timeline import CoverageTally, DeviceMarker, SwitchLatency
 
 if TYPE_CHECKING:
-    from perseus_ext.measurement.gpu.sim_presets import Preset
+    from perseus_ext.measurement.gpu.sim.presets import Preset
 
 ENGINE_LINGER_S = 1.0  # an idle engine thread waits this long for new work before exiting
 # While waiting for another rank's key, the device keeps its last this-many seconds open: a key
@@ -108,6 +106,7 @@ class SimDevice:
         self._tick = 0
         self._counter_j = 0.0
         self._counter_true_j = 0.0
+        self._power_log = PowerLog()  # the power drawn, piece by piece: fine samples (power_bins)
 
     # ------------------------------------------------------------------ host-side calls
     def now(self) -> float:
@@ -212,6 +211,12 @@ class SimDevice:
             if head is not None and head.start is not None and head.start <= now:
                 return self.preset.compute_power_w(self.effective_clock())
             return self.preset.idle_power_w
+
+    def power_bins(self, start_s: float, end_s: float, period_s: float) -> tuple[int, np.ndarray] | None:
+        """Mean power of each `period_s` bin of device time in [start_s, end_s) (`PowerLog.bins`)."""
+        with self.cond:
+            self._sync()
+            return self._power_log.bins(start_s, end_s, period_s)
 
     def tally(self) -> CoverageTally:
         with self.cond:
@@ -415,6 +420,7 @@ class SimDevice:
 
     def _account(self, start: float, end: float, watts: float) -> None:
         """Integrate `watts` over [start, end), updating the counter at each tick crossed."""
+        self._power_log.add(start, end, watts)
         period = self.energy_update_period_s
         while True:
             tick_at = self._tick0 + (self._tick + 1) * period
@@ -458,45 +464,3 @@ class SimMarker(DeviceMarker):
 
     def device_time_s(self) -> float | None:
         return self._reached_at
-
-
-class SimulatedTimeline(DeviceTimeline):
-    """A simulated GPU's compute stream, joined to its job's cross-rank board."""
-
-    def __init__(self, device: SimDevice, *, kind_counts: dict[str, int],
-                 slowdown: Callable[[], float], board: Board | None = None,
-                 peer_timeout_s: float | None = None) -> None:
-        self.device = device
-        self.board = board
-        self._kind_counts = kind_counts
-        self._slowdown = slowdown
-        if board is not None:
-            with device.cond:
-                device.board = board
-                device.peer_timeout_s = peer_timeout_s
-
-    def record_marker(self) -> DeviceMarker:
-        return self.device.record_marker()
-
-    def synchronize(self) -> None:
-        self.device.synchronize()
-
-    def launch(self, label: str, seconds_at_max_clock: float, *,
-               planned_clock_mhz: int | None = None, after: Sequence[str] = (),
-               publish: str | None = None) -> None:
-        self._kind_counts[label] = self._kind_counts.get(label, 0) + 1
-        self.device.launch(seconds_at_max_clock, slowdown=self._slowdown(),
-                           planned_clock_mhz=planned_clock_mhz, after=after, publish=publish)
-
-    def exact_coverage(self) -> CoverageTally | None:
-        return self.device.tally()
-
-    def close(self) -> None:
-        """Leave the board (removed by the last rank to leave); the device keeps running."""
-        if self.board is None:
-            return
-        with self.device.cond:
-            if self.device.board is self.board:
-                self.device.board = None
-        self.board.close()
-        self.board = None
