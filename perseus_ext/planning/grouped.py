@@ -45,7 +45,7 @@ from perseus_ext.background import start_background
 from perseus_ext.errors import SolverError
 from perseus_ext.planning.energy import CostModel
 from perseus_ext.planning.groups import ClockGroups
-from perseus_ext.planning.passes import REPLAY_CELLS, chunk_columns
+from perseus_ext.planning.passes import REPLAY_CELLS, chunk_columns, keep_best_neighbours
 from perseus_ext.planning.relaxation import csc_matrix, simplex_highs
 
 _EPS = 1e-9
@@ -231,16 +231,8 @@ class GroupedModel:
             neighbours = np.concatenate(
                 [self.reclaim(repaired, plan_deadlines, reverse, frozen) for reverse in (False, True)], axis=1)
             times, costs = self.replay(neighbours)
-            costs = np.where(np.tile(valid, 2) & (times <= np.tile(plan_deadlines, 2) + _EPS), costs, np.inf)
-            costs = costs.reshape(2, active.size, moves).transpose(1, 0, 2).reshape(active.size, 2 * moves)
-            best = costs.argmin(axis=1)
-            best_cost = costs[np.arange(active.size), best]
-            improved = best_cost < energies[active] - 1e-9
-            direction, offset = np.divmod(best, moves)
-            chosen = neighbours[:, direction * base.shape[1] + np.arange(active.size) * moves + offset]
-            levels[:, active[improved]] = chosen[:, improved]
-            energies[active[improved]] = best_cost[improved]
-            active = active[improved]
+            active = keep_best_neighbours(levels, energies, active, neighbours, times, costs, valid, plan_deadlines,
+                                          base.shape[1], moves)
         return levels
 
 

@@ -334,15 +334,26 @@ def polish(
             axis=1,
         )
         times, energies = model.replay(neighbours, switch_latency_s=0.0)
-        ok = np.tile(valid, 2) & (times <= np.tile(plan_deadlines, 2) + _EPS)
-        energies = np.where(ok, energies, np.inf).reshape(2, active.size, width)
-        energies = energies.transpose(1, 0, 2).reshape(active.size, 2 * width)
-        best = energies.argmin(axis=1)
-        best_energy = energies[np.arange(active.size), best]
-        improved = best_energy < energy[active] - 1e-9
-        direction, offset = np.divmod(best, width)
-        chosen = neighbours[:, direction * base.shape[1] + np.arange(active.size) * width + offset]
-        choice[:, active[improved]] = chosen[:, improved]
-        energy[active[improved]] = best_energy[improved]
-        active = active[improved]
+        active = keep_best_neighbours(choice, energy, active, neighbours, times, energies, valid, plan_deadlines,
+                                      base.shape[1], width)
     return choice
+
+
+def keep_best_neighbours(plans: np.ndarray, energy: np.ndarray, active: np.ndarray, neighbours: np.ndarray,
+                         times: np.ndarray, energies: np.ndarray, valid: np.ndarray, plan_deadlines: np.ndarray,
+                         base_width: int, moves: int) -> np.ndarray:
+    """One local-search round's step: each active plan's `moves` neighbours per reclaim direction
+    (the two directions concatenated, `base_width` columns apart) compete; the cheapest valid one
+    that meets its plan's deadline replaces the plan (in `plans` and `energy`, in place) where it
+    saves energy. Returns the plans that improved, the next round's active ones."""
+    ok = np.tile(valid, 2) & (times <= np.tile(plan_deadlines, 2) + _EPS)
+    costs = np.where(ok, energies, np.inf).reshape(2, active.size, moves)
+    costs = costs.transpose(1, 0, 2).reshape(active.size, 2 * moves)
+    best = costs.argmin(axis=1)
+    best_cost = costs[np.arange(active.size), best]
+    improved = best_cost < energy[active] - 1e-9
+    direction, offset = np.divmod(best, moves)
+    chosen = neighbours[:, direction * base_width + np.arange(active.size) * moves + offset]
+    plans[:, active[improved]] = chosen[:, improved]
+    energy[active[improved]] = best_cost[improved]
+    return active[improved]
