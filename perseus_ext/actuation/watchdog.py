@@ -262,8 +262,9 @@ def restore(orders: WatchdogOrders, claims: Claims) -> tuple[bool, list[str]]:
 
 
 def start_watchdog(orders: WatchdogOrders, trainer_pid: int) -> subprocess.Popen[bytes]:
-    """Start the watchdog of `trainer_pid` with the trainer's report pipe on its stdin; in its
-    own session, so a Ctrl-C or job-wide signal to the job cannot kill it before the trainer."""
+    """Start the watchdog of `trainer_pid` with the trainer's report pipe on its stdin, detached
+    from the job's process group (`setsid`), so a Ctrl-C or job-wide signal to the job cannot kill
+    it before the trainer."""
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)  # the watchdog imports this very copy of perseus_ext
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
