@@ -158,7 +158,7 @@ def spans(iteration: int, ratios: list[float], planned_s: float = 0.02) -> list[
     for position, ratio in enumerate(ratios):
         start, end = HandMarker(at), HandMarker(at + ratio * planned_s)
         at += ratio * planned_s
-        out.append(Span(iteration, start, end, planned_s, steady=position > 0))
+        out.append(Span(iteration, start, end, planned_s, may_run_fast=position == 0, may_run_slow=position == 0))
     return out
 
 
@@ -249,5 +249,65 @@ def test_a_straggler_whose_computations_never_ran_slow_says_nothing():
             straggler.computation(span)
         time.sleep(0.3)  # the signal's thread judges an ended computation within milliseconds
         assert straggler.watching and not straggler.posted and not store.values
+    finally:
+        straggler.close()
+
+
+def test_each_check_that_names_the_straggler_again_keeps_what_its_computations_showed():
+    """Checks run every few iterations and each one names the straggler again: the slow
+    computations seen under the earlier checks still count, so the first two at model speed
+    after a re-arming post at once (a reset there left the recovered iteration unreported)."""
+    store = MemoryStore()
+    straggler = RecoverySignal(store, "job", RecoveryJudge(), tolerance=0.025)
+    try:
+        straggler.arm_straggler(6)
+        for span in spans(30, [1.2, 1.2, 1.2]):
+            straggler.computation(span)
+        time.sleep(0.1)
+        straggler.arm_straggler(7, window_start=30)  # the next check, same straggler
+        for span in spans(33, [1.0, 1.0, 1.0]):
+            straggler.computation(span)
+        assert wait_until(lambda: straggler.posted == ["7:33"])
+        straggler.arm_straggler(None)
+        straggler.arm_straggler(9, window_start=40)  # named anew after a gap: counts start afresh
+        for span in spans(42, [1.0, 1.0, 1.0]):
+            straggler.computation(span)
+        time.sleep(0.2)
+        assert straggler.posted == ["7:33"]
+    finally:
+        straggler.close()
+
+
+def test_a_computation_a_higher_clock_may_have_sped_up_is_no_evidence_of_model_speed():
+    """A 1.2x straggler whose computations follow a higher clock (landing late) or precede a
+    raise (issued early) can take their planned time while still slow: those never count
+    towards the recovery, and those a lower clock may have slowed never count as slow."""
+    store = MemoryStore()
+    straggler = RecoverySignal(store, "job", RecoveryJudge(), tolerance=0.025)
+    clocks = (1410, 1005, 1005, 1410)
+
+    def span(iteration: int, position: int, ratio: float, before: float) -> Span:
+        start = HandMarker(100.0 + position)
+        return Span.of(iteration, start, HandMarker(100.0 + position + ratio * 0.02), 0.02, before, clocks, position)
+
+    assert (span(1, 1, 1.0, 1410).may_run_fast, span(1, 1, 1.0, 1410).may_run_slow) == (True, False)
+    assert (span(1, 2, 1.0, 1005).may_run_fast, span(1, 2, 1.0, 1005).may_run_slow) == (True, False)  # raise next
+    assert (span(1, 3, 1.0, 1005).may_run_fast, span(1, 3, 1.0, 1005).may_run_slow) == (False, True)
+    assert (span(1, 0, 1.0, None).may_run_fast, span(1, 0, 1.0, None).may_run_slow) == (True, True)
+    try:
+        straggler.arm_straggler(2)
+        # Slow only where a lower clock before it could have lengthened it: not slow evidence.
+        for position in (3, 3, 3):
+            straggler.computation(span(10, position, 1.2, 1005))
+        # Planned time only where a higher clock could have shortened it: no model speed.
+        for position in (1, 2, 1, 2):
+            straggler.computation(span(11, position, 1.0, 1410 if position == 1 else 1005))
+        time.sleep(0.2)
+        assert not straggler.posted
+        for _ in range(2):  # slow at a steady clock: evidence
+            straggler.computation(span(12, 0, 1.2, 1410))
+        for _ in range(2):  # at model speed at a steady clock: the recovery
+            straggler.computation(span(13, 0, 1.0, 1410))
+        assert wait_until(lambda: straggler.posted == ["2:13"])
     finally:
         straggler.close()

@@ -6,7 +6,12 @@ at its slowed plan by then (with a 1.2x straggler, that iteration takes 20 % lon
 needs to). The straggler pipeline knows much earlier: its ranks see each computation end on the
 device, and two computations in a row that take their model time again (against the plan's
 planned duration, within half the straggler threshold), after two that took longer than the
-threshold allows, say it has recovered. A straggler whose computations never ran slow (a slow
+threshold allows, say it has recovered. A clock change inside a computation bends its time one
+way only: a late one from a lower clock only lengthens it, a late one from a higher clock or an
+early raise for the next computation only shortens it. So a computation that no higher clock
+could have shortened is evidence of model speed when it takes its planned time, one that no
+lower clock could have lengthened is evidence of slowness when it takes longer, and neither is
+read the other way (it keeps the count of computations in a row). A straggler whose computations never ran slow (a slow
 link, a slow host) says nothing: the slowed pipelines' own waits tell its recovery.
 
 The cheapest way to say so: one key written to the process group's rendezvous store (not a
@@ -53,13 +58,27 @@ KEY = "perseus-ext/{job}/straggler-recovered"
 @dataclass(frozen=True)
 class Span:
     """One computation of the straggler pipeline's stage, launched: its device markers, its planned
-    duration, and whether its clock is the one of the computation before (no ramp inside it)."""
+    duration, and which way a clock change inside it could bend its time: `may_run_fast` (a
+    higher clock may be in force for part of it: the one before it, landing late, or the next
+    one's, raised early) and `may_run_slow` (the clock before it was lower); both where unknown."""
 
     iteration: int
     start: DeviceMarker
     end: DeviceMarker
     planned_s: float
-    steady: bool
+    may_run_fast: bool
+    may_run_slow: bool
+
+    @classmethod
+    def of(cls, iteration: int, start: DeviceMarker, end: DeviceMarker, planned_s: float, clock_before: float | None,
+           clocks: tuple[int, ...], position: int) -> Span:
+        """Computation `position` of a plan with `clocks`, after one at `clock_before` MHz."""
+        own = clocks[position] if position < len(clocks) else None
+        after = clocks[position + 1] if position + 1 < len(clocks) else None
+        if own is None or clock_before is None:
+            return cls(iteration, start, end, planned_s, True, True)
+        return cls(iteration, start, end, planned_s, clock_before > own or (after is not None and after > own),
+                   clock_before < own)
 
 
 class RecoverySignal:
@@ -82,7 +101,7 @@ class RecoverySignal:
         self.failure: str | None = None  # why the store was given up
         self.posted: list[str] = []  # what this rank posted (a straggler's ranks), for tests and logs
         self._posted_at: int | None = None  # the iteration this rank last told of a recovery in
-        self._counts = (0, 0, 0)  # (check armed with, slow computations seen, at model speed in a row)
+        self._counts = (0, 0)  # (slow computations seen, at model speed in a row) since this rank was named
 
     @property
     def usable(self) -> bool:
@@ -95,6 +114,8 @@ class RecoverySignal:
         of a recovery measured that straggler, gone since: it arms nothing."""
         stale = self._posted_at is not None and self._posted_at >= window_start
         with self._lock:
+            if self._straggler_check is None:  # newly named: the counts start afresh (each check re-arms)
+                self._counts = (0, 0)
             self._straggler_check = check if self.usable and not stale else None
         self._start()
 
@@ -165,15 +186,19 @@ class RecoverySignal:
         `AT_MODEL_SPEED_IN_A_ROW` computations in a row at model speed."""
         check = self._straggler_check
         begin, end = span.start.device_time_s(), span.end.device_time_s()
-        if check is None or begin is None or end is None or not span.steady or span.planned_s <= 0:
-            return  # a ramp inside it, or no device time: it says nothing
-        armed, slow, in_a_row = self._counts
-        if armed != check:  # armed again: count afresh
-            slow, in_a_row = 0, 0
+        if check is None or begin is None or end is None or span.planned_s <= 0:
+            return  # no device time: it says nothing
+        with self._lock:
+            slow, in_a_row = self._counts
         ratio = (end - begin) / span.planned_s
-        slow += ratio > 1.0 + 2 * self._tolerance
-        in_a_row = in_a_row + 1 if ratio <= 1.0 + self._tolerance else 0
-        self._counts = (check, slow, in_a_row)
+        if ratio > 1.0 + 2 * self._tolerance and not span.may_run_slow:
+            slow += 1
+        if ratio > 1.0 + self._tolerance:
+            in_a_row = 0
+        elif not span.may_run_fast:
+            in_a_row += 1
+        with self._lock:
+            self._counts = (slow, in_a_row)
         if in_a_row < AT_MODEL_SPEED_IN_A_ROW or slow < AT_MODEL_SPEED_IN_A_ROW:
             return
         value = f"{check}:{span.iteration}"

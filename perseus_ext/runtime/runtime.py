@@ -8,16 +8,17 @@ With `policy.mode: "power_limit"` warm-up is followed by the power-limit phase i
 Adapters call, on every rank: `iteration_start()`, `before_computation()` / `after_computation()`
 around every computation of the plan (forwards, backwards, and where the schedule plans it the
 gradient sync's own step), optionally `mark_compute_end()` after this stage's last planned
-computation, before it waits for the other data-parallel replicas, and `iteration_end()`. The runtime is a phase machine over collaborators that
-`RankParts` (wiring.py) builds: `RankSetup`, `ClockSequencer` (clocks ordered by device markers),
-`ComputationPacer`, `RunRecorder`, `ProfilingRun`, `PipelineSolve`, `PlanDeployment`,
-`PowerLimitMode` (whole-iteration mode: `whole_iteration.py`). Deployed iterations never synchronise the
-host with the device: whether a straggler has recovered is judged off the training thread as the
-device runs (`recovery.RecoveryJudge`, `recovery_signal.RecoverySignal`), and the training thread
-learns it at a later iteration boundary without waiting. Phase changes are decided from collective results only, so every rank
-changes phase at the same iteration. Nothing raises into the training step: a failure logs its
-traceback once and the rank falls back to default clocks while still taking part in the
-collectives, so it cannot hang the others.
+computation, before it waits for the other data-parallel replicas, and `iteration_end()`.
+The runtime is a phase machine over collaborators that `RankParts` (wiring.py) builds: `RankSetup`,
+`ClockSequencer` (clocks ordered by device markers), `ComputationPacer`, `RunRecorder`,
+`ProfilingRun`, `PipelineSolve`, `PlanDeployment`, `PowerLimitMode` (whole-iteration mode:
+`whole_iteration.py`). Deployed iterations never synchronise the host with the device: whether a
+straggler has recovered is judged off the training thread as the device runs
+(`recovery.RecoveryJudge`, `recovery_signal.RecoverySignal`), and the training thread learns it at
+a later iteration boundary without waiting. Phase changes are decided from collective results
+only, so every rank changes phase at the same iteration. Nothing raises into the training step:
+a failure logs its traceback once and the rank falls back to default clocks while still taking
+part in the collectives, so it cannot hang the others.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class PerseusRuntime:
         self._announced: SlowdownAnnouncement | None = None
         self._setting = IterationSetting(-1, self.phase)
         self._phase_iterations, self._compute_ended, self._closed = 0, False, False
+        self._clock_before_iteration: float | None = None  # the last planned clock of the iteration before
         self.recovery_judge = RecoveryJudge(self.controller)  # held iterations, judged as the device ends them
         self.recovery_signal = RecoverySignal(self.comm.store() if self.comm.num_pipelines > 1 else None,
                                               parts.job_id, self.recovery_judge, config.straggler_threshold / 2)
@@ -139,6 +141,8 @@ class PerseusRuntime:
                 durations = self.deployment.stage_durations(self.stage)
         elif setting.profiled_clock_mhz is not None:
             clocks = (setting.profiled_clock_mhz,) * len(self.order)
+        previous = self.sequencer.trace.planned_clocks  # default clocks (None): what they run at
+        self._clock_before_iteration = (previous[-1] or self.recorder.default_clock_mhz) if previous else None
         start = self.sequencer.start_iteration(self.iteration, clocks, durations, recovery)
         self.recorder.begin(setting, start)
         if self.whole_iterations:  # the whole iteration is the one span the stage's clock covers
@@ -180,12 +184,12 @@ class PerseusRuntime:
         """The straggler pipeline's computation, handed to the recovery signal's thread (which
         posts when the straggler runs at model speed again); a queue put."""
         durations = self.deployment.stage_durations(self.stage) if self.deployment is not None else None
-        spans = self.sequencer.trace.spans
-        if durations is None or position >= len(durations) or not spans:
+        trace = self.sequencer.trace
+        if durations is None or position >= len(durations) or not trace.spans:
             return
-        clocks = self.sequencer.trace.planned_clocks
-        steady = position > 0 and len(clocks) > position and clocks[position] == clocks[position - 1]
-        self.recovery_signal.computation(Span(self.iteration, spans[-1][0], end, durations[position], steady))
+        before = trace.spans[position - 1][2] if 0 < position <= len(trace.spans) else self._clock_before_iteration
+        self.recovery_signal.computation(Span.of(self.iteration, trace.spans[-1][0], end, durations[position], before,
+                                                 self.deployment.stage_clocks(self.stage), position))
 
     @_hook
     def mark_compute_end(self) -> None:
