@@ -18,7 +18,10 @@ from runtime_helpers import HandMarker
 from perseus_ext.actuation.controller import FrequencyController
 from perseus_ext.actuation.sequencer import ClockSequencer, RecoveryProgram
 from perseus_ext.measurement.gpu.sim import SimulatedGPU
-from perseus_ext.runtime.recovery import RecoveryJudge, Verdict
+from perseus_ext.actuation.observer import Observation
+from perseus_ext.runtime.recorder import COMPUTE_END, END
+from perseus_ext.runtime.recovery import HeldIteration, RecoveryJudge, Verdict
+from perseus_ext.runtime.straggler import HeldStraggler
 from perseus_ext.runtime.recovery_signal import RecoverySignal, Span
 
 SLOWED = (1140, 870, 870, 1275)  # a stage's plan slowed for a straggler
@@ -184,11 +187,13 @@ def test_the_straggler_posts_after_two_computations_at_model_speed_and_the_slowe
         for span in spans(40, [1.2, 1.2, 1.2, 1.0, 1.2]):
             straggler.computation(span)
         time.sleep(0.1)
-        assert not store.values and not controller.episodes
+        assert not controller.episodes  # still slow, said so: no verdict from a dipping wait either
+        assert store.values["perseus-ext/job/straggler-state"] == b"6:40:slow"
+        assert wait_until(lambda: slowed_judge.straggler_slow_in(40)) and not slowed_judge.straggler_slow_in(41)
         for span in spans(41, [0.5, 1.01, 1.0, 1.0]):
             straggler.computation(span)
         assert wait_until(lambda: controller.episodes == [4])
-        assert straggler.posted == ["6:41"] and not straggler.watching
+        assert straggler.posted == ["6:41:recovered"] and not straggler.watching
         verdict = slowed_judge.take(4)
         assert verdict is not None and verdict.iteration == 41 and "model speed" in verdict.reason
         # A later check whose window began before that post measured the straggler gone since.
@@ -203,14 +208,14 @@ def test_the_straggler_posts_after_two_computations_at_model_speed_and_the_slowe
 
 def test_a_post_of_a_recovery_before_the_episode_was_measured_is_ignored():
     store = MemoryStore()
-    store.values["perseus-ext/job/straggler-recovered"] = b"2:20"  # a recovery before the episode's first check measured
+    store.values["perseus-ext/job/straggler-state"] = b"2:20:recovered"  # a recovery before the episode's first check measured
     controller = Recovers()
     slowed = RecoverySignal(store, "job", RecoveryJudge(controller), tolerance=0.025)
     try:
         slowed.arm_held(5, since=50)
         assert wait_until(lambda: store.calls > 5)
         assert controller.episodes == []
-        store.values["perseus-ext/job/straggler-recovered"] = b"8:61"
+        store.values["perseus-ext/job/straggler-state"] = b"8:61:recovered"
         assert wait_until(lambda: controller.episodes == [5])
     finally:
         slowed.close()
@@ -267,13 +272,13 @@ def test_each_check_that_names_the_straggler_again_keeps_what_its_computations_s
         straggler.arm_straggler(7, window_start=30)  # the next check, same straggler
         for span in spans(33, [1.0, 1.0, 1.0]):
             straggler.computation(span)
-        assert wait_until(lambda: straggler.posted == ["7:33"])
+        assert wait_until(lambda: straggler.posted == ["7:33:recovered"])
         straggler.arm_straggler(None)
         straggler.arm_straggler(9, window_start=40)  # named anew after a gap: counts start afresh
         for span in spans(42, [1.0, 1.0, 1.0]):
             straggler.computation(span)
         time.sleep(0.2)
-        assert straggler.posted == ["7:33"]
+        assert straggler.posted == ["7:33:recovered"]
     finally:
         straggler.close()
 
@@ -308,6 +313,28 @@ def test_a_computation_a_higher_clock_may_have_sped_up_is_no_evidence_of_model_s
             straggler.computation(span(12, 0, 1.2, 1410))
         for _ in range(2):  # at model speed at a steady clock: the recovery
             straggler.computation(span(13, 0, 1.0, 1410))
-        assert wait_until(lambda: straggler.posted == ["2:13"])
+        assert wait_until(lambda: straggler.posted == ["2:13:recovered"])
     finally:
         straggler.close()
+
+
+def test_a_wait_that_dips_while_the_straggler_says_it_runs_slow_returns_nothing():
+    """The slowed plan ends 10 ms before the straggler; a wait that falls to the free wait in an
+    iteration the straggler said it still ran slow in is this host's jitter, not a recovery."""
+    controller = Recovers()
+    judge = RecoveryJudge(controller)
+    held = HeldStraggler(slowest_s=0.30, mine_s=0.25, wait_noise_s=0.001)  # predicted wait 10 ms at +40 ms
+
+    def run(iteration: int, wait_s: float) -> None:
+        judge.expect(HeldIteration(iteration, 1, held, free_wait_s=0.001, planned_extra_s=0.04, runs_held_plan=True))
+        judge.observed(Observation((iteration, COMPUTE_END), 10.0 + iteration, 0.0, None))
+        judge.observed(Observation((iteration, END), 10.0 + iteration + wait_s, 0.0, None))
+
+    for iteration in (1, 2, 3):  # the first is left out, the next two calibrate this rank's lead
+        run(iteration, 0.011)
+    judge.still_slow(4)
+    run(4, 0.001)
+    assert judge.take(1) is None and controller.episodes == []
+    run(5, 0.001)  # nobody said slow in iteration 5: the wait tells
+    verdict = judge.take(1)
+    assert verdict is not None and verdict.iteration == 5 and controller.episodes == [1]

@@ -149,7 +149,7 @@ def test_every_iteration_after_the_recovered_one_runs_the_fastest_plan(job, case
 def test_the_stragglers_post_switches_the_slowed_pipeline_within_the_recovered_iteration(job):
     pipeline0, pipeline1 = job[0]["store"], job[1]["store"]
     recovered = STRAGGLER.stop
-    assert pipeline0["failure"] is None and pipeline1["posted"] and pipeline1["posted"][-1].endswith(f":{recovered}")
+    assert pipeline0["failure"] is None and pipeline1["posted"] and pipeline1["posted"][-1].endswith(f":{recovered}:recovered")
     back = pipeline0["switches"][-1]
     assert back[0] == recovered + 1 and "its post" in back[3] and f"iteration {recovered}" in back[3], back
     records = {int(k): v for k, v in pipeline0["records"].items()}

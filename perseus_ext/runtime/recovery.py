@@ -15,7 +15,8 @@ plan from there on.
 The same override serves the straggler's own word (`recovery_signal.py`): the straggler
 pipeline's ranks see their computations run at model speed again and post that to the rendezvous
 store; the slowed pipelines' background threads read it and report it here, within the
-recovered iteration itself.
+recovered iteration itself; and its word that it still runs slow keeps a wait that dips on a
+crowded host from returning a pipeline while its straggler lasts (`still_slow`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class RecoveryJudge:
         self._episode: int | None = None  # the episode the watch's calibration belongs to
         self._episodes = 0
         self.overridden: set[int] = set()
+        self._straggler_slow_in: int | None = None  # the latest iteration the straggler said it ran slow in
         if controller is not None and controller.observer is not None:
             controller.observer.listen(self.observed)  # called on the observer's thread
 
@@ -128,6 +130,8 @@ class RecoveryJudge:
         threshold = watch.threshold_s(extra)
         if threshold is None or not watch.became_slowest(wait_s, extra):
             return None
+        if self._straggler_slow_in is not None and self._straggler_slow_in >= launched.iteration:
+            return None  # the straggler said it still ran slow then: the dip was this host's (lock held)
         held_wait = watch.free_wait_s + (threshold - watch.free_wait_s) / VERDICT_LEAD_SHARE  # the predicted wait
         return Verdict(launched.episode, launched.iteration,
                        f"this pipeline became the slowest: it waited {1000 * wait_s:.1f} ms at the gradient sync "
@@ -143,6 +147,17 @@ class RecoveryJudge:
             self._verdicts.append(verdict)
         if self._controller is not None:
             self._controller.recover(verdict.episode)
+
+    def still_slow(self, iteration: int) -> None:
+        """The straggler pipeline said its computations still ran slow in `iteration` (any
+        thread): no wait of that iteration or an earlier one returns this pipeline."""
+        with self._lock:
+            self._straggler_slow_in = max(iteration, self._straggler_slow_in or iteration)
+
+    def straggler_slow_in(self, iteration: int) -> bool:
+        """Whether the straggler said it still ran slow in `iteration` or later."""
+        with self._lock:
+            return self._straggler_slow_in is not None and self._straggler_slow_in >= iteration
 
     def take(self, episode: int) -> Verdict | None:
         """The verdict on `episode`, if one came (never blocks); verdicts on other episodes

@@ -14,6 +14,12 @@ lower clock could have lengthened is evidence of slowness when it takes longer, 
 read the other way (it keeps the count of computations in a row). A straggler whose computations never ran slow (a slow
 link, a slow host) says nothing: the slowed pipelines' own waits tell its recovery.
 
+The same key carries the other half: in each iteration in which the straggler's computations
+still run slow, it says so once. A slowed pipeline's own wait at the gradient sync can dip on a
+crowded host although its straggler lasts (its slowed plan ends only a few wait spreads before
+the straggler); the judge takes no verdict from a wait in an iteration the straggler said it ran
+slow in (`RecoveryJudge.still_slow`).
+
 The cheapest way to say so: one key written to the process group's rendezvous store (not a
 collective, nothing any rank waits for). While a plan slowed for a straggler is in force, the
 slowed pipelines' ranks read the key from this background thread every `POLL_S` and report the
@@ -52,7 +58,8 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.005  # how often a slowed pipeline reads the key, and a straggler's thread looks for ended work
 AT_MODEL_SPEED_IN_A_ROW = 2  # computations at model speed in a row before the straggler says it recovered
 JOIN_TIMEOUT_S = 1.0
-KEY = "perseus-ext/{job}/straggler-recovered"
+KEY = "perseus-ext/{job}/straggler-state"
+RECOVERED, SLOW = "recovered", "slow"  # what the key's value says of its iteration
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,7 @@ class RecoverySignal:
         self.posted: list[str] = []  # what this rank posted (a straggler's ranks), for tests and logs
         self._posted_at: int | None = None  # the iteration this rank last told of a recovery in
         self._counts = (0, 0)  # (slow computations seen, at model speed in a row) since this rank was named
+        self._slow_told: int | None = None  # the iteration this rank last said it ran slow in
 
     @property
     def usable(self) -> bool:
@@ -199,9 +207,12 @@ class RecoverySignal:
             in_a_row += 1
         with self._lock:
             self._counts = (slow, in_a_row)
+        if in_a_row == 0 and slow and self._slow_told != span.iteration:  # still slow: said once an iteration
+            if self._call(lambda: self._store.set(self._key, f"{check}:{span.iteration}:{SLOW}")):
+                self._slow_told = span.iteration
         if in_a_row < AT_MODEL_SPEED_IN_A_ROW or slow < AT_MODEL_SPEED_IN_A_ROW:
             return
-        value = f"{check}:{span.iteration}"
+        value = f"{check}:{span.iteration}:{RECOVERED}"
         if self._call(lambda: self._store.set(self._key, value)):
             self.posted.append(value)
             self._posted_at = span.iteration
@@ -224,11 +235,15 @@ class RecoverySignal:
         if not found:
             return
         try:
-            check, iteration = (int(part) for part in found[0].decode().split(":"))
+            check_text, iteration_text, state = found[0].decode().split(":")
+            check, iteration = int(check_text), int(iteration_text)
         except ValueError:
             return
+        if state == SLOW:
+            self._judge.still_slow(iteration)
+            return
         episode, since = held
-        if iteration >= since and self._held == held:
+        if state == RECOVERED and iteration >= since and self._held == held:
             self._judge.report(Verdict(episode, iteration, f"the straggler pipeline ran at model speed again in "
                                                            f"iteration {iteration} (its post, check {check})"))
             with self._lock:
