@@ -100,7 +100,7 @@ def measured_report(scenario: Scenario, perseus_ranks: list[dict[str, Any]]) -> 
 def model_check(scenario: Scenario, perseus_ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Pipeline 0's deployed fastest plan, predicted against what the simulated devices did in
     the no-straggler window: the plan's time against stage 0's measured compute span (device
-    markers), its energy against the pipeline's exact energy per iteration (step start to step
+    markers, from its first computation's start: what precedes it is the host's), its energy against the pipeline's exact energy per iteration (step start to step
     start) less the blocking energy of the time outside the plan (gradient sync, optimizer step,
     the host's turn at the other variants)."""
     pipeline = sorted((r for r in perseus_ranks if r["pipeline"] == 0), key=lambda r: r["stage"])
@@ -112,7 +112,8 @@ def model_check(scenario: Scenario, perseus_ranks: list[dict[str, Any]]) -> dict
     at_plan = [i for i in span if pipeline[0]["iterations"][i].get("plan") == 0]
     if not at_plan:
         return None
-    compute = statistics.median(pipeline[0]["iterations"][i]["compute_s"] for i in at_plan)
+    rows = [pipeline[0]["iterations"][i] for i in at_plan]
+    compute = statistics.median(row["compute_s"] - (row.get("first_computation_s") or 0.0) for row in rows)
     iteration = statistics.fmean(pipeline[0]["iterations"][i]["period_s"] for i in at_plan)
     energy = statistics.fmean(sum(r["iterations"][i]["tiled_energy_j"] for r in pipeline) for i in at_plan)
     outside = frontier["blocking_power_w"] * len(pipeline) * max(0.0, iteration - fastest["time_s"])

@@ -100,6 +100,7 @@ class _VariantRun:
                 self.iterations[logged.iteration].update(
                     energy_j=logged.energy_j, phase=logged.phase.value, plan=logged.setting.plan,
                     factor=logged.setting.factor, compute_s=logged.compute_s, coverage=logged.coverage,
+                    first_computation_s=logged.first_computation_s,
                     probe=logged.setting.probe)
         return {
             "variant": self.variant, "rank": self.engine.global_rank, "pipeline": self.pipeline,

@@ -58,6 +58,10 @@ class IterationRecord:
     # the GPU's power at a fine rate from the previous iteration's end to this one's, where the
     # device knows it (the simulated device; None on real GPUs: observability.power_samples)
     power: PowerSamples | None = None
+    # iteration start to the start of this stage's first computation (None: not known): what
+    # precedes it (the host's launch, data loading, the wait for the first activation) is no
+    # computation's, so a model check measures from there
+    first_computation_s: float | None = None
 
     @property
     def iteration(self) -> int:

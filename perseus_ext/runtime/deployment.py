@@ -64,7 +64,8 @@ CHECK_BOUNDARIES = 3  # iteration boundaries from a straggler check's start to i
 NOISE_MARGINS = 2.0  # a slowed plan ends at least this many wait spreads before the straggler
 RECORD_KEEP = 8  # this rank's latest device records kept (the latest unslowed one: `_straggler_gone`)
 RETURN_BOUNDARIES = 1  # from the iteration that told of a recovery to the boundary where the plan returns
-MODEL_DISAGREEMENT = 0.10  # warn when the fastest pipeline's compute time is this far off the model
+MODEL_DISAGREEMENT = 0.10  # warn when pipeline 0's computations take this much longer or shorter than modelled
+MODEL_SAMPLES = 8  # unslowed iterations whose median span the model check reads
 
 
 class PlanDeployment:
@@ -101,6 +102,7 @@ class PlanDeployment:
         self._recent_times: list[float] = []
         self._clock_cache: dict[tuple[int, int], tuple] = {}
         self._model_warned = False
+        self._model_ratios: list[float] = []  # measured / modelled computation span, unslowed iterations
         self.free_waits = FreeWaits()
         self.judge = judge if judge is not None else RecoveryJudge()
         self.signal = signal
@@ -220,6 +222,9 @@ class PlanDeployment:
                 self._check_times.append(record.compute_s - (planned - fastest))
                 if record.setting.plan == self._unslowed_index and record.setting.factor == 1.0:
                     self._unvetted_free.append((record.iteration, record.time_s - record.compute_s))
+                    if record.first_computation_s is not None and planned > 0:
+                        self._model_ratios.append((record.compute_s - record.first_computation_s) / planned)
+                        del self._model_ratios[:-MODEL_SAMPLES]
         del self._recent_times[:-10]
 
     def _learn(self, iteration: int) -> bool:
@@ -294,7 +299,7 @@ class PlanDeployment:
         self._checks_decided += 1
         if mine is None:
             return None
-        self._check_model(normal)
+        self._check_model()
         if self.signal is not None:  # the slowest pipeline, by more than the threshold: it posts its recovery
             straggler_here = mine >= slowest and slowest - normal > self.config.straggler_threshold * self.frontier.fastest.time
             self.signal.arm_straggler(self._checks_decided if straggler_here else None,
@@ -324,18 +329,23 @@ class PlanDeployment:
         held = HeldStraggler(slowest, mine, wait_noise) if measured else None
         return _Decision(factor, f"slowest pipeline {straggler:.4f} s, this one {mine:.4f} s", held)
 
-    def _check_model(self, measured_s: float) -> None:
-        """Straggler targets are model times: warn once when the model misjudges the fastest
-        pipeline (a profile that does not describe this job), as plans would be off by as much."""
-        modelled = self.frontier.fastest.time
-        if self._model_warned or abs(measured_s / modelled - 1) <= MODEL_DISAGREEMENT:
+    def _check_model(self) -> None:
+        """Straggler targets are model times: warn once when the model misjudges pipeline 0's
+        computations (a profile that does not describe this job), as plans would be off by as
+        much. Measured on the pipeline's leader, stage 0, from its first computation's start to
+        its last one's end: the pipeline's first and last computations are stage 0's, and what
+        precedes the first (data loading, the host's launch) is no computation's."""
+        if self._model_warned or len(self._model_ratios) < 3 or self.comm.pipeline != 0:
+            return
+        ratio = statistics.median(self._model_ratios)
+        if not self.comm.is_pipeline_leader or abs(ratio - 1) <= MODEL_DISAGREEMENT:
             return
         self._model_warned = True
-        if self.comm.is_pipeline_leader and self.comm.pipeline == 0:
-            logger.warning("perseus-ext: the frontier models the fastest plan's iteration at %.4f s of "
-                           "compute, the fastest pipeline measures %.4f s (%+.0f%%); straggler plans "
-                           "will be off by as much -- is the profile (%s.profile_path) from this job?",
-                           modelled, measured_s, 100 * (measured_s / modelled - 1), "perseus")
+        plan = self.frontier.plans[self._unslowed_index]
+        logger.warning("perseus-ext: the frontier models the deployed plan's computations at %.4f s per iteration, "
+                       "pipeline 0 measures %.4f s (%+.0f%%, its first computation's start to its last one's end); "
+                       "straggler plans will be off by as much -- is the profile (%s.profile_path) from this job?",
+                       plan.time, plan.time * ratio, 100 * (ratio - 1), "perseus")
 
     def _agree(self, iteration: int, deadline: float | None, *, factor: float, reason: str) -> None:
         """Deploy the pipeline leader's choice on every rank of the pipeline, at once (the first

@@ -175,6 +175,7 @@ class RunRecorder:
             time_s=end_s - start_s, compute_s=compute_s - start_s, energy_j=energy,
             coverage=self._coverage(pending), wall_time=pending.wall_time,
             clock_mhz=self._planned_clock_mhz(pending), power=self._power(pending.setting.iteration, start_s, end_s),
+            first_computation_s=_first_start_s(pending.trace, start_s),
         )
         self.history.append(record)
         self._forget_old_power()
@@ -284,3 +285,9 @@ class RunRecorder:
         finally:
             if self.feed is not None:
                 self.feed.close()
+
+
+def _first_start_s(trace: IterationTrace | None, start_s: float) -> float | None:
+    """When the iteration's first computation started, after the iteration start (device time)."""
+    first = trace.spans[0][0].device_time_s() if trace is not None and trace.spans else None
+    return None if first is None else first - start_s
