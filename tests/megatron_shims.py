@@ -14,8 +14,8 @@ activation/gradient bookkeeping run unchanged:
   `_communicate` (the one method that talks to torch.distributed) with in-process queues,
   one per (sender, receiver, direction). Sends never block, receives wait with a timeout, so a
   schedule that deadlocks fails instead of hanging.
-- Process groups are `FakeGroup(rank, size)` objects passed through megatron's own
-  `p2p_communicator=` / `pg_collection=` arguments, so `parallel_state` is never initialised.
+- Process groups are the adapter's `GroupPosition(rank, size)` objects passed through
+  megatron's own `p2p_communicator=` / `pg_collection=` arguments, so `parallel_state` is never initialised.
   Megatron only asks a group for `rank()`/`size()` after checking
   `torch.distributed.is_initialized()`, which is patched to True while the ranks run.
 - `torch.zeros(..., device="cuda")` (megatron's token counter) is redirected to the CPU by a
@@ -61,6 +61,8 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from perseus_ext.adapters.megatron_combined import GroupPosition
+
 CODE_BASE = 1000  # code = virtual_stage * CODE_BASE + microbatch; exact in float32 below 2**24
 TENSOR_SHAPE = (1, 1, 1)  # (seq_length, micro_batch_size, hidden_size)
 
@@ -87,20 +89,6 @@ def _encode(virtual_stage: int, microbatch: int) -> float:
 def _decode(tensor: torch.Tensor) -> tuple[int, int]:
     code = int(tensor.detach().reshape(-1)[0].item())
     return divmod(code, CODE_BASE)
-
-
-@dataclass
-class FakeGroup:
-    """Stand-in for a torch.distributed ProcessGroup: megatron only asks rank() and size()."""
-
-    rank_in_group: int
-    group_size: int
-
-    def rank(self) -> int:
-        return self.rank_in_group
-
-    def size(self) -> int:
-        return self.group_size
 
 
 class _Mailboxes:
@@ -134,7 +122,7 @@ class ThreadP2PCommunicator(P2PCommunicator):
     def __init__(self, rank: int, num_ranks: int, config: TransformerConfig, boxes: _Mailboxes):
         # Not calling super().__init__: it maps group ranks to global ranks through
         # torch.distributed, which needs a real process group. These are the attributes it sets.
-        self.pp_group = FakeGroup(rank, num_ranks)
+        self.pp_group = GroupPosition(rank, num_ranks)
         self.config = config
         self.next_rank = (rank + 1) % num_ranks
         self.prev_rank = (rank - 1) % num_ranks
@@ -359,8 +347,8 @@ def run_megatron_schedule(
             ]
             pg_collection = ProcessGroupCollection()
             for name in ("tp", "cp", "dp_cp"):
-                setattr(pg_collection, name, FakeGroup(0, 1))
-            pg_collection.pp = FakeGroup(rank, num_stages)
+                setattr(pg_collection, name, GroupPosition(0, 1))
+            pg_collection.pp = GroupPosition(rank, num_stages)
             pg_collection.embd = None
             pg_collection.pos_embd = None
             interleaved = num_chunks > 1
@@ -418,5 +406,5 @@ def cuda_factories_on_cpu() -> TorchFunctionMode:
     return _CudaFactoriesOnCpu()
 
 
-__all__ = ["FakeGroup", "Step", "ThreadP2PCommunicator", "combined_path_on_cpu", "combined_step_on_cpu",
+__all__ = ["Step", "ThreadP2PCommunicator", "combined_path_on_cpu", "combined_step_on_cpu",
            "cpu_streams", "cuda_factories_on_cpu", "rank_of_current_thread", "run_megatron_schedule"]

@@ -60,8 +60,10 @@ def runs_combined(model_config: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class _Group:
-    """The rank and size megatron's `get_pp_rank_microbatches` asks of a pipeline group."""
+class GroupPosition:
+    """A rank's place in a process group, as megatron-core asks it of one (`rank()`, `size()`):
+    enough for `get_pp_rank_microbatches` here, and for megatron's schedules run without
+    torch.distributed in tests."""
 
     rank_in_group: int
     group_size: int
@@ -94,7 +96,7 @@ def executed_order(num_stages: int, num_microbatches: int, num_chunks: int,
     for stage in range(num_stages):
         total, _, warmup, remaining = schedules.get_pp_rank_microbatches(
             num_microbatches, num_chunks, group, overlap_moe_expert_parallel_comm=True,
-            p2p_communicator=_PipelinePosition(_Group(stage, num_stages), num_chunks))
+            p2p_communicator=_PipelinePosition(GroupPosition(stage, num_stages), num_chunks))
 
         def forward(k: int, stage: int = stage) -> Computation:
             microbatch, chunk = table[k]
