@@ -30,6 +30,7 @@ from perseus_ext.runtime import PerseusConfig
 from perseus_ext.runtime.baseline import BaselineProbes
 from perseus_ext.runtime.comm import ControlPlane, Pending
 from perseus_ext.runtime.deployment import PlanDeployment
+from perseus_ext.runtime.records import StageSolve
 from perseus_ext.observability.iteration import IterationRecord
 from perseus_ext.runtime.recorder import COMPUTE_END, END
 
@@ -138,8 +139,8 @@ def run_pipeline(frontier, interval: int, end: int | None = None) -> Run:
     fastest = frontier.fastest.time
     bus = Bus(straggler_s=fastest)
     schedule = build_schedule("1f1b", 2, 4)
-    ranks = [PlanDeployment(frontier, StragglerPolicy(), config, BusPlane(bus, stage), schedule, None,
-                            frontier.stage_table(stage)) for stage in (0, 1)]
+    ranks = [PlanDeployment(StageSolve(stage, frontier.stage_table(stage), None, 0.0, False, None, frontier),
+                            StragglerPolicy(), config, BusPlane(bus, stage), schedule) for stage in (0, 1)]
     probes = BaselineProbes(0.0, interval)
     for deployment in ranks:
         deployment.deploy(0)

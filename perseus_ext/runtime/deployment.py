@@ -44,7 +44,7 @@ import statistics
 from dataclasses import dataclass
 
 from perseus_ext.errors import PerseusError
-from perseus_ext.planning.frontier import Frontier, Plan, StagePlanTable
+from perseus_ext.planning.frontier import Plan
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.policies.base import OperatingPointPolicy
 from perseus_ext.runtime.comm import ControlPlane, ExchangeResult, Pending, StragglerExchange
@@ -53,7 +53,7 @@ from perseus_ext.runtime.baseline import BaselineProbes
 from perseus_ext.observability.phase import Phase
 from perseus_ext.observability.iteration import IterationRecord, IterationSetting
 from perseus_ext.actuation.sequencer import RecoveryProgram
-from perseus_ext.runtime.records import MeasuredProfile, PlanChoice, PlanSwitch
+from perseus_ext.runtime.records import PlanChoice, PlanSwitch, StageSolve
 from perseus_ext.runtime.recovery import HeldIteration, RecoveryJudge, Verdict
 from perseus_ext.runtime.recovery_signal import RecoverySignal
 from perseus_ext.runtime.straggler import FreeWaits, HeldStraggler, SlowdownTracker
@@ -71,19 +71,21 @@ MODEL_SAMPLES = 8  # unslowed iterations whose median span the model check reads
 class PlanDeployment:
     """Plan selection for one rank once its pipeline's frontier is known."""
 
-    def __init__(self, frontier: Frontier, policy: OperatingPointPolicy, config: PerseusConfig,
-                 comm: ControlPlane, schedule: PipelineSchedule, measured: MeasuredProfile | None,
-                 table: StagePlanTable, judge: RecoveryJudge | None = None,
+    def __init__(self, solved: StageSolve, policy: OperatingPointPolicy, config: PerseusConfig,
+                 comm: ControlPlane, schedule: PipelineSchedule, judge: RecoveryJudge | None = None,
                  signal: RecoverySignal | None = None) -> None:
-        """frontier: what the policy chooses from (the leader's whole one, the others' without
-        clocks); table: this rank's stage plan table, the clocks it runs on every rank alike;
+        """solved: this rank's view of its pipeline's solve, with a frontier: what the policy
+        chooses from (the leader's whole one, the others' without clocks), this stage's plan
+        table (the clocks it runs, alike on every rank) and the profile measured for it;
         judge: where held iterations are judged as the device ends them (one of its own when
         None: fed by hand); signal: the straggler's post through the rendezvous store (None:
         none)."""
-        self.frontier = frontier
-        self.table = table
+        if solved.frontier is None or solved.table is None:
+            raise ValueError(f"stage {solved.stage} has no frontier to deploy ({solved.error})")
+        self.frontier = frontier = solved.frontier
+        self.table = solved.table
         self.schedule = schedule
-        self.measured = measured
+        self.measured = solved.measured
         self.policy = policy
         self.config = config
         self.comm = comm

@@ -412,8 +412,8 @@ class PerseusRuntime:
             self._set_phase(Phase.OBSERVING)
             return
         self.recovery_signal.disarm()  # a redeployment: the last one's straggler episodes are over
-        self.deployment = PlanDeployment(shipped.frontier, self.policy, self.config, self.comm, self.schedule,
-                                         shipped.measured, shipped.table, self.recovery_judge, self.recovery_signal)
+        self.deployment = PlanDeployment(shipped, self.policy, self.config, self.comm, self.schedule,
+                                         self.recovery_judge, self.recovery_signal)
         self.deployment.deploy(self.iteration)
         self._set_phase(Phase.DEPLOYED)
 
