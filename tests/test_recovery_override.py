@@ -284,36 +284,66 @@ def test_each_check_that_names_the_straggler_again_keeps_what_its_computations_s
 
 
 def test_a_computation_a_higher_clock_may_have_sped_up_is_no_evidence_of_model_speed():
-    """A 1.2x straggler whose computations follow a higher clock (landing late) or precede a
-    raise (issued early) can take their planned time while still slow: those never count
-    towards the recovery, and those a lower clock may have slowed never count as slow."""
+    """A 1.2x straggler whose computation runs, for part of it, at a higher clock (a change for
+    an earlier computation landing late, or the next one's raise issued early) can take its
+    planned time while still slow: it never counts towards the recovery; one a lower clock may
+    have slowed never counts as slow. Which clocks may be in force: those of the computations
+    ending less than a change's landing window before it starts, and the next one's."""
+    clocks, durations = (1410, 1005, 1005, 1005, 1410, 1410), (0.02,) * 6
+
+    def span(iteration: int, position: int, ratio: float, window_s: float = 0.0, before: float | None = 1410) -> Span:
+        start = HandMarker(100.0 + position)
+        return Span.of(iteration, start, HandMarker(100.0 + position + ratio * 0.02), clocks, durations, position,
+                       before, window_s)
+
+    def bends(position: int, window_s: float = 0.0, before: float | None = 1410) -> tuple[bool, bool]:
+        made = span(1, position, 1.0, window_s, before)
+        return made.may_run_fast, made.may_run_slow
+
+    assert bends(1) == (True, False)  # after 1410
+    assert bends(2) == (False, False)  # 1005 between 1005s
+    assert bends(3) == (True, False)  # the next one's raise, issued ahead
+    assert bends(4) == (False, True)  # after 1005
+    assert bends(5) == (False, False)
+    assert bends(0) == (False, True)  # the next one's lowering, issued ahead
+    assert bends(0, before=None) == (True, True)  # nothing known before the first
+    # A landing window of 30 ms reaches back two computations of 20 ms each.
+    assert bends(2, window_s=0.03) == (True, False) and bends(5, window_s=0.03) == (False, True)
     store = MemoryStore()
     straggler = RecoverySignal(store, "job", RecoveryJudge(), tolerance=0.025)
-    clocks = (1410, 1005, 1005, 1410)
-
-    def span(iteration: int, position: int, ratio: float, before: float) -> Span:
-        start = HandMarker(100.0 + position)
-        return Span.of(iteration, start, HandMarker(100.0 + position + ratio * 0.02), 0.02, before, clocks, position)
-
-    assert (span(1, 1, 1.0, 1410).may_run_fast, span(1, 1, 1.0, 1410).may_run_slow) == (True, False)
-    assert (span(1, 2, 1.0, 1005).may_run_fast, span(1, 2, 1.0, 1005).may_run_slow) == (True, False)  # raise next
-    assert (span(1, 3, 1.0, 1005).may_run_fast, span(1, 3, 1.0, 1005).may_run_slow) == (False, True)
-    assert (span(1, 0, 1.0, None).may_run_fast, span(1, 0, 1.0, None).may_run_slow) == (True, True)
     try:
         straggler.arm_straggler(2)
-        # Slow only where a lower clock before it could have lengthened it: not slow evidence.
-        for position in (3, 3, 3):
-            straggler.computation(span(10, position, 1.2, 1005))
+        # Slow only where a lower clock could have lengthened it: no evidence of a slow straggler.
+        for position in (4, 4, 4):
+            straggler.computation(span(10, position, 1.2))
         # Planned time only where a higher clock could have shortened it: no model speed.
-        for position in (1, 2, 1, 2):
-            straggler.computation(span(11, position, 1.0, 1410 if position == 1 else 1005))
+        for position in (1, 3, 1, 3):
+            straggler.computation(span(11, position, 1.0))
         time.sleep(0.2)
-        assert not straggler.posted
-        for _ in range(2):  # slow at a steady clock: evidence
-            straggler.computation(span(12, 0, 1.2, 1410))
+        assert not straggler.posted and not store.values
+        for _ in range(2):  # slow twice in a row at a steady clock: a slow straggler
+            straggler.computation(span(12, 5, 1.2))
+        assert wait_until(lambda: store.values.get("perseus-ext/job/straggler-state") == b"2:12:slow")
         for _ in range(2):  # at model speed at a steady clock: the recovery
-            straggler.computation(span(13, 0, 1.0, 1410))
+            straggler.computation(span(13, 5, 1.0))
         assert wait_until(lambda: straggler.posted == ["2:13:recovered"])
+    finally:
+        straggler.close()
+
+
+def test_a_straggler_slow_only_now_and_then_never_says_it_recovered():
+    """A straggler whose plan was solved from its own slow profile runs at its model speed; a
+    single computation that a ramp the rule cannot see made slow, now and then, is no slow
+    straggler: no post, however many computations run at model speed."""
+    store = MemoryStore()
+    straggler = RecoverySignal(store, "job", RecoveryJudge(), tolerance=0.025)
+    try:
+        straggler.arm_straggler(4)
+        for iteration in range(20, 26):
+            for span in spans(iteration, [1.0, 1.0, 1.2, 1.0, 1.0, 1.2, 1.0, 1.0]):
+                straggler.computation(span)
+        time.sleep(0.3)
+        assert straggler.watching and not straggler.posted and not store.values
     finally:
         straggler.close()
 

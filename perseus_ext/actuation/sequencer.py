@@ -166,6 +166,12 @@ class ClockSequencer:
         return marker
 
     @property
+    def landing_window_s(self) -> float:
+        """How far from the computation boundary it serves a clock change may take hold: the
+        switch latency, the ramp and the controller's typical delay."""
+        return self._ahead_s + self.controller.issue_delay.typical_s
+
+    @property
     def _ahead_s(self) -> float:
         """Switch latency plus ramp: how long before a clock is fully in force it is issued."""
         return 0.0 if self.latency is None else self.latency.issue_to_change_s + self.latency.transition_s

@@ -5,14 +5,16 @@ the end of the straggler's first recovered iteration, which the slowed pipeline 
 at its slowed plan by then (with a 1.2x straggler, that iteration takes 20 % longer than it
 needs to). The straggler pipeline knows much earlier: its ranks see each computation end on the
 device, and two computations in a row that take their model time again (against the plan's
-planned duration, within half the straggler threshold), after two that took longer than the
-threshold allows, say it has recovered. A clock change inside a computation bends its time one
-way only: a late one from a lower clock only lengthens it, a late one from a higher clock or an
-early raise for the next computation only shortens it. So a computation that no higher clock
-could have shortened is evidence of model speed when it takes its planned time, one that no
-lower clock could have lengthened is evidence of slowness when it takes longer, and neither is
-read the other way (it keeps the count of computations in a row). A straggler whose computations never ran slow (a slow
-link, a slow host) says nothing: the slowed pipelines' own waits tell its recovery.
+planned duration, within half the straggler threshold), after two in a row that took longer than
+the threshold allows, say it has recovered. A clock change inside a computation bends its time
+one way: one from a lower clock (landing late, or the next computation's lowering issued ahead)
+lengthens it, one from a higher clock shortens it. Which clocks may be in force during a
+computation: those of the computations that ended less than a change's landing window before it
+started, and the next one's. So a computation none of them is above is evidence of model speed
+when it takes its planned time, one none of them is below is evidence of slowness when it takes
+longer, and neither is read the other way (it keeps the counts of computations in a row). A
+straggler whose computations never ran slow (a slow link, a slow host, a plan solved from its
+own slow profile) says nothing: the slowed pipelines' own waits tell its recovery.
 
 The same key carries the other half: in each iteration in which the straggler's computations
 still run slow, it says so once. A slowed pipeline's own wait at the gradient sync can dip on a
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.005  # how often a slowed pipeline reads the key, and a straggler's thread looks for ended work
-AT_MODEL_SPEED_IN_A_ROW = 2  # computations at model speed in a row before the straggler says it recovered
+IN_A_ROW = 2  # computations in a row that show the straggler slow, then at model speed again
 JOIN_TIMEOUT_S = 1.0
 KEY = "perseus-ext/{job}/straggler-state"
 RECOVERED, SLOW = "recovered", "slow"  # what the key's value says of its iteration
@@ -77,15 +79,44 @@ class Span:
     may_run_slow: bool
 
     @classmethod
-    def of(cls, iteration: int, start: DeviceMarker, end: DeviceMarker, planned_s: float, clock_before: float | None,
-           clocks: tuple[int, ...], position: int) -> Span:
-        """Computation `position` of a plan with `clocks`, after one at `clock_before` MHz."""
-        own = clocks[position] if position < len(clocks) else None
-        after = clocks[position + 1] if position + 1 < len(clocks) else None
-        if own is None or clock_before is None:
-            return cls(iteration, start, end, planned_s, True, True)
-        return cls(iteration, start, end, planned_s, clock_before > own or (after is not None and after > own),
-                   clock_before < own)
+    def of(cls, iteration: int, start: DeviceMarker, end: DeviceMarker, clocks: tuple[int, ...],
+           durations_s: tuple[float, ...], position: int, clock_before: float | None, window_s: float) -> Span:
+        """Computation `position` of a plan with `clocks` and planned `durations_s`, the
+        iteration before having ended at `clock_before` MHz (None: unknown). A clock change lands
+        up to `window_s` late (the switch latency, the ramp, the controller's delay) or is
+        issued ahead for the next computation: the clock in force may be that of any
+        computation ending less than `window_s` before this one starts, or the next one's."""
+        own = clocks[position]
+        nearby: list[float | None] = [clocks[position + 1]] if position + 1 < len(clocks) else []
+        gap_s, j = 0.0, position - 1
+        while gap_s < window_s or j == position - 1:
+            nearby.append(clocks[j] if j >= 0 else clock_before)
+            if j < 0:
+                break
+            gap_s += durations_s[j]
+            j -= 1
+        if any(clock is None for clock in nearby):
+            return cls(iteration, start, end, durations_s[position], True, True)
+        return cls(iteration, start, end, durations_s[position], any(c > own for c in nearby),
+                   any(c < own for c in nearby))
+
+
+@dataclass(frozen=True)
+class _Counts:
+    """What the straggler's computations showed since it was named: whether `IN_A_ROW` of them
+    in a row ran slow (a slow straggler, not a clock change's artefact), and how many in a row
+    since ran at model speed."""
+
+    slow_in_a_row: int = 0
+    ran_slow: bool = False
+    at_speed_in_a_row: int = 0
+
+    def after(self, slow: bool, at_speed: bool, over_tolerance: bool) -> _Counts:
+        """One more computation: slow, at model speed, or neither (a clock change inside it may
+        have bent its time); `over_tolerance`: it took longer than its model allows."""
+        slow_in_a_row = self.slow_in_a_row + 1 if slow else (self.slow_in_a_row if over_tolerance else 0)
+        at_speed_in_a_row = 0 if over_tolerance else self.at_speed_in_a_row + at_speed
+        return _Counts(slow_in_a_row, self.ran_slow or slow_in_a_row >= IN_A_ROW, at_speed_in_a_row)
 
 
 class RecoverySignal:
@@ -108,7 +139,7 @@ class RecoverySignal:
         self.failure: str | None = None  # why the store was given up
         self.posted: list[str] = []  # what this rank posted (a straggler's ranks), for tests and logs
         self._posted_at: int | None = None  # the iteration this rank last told of a recovery in
-        self._counts = (0, 0)  # (slow computations seen, at model speed in a row) since this rank was named
+        self._counts = _Counts()  # what its computations showed since this rank was named the straggler
         self._slow_told: int | None = None  # the iteration this rank last said it ran slow in
 
     @property
@@ -123,7 +154,7 @@ class RecoverySignal:
         stale = self._posted_at is not None and self._posted_at >= window_start
         with self._lock:
             if self._straggler_check is None:  # newly named: the counts start afresh (each check re-arms)
-                self._counts = (0, 0)
+                self._counts = _Counts()
             self._straggler_check = check if self.usable and not stale else None
         self._start()
 
@@ -191,33 +222,27 @@ class RecoverySignal:
     def _judge_span(self, span: Span) -> None:
         """One ended computation of the straggler, counted; the post, once it has run slow
         (the straggler is this rank's computations, not its communication or its host) and then
-        `AT_MODEL_SPEED_IN_A_ROW` computations in a row at model speed."""
+        `IN_A_ROW` computations in a row at model speed."""
         check = self._straggler_check
         begin, end = span.start.device_time_s(), span.end.device_time_s()
         if check is None or begin is None or end is None or span.planned_s <= 0:
             return  # no device time: it says nothing
-        with self._lock:
-            slow, in_a_row = self._counts
         ratio = (end - begin) / span.planned_s
-        if ratio > 1.0 + 2 * self._tolerance and not span.may_run_slow:
-            slow += 1
-        if ratio > 1.0 + self._tolerance:
-            in_a_row = 0
-        elif not span.may_run_fast:
-            in_a_row += 1
+        slow = ratio > 1.0 + 2 * self._tolerance and not span.may_run_slow
+        at_speed = ratio <= 1.0 + self._tolerance and not span.may_run_fast
         with self._lock:
-            self._counts = (slow, in_a_row)
-        if in_a_row == 0 and slow and self._slow_told != span.iteration:  # still slow: said once an iteration
+            counts = self._counts = self._counts.after(slow, at_speed, ratio > 1.0 + self._tolerance)
+        if slow and counts.ran_slow and self._slow_told != span.iteration:  # still slow: said once an iteration
             if self._call(lambda: self._store.set(self._key, f"{check}:{span.iteration}:{SLOW}")):
                 self._slow_told = span.iteration
-        if in_a_row < AT_MODEL_SPEED_IN_A_ROW or slow < AT_MODEL_SPEED_IN_A_ROW:
+        if not counts.ran_slow or counts.at_speed_in_a_row < IN_A_ROW:
             return
         value = f"{check}:{span.iteration}:{RECOVERED}"
         if self._call(lambda: self._store.set(self._key, value)):
             self.posted.append(value)
             self._posted_at = span.iteration
             logger.debug("perseus-ext: this pipeline ran %d computations in a row at model speed in iteration %d: the "
-                         "straggler has recovered (told the slowed pipelines)", in_a_row, span.iteration)
+                         "straggler has recovered (told the slowed pipelines)", IN_A_ROW, span.iteration)
         with self._lock:
             if self._straggler_check == check:
                 self._straggler_check = None

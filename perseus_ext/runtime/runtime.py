@@ -184,12 +184,12 @@ class PerseusRuntime:
         """The straggler pipeline's computation, handed to the recovery signal's thread (which
         posts when the straggler runs at model speed again); a queue put."""
         durations = self.deployment.stage_durations(self.stage) if self.deployment is not None else None
-        trace = self.sequencer.trace
-        if durations is None or position >= len(durations) or not trace.spans:
+        spans = self.sequencer.trace.spans
+        if durations is None or position >= len(durations) or not spans:
             return
-        before = trace.spans[position - 1][2] if 0 < position <= len(trace.spans) else self._clock_before_iteration
-        self.recovery_signal.computation(Span.of(self.iteration, trace.spans[-1][0], end, durations[position], before,
-                                                 self.deployment.stage_clocks(self.stage), position))
+        self.recovery_signal.computation(Span.of(
+            self.iteration, spans[-1][0], end, self.deployment.stage_clocks(self.stage), durations, position,
+            self._clock_before_iteration, self.sequencer.landing_window_s))
 
     @_hook
     def mark_compute_end(self) -> None:
