@@ -4,7 +4,9 @@
 lead to) and `PerseusRuntime.reprofile` (what `set_train_micro_batch_size()` leads to) are checked on a single-process runtime with a virtual-clock simulated GPU; the DeepSpeed
 pieces run `examples/deepspeed/train.py` under torchrun over gloo with simulated A100s: a pipeline
 engine whose batch size changes after deployment, and a plain (non-pipeline) engine in observe
-and power-limit modes, which is all a job without a pipeline can use.
+and power-limit modes, which is all a job without a pipeline can use. Jobs whose claims hold under
+each other's load (phases at known iterations, the frontier's own times, exit codes) are launched
+side by side, so their start-ups overlap.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -183,22 +188,58 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_example(tmp_path: Path, perseus: dict, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    """examples/deepspeed/train.py under torchrun with `perseus` merged into its config."""
-    config = json.loads((REPO / "examples/deepspeed/ds_config.json").read_text())
-    config["perseus"] = {**config["perseus"], "profile_path": None, **FAST_PROFILING,
-                         "summary_path": str(tmp_path / "summary-{rank}.json"),
-                         "log_path": str(tmp_path / "log-{rank}.jsonl"), **perseus}
-    config_path = tmp_path / "ds_config.json"
-    config_path.write_text(json.dumps(config))
+@dataclass(frozen=True)
+class Launch:
+    """A torchrun job of the example (or of a test worker), started and not yet waited for."""
+
+    process: subprocess.Popen
+    directory: Path
+    started_s: float  # time.monotonic() at the start
+
+    def finish(self) -> subprocess.CompletedProcess:
+        """Wait for the job; one that outlives LAUNCH_TIMEOUT_S (from its start: jobs launched
+        side by side share the time) is killed with its ranks and fails."""
+        try:
+            stdout, stderr = self.process.communicate(
+                timeout=max(1.0, LAUNCH_TIMEOUT_S - (time.monotonic() - self.started_s)))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)  # the launcher and its ranks, in their own session
+            stdout, stderr = self.process.communicate()
+            raise AssertionError(f"the job did not finish within {LAUNCH_TIMEOUT_S} s:\n{stderr[-3000:]}") from None
+        return subprocess.CompletedProcess(self.process.args, self.process.returncode, stdout, stderr)
+
+
+def start_torchrun(directory: Path, script: Path, *args: str, nproc: int = 2) -> Launch:
+    """`script` under torchrun over gloo in `directory`, in its own session (killed as a whole)."""
+    directory.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return subprocess.run(
+    started_s = time.monotonic()
+    process = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-         "--master_port", str(_free_port()), str(REPO / "examples/deepspeed/train.py"),
-         "--deepspeed_config", str(config_path), *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
+         "--master_port", str(_free_port()), str(script), *args],
+        cwd=directory, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
+    return Launch(process, directory, started_s)
+
+
+def example_config(directory: Path, perseus: dict) -> Path:
+    """examples/deepspeed's config with `perseus` merged into its section, written to `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = json.loads((REPO / "examples/deepspeed/ds_config.json").read_text())
+    config["perseus"] = {**config["perseus"], "profile_path": None, **FAST_PROFILING,
+                         "summary_path": str(directory / "summary-{rank}.json"),
+                         "log_path": str(directory / "log-{rank}.jsonl"), **perseus}
+    config_path = directory / "ds_config.json"
+    config_path.write_text(json.dumps(config))
+    return config_path
+
+
+def start_example(directory: Path, perseus: dict, *args: str, nproc: int = 2) -> Launch:
+    """examples/deepspeed/train.py under torchrun with `perseus` merged into its config."""
+    config_path = example_config(directory, perseus)
+    return start_torchrun(directory, REPO / "examples/deepspeed/train.py", "--deepspeed_config", str(config_path),
+                          *args, nproc=nproc)
 
 
 def summaries(tmp_path: Path, ranks: int) -> list[dict]:
@@ -210,44 +251,50 @@ def log_phases(tmp_path: Path, rank: int) -> dict[int, str]:
     return {record["iteration"]: record["phase"] for record in map(json.loads, lines)}
 
 
+@pytest.fixture(scope="module")
+def batch_size_jobs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """The two pipeline jobs whose batch changes after deployment, launched side by side (their
+    claims are about phases at known iterations and the frontier's own times)."""
+    pytest.importorskip("deepspeed")
+    root = tmp_path_factory.mktemp("batch-size")
+    launches = {
+        "train_batch": start_example(root / "train_batch", {}, "--iterations", "18", "--set-train-batch-size", "12", "24"),
+        # Micro batch 4 -> 8 before iteration 10 of 22.
+        "micro_batch": start_torchrun(root / "micro_batch", REPO / "tests/deepspeed_microbatch_worker.py",
+                                      str(example_config(root / "micro_batch", {})), str(root / "micro_batch"),
+                                      "10", "22"),
+    }
+    return {name: (launch.finish(), launch.directory) for name, launch in launches.items()}
+
+
 @needs_deepspeed
-def test_set_train_batch_size_replans_instead_of_falling_back(tmp_path):
-    completed = run_example(tmp_path, {}, "--iterations", "18", "--set-train-batch-size", "12", "24")
+def test_set_train_batch_size_replans_instead_of_falling_back(batch_size_jobs):
+    completed, directory = batch_size_jobs["train_batch"]
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output[-4000:]
-    for rank, summary in enumerate(summaries(tmp_path, 2)):
+    for rank, summary in enumerate(summaries(directory, 2)):
         assert summary["fallback_reason"] is None
         assert summary["final_phase"] == "deployed" and len(summary["profiled_clocks"]) >= 2
         assert summary["plan_switches"][0]["iteration"] == 12  # redeployed on the new frontier
-        phases = log_phases(tmp_path, rank)
+        phases = log_phases(directory, rank)
         assert phases[11] == "deployed" and phases[12] == "solving"
         assert all(phases[i] == "deployed" for i in range(13, 18))
     assert "microbatches': 6" in output  # gradient accumulation 4 -> 6
 
 
 @needs_deepspeed
-def test_set_train_micro_batch_size_profiles_again_instead_of_keeping_a_stale_profile(tmp_path):
+def test_set_train_micro_batch_size_profiles_again_instead_of_keeping_a_stale_profile(batch_size_jobs):
     """Micro batch 4 -> 8 before iteration 10 (the simulated work per computation doubles with
     it): every rank warms up, profiles and deploys again, on a frontier twice as long."""
-    config = json.loads((REPO / "examples/deepspeed/ds_config.json").read_text())
-    config["perseus"] = {**config["perseus"], **FAST_PROFILING, "profile_path": None,
-                         "log_path": str(tmp_path / "log-{rank}.jsonl"),
-                         "summary_path": str(tmp_path / "summary-{rank}.json")}
-    (tmp_path / "ds_config.json").write_text(json.dumps(config))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    completed = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-         str(REPO / "tests/deepspeed_microbatch_worker.py"), str(tmp_path / "ds_config.json"), str(tmp_path), "10", "22"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    completed, directory = batch_size_jobs["micro_batch"]
     output = completed.stdout + completed.stderr
     assert completed.returncode == 0, output[-4000:]
-    for rank, summary in enumerate(summaries(tmp_path, 2)):
+    for rank, summary in enumerate(summaries(directory, 2)):
         assert summary["fallback_reason"] is None and summary["final_phase"] == "deployed"
-        phases = log_phases(tmp_path, rank)
+        phases = log_phases(directory, rank)
         assert phases[9] == "deployed" and phases[10] == "warmup" and phases[11] == "profiling"
         assert phases[21] == "deployed"
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        result = json.loads((directory / f"rank{rank}.json").read_text())
         assert result["micro_batch_size"] == 8
         assert 1.7 < result["fastest_after_s"] / result["fastest_before_s"] < 2.3
     assert "train_micro_batch_size_per_gpu 4 -> 8" in output
@@ -256,31 +303,46 @@ def test_set_train_micro_batch_size_profiles_again_instead_of_keeping_a_stale_pr
 PLAIN_WORKLOAD = {"simulated_workload": {"forward_seconds": 0.01, "backward_seconds": 0.02}}
 
 
-@needs_deepspeed
-def test_plain_engine_observe_mode_measures_every_iteration(tmp_path):
-    completed = run_example(tmp_path, {"mode": "observe", **PLAIN_WORKLOAD}, "--stages", "0", "--iterations", "6")
-    assert completed.returncode == 0, (completed.stdout + completed.stderr)[-4000:]
-    for rank, summary in enumerate(summaries(tmp_path, 2)):
-        assert summary["fallback_reason"] is None and summary["final_phase"] == "observing"
-        assert summary["pipeline"] == rank  # each data-parallel rank is its own "pipeline"
-        assert set(log_phases(tmp_path, rank).values()) == {"observing"}
-        assert len(log_phases(tmp_path, rank)) == 6
-
-
-@needs_deepspeed
-def test_plain_engine_power_limit_mode_settles_on_a_limit(tmp_path):
+@pytest.fixture(scope="module")
+def plain_engine_jobs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """The non-pipeline engine's jobs (observe, power limit, optimize), launched side by side."""
+    pytest.importorskip("deepspeed")
+    root = tmp_path_factory.mktemp("plain-engine")
     policy = {"type": "zeus", "mode": "power_limit",
               "power_limit": {"warmup_iters": 0, "profile_iters": 1, "step_w": 100}}
-    completed = run_example(tmp_path, {"policy": policy, **PLAIN_WORKLOAD}, "--stages", "0", "--iterations", "10")
+    launches = {
+        "observe": start_example(root / "observe", {"mode": "observe", **PLAIN_WORKLOAD},
+                                 "--stages", "0", "--iterations", "6"),
+        "power_limit": start_example(root / "power_limit", {"policy": policy, **PLAIN_WORKLOAD},
+                                     "--stages", "0", "--iterations", "10"),
+        "optimize": start_example(root / "optimize", PLAIN_WORKLOAD, "--stages", "0", "--iterations", "2", nproc=1),
+    }
+    return {name: (launch.finish(), launch.directory) for name, launch in launches.items()}
+
+
+@needs_deepspeed
+def test_plain_engine_observe_mode_measures_every_iteration(plain_engine_jobs):
+    completed, directory = plain_engine_jobs["observe"]
     assert completed.returncode == 0, (completed.stdout + completed.stderr)[-4000:]
-    for summary in summaries(tmp_path, 2):
+    for rank, summary in enumerate(summaries(directory, 2)):
+        assert summary["fallback_reason"] is None and summary["final_phase"] == "observing"
+        assert summary["pipeline"] == rank  # each data-parallel rank is its own "pipeline"
+        assert set(log_phases(directory, rank).values()) == {"observing"}
+        assert len(log_phases(directory, rank)) == 6
+
+
+@needs_deepspeed
+def test_plain_engine_power_limit_mode_settles_on_a_limit(plain_engine_jobs):
+    completed, directory = plain_engine_jobs["power_limit"]
+    assert completed.returncode == 0, (completed.stdout + completed.stderr)[-4000:]
+    for summary in summaries(directory, 2):
         assert summary["fallback_reason"] is None and summary["final_phase"] == "power_limit"
         assert summary["policy"]["limit_w"] is not None and len(summary["policy"]["measurements"]) >= 2
 
 
 @needs_deepspeed
-def test_plain_engine_optimize_mode_is_a_clear_error(tmp_path):
-    completed = run_example(tmp_path, PLAIN_WORKLOAD, "--stages", "0", "--iterations", "2", nproc=1)
+def test_plain_engine_optimize_mode_is_a_clear_error(plain_engine_jobs):
+    completed, _ = plain_engine_jobs["optimize"]
     assert completed.returncode != 0
     assert "perseus.mode 'optimize' plans GPU clocks across pipeline stages" in completed.stderr
     assert "PipelineModule" in completed.stderr

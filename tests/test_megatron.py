@@ -1,12 +1,15 @@
 """Megatron end to end: the tiny GPT of examples/megatron_gpt3 on megatron-core's real pipeline
 schedules, CPU processes over gloo, one simulated A100 per rank.
 
-Each layout is launched once (torchrun, module-scoped fixture) and trains several times in the
-same processes: `--perseus` off, `--perseus --perseus-mode observe` (default clocks, measured:
-the energy baseline, since nothing measures energy without the runtime) and `--perseus`
-(profile, solve, deploy), plus a straggler or misplanned run. Energy per iteration is summed
-over all ranks; iteration time is the slowest rank's. Medians over the steady iterations keep
-the 2-core machine's scheduling noise out of the comparison.
+The layouts that use the same number of processes share one torchrun job (module-scoped
+fixture, `tests/megatron_layouts.py`: megatron's import and the process group's start-up are
+paid once; each layout starts on a fresh model-parallel state and keeps its own directory and
+output), and each layout trains several times in the same processes: `--perseus` off,
+`--perseus --perseus-mode observe` (default clocks, measured: the energy baseline, since nothing
+measures energy without the runtime) and `--perseus` (profile, solve, deploy), plus a straggler
+or misplanned run. Energy per iteration is summed over all ranks; iteration time is the slowest
+rank's. Medians over the steady iterations keep the 2-core machine's scheduling noise out of the
+comparison.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is the optional 'mega
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "megatron_gpt3" / "pretrain_gpt3.py"
-LAUNCHER = ROOT / "tests" / "megatron_cpu.py"
+LAUNCHER = ROOT / "tests" / "megatron_layouts.py"
 
 TINY = ["--model", "tiny", "--seq-length", "32", "--vocab-size", "128", "--micro-batch-size", "1"]
 ITERATIONS = 17
@@ -52,6 +55,8 @@ MAX_TIME_INCREASE = 0.01  # the issue's bound on the iteration-time cost of Pers
 # gets that much slack on top; the planned time is held to the exact bound.
 MEASUREMENT_NOISE = 0.02
 MODEL_TOLERANCE = 0.05  # the deployed plan's model time against the devices' (the demo's model check)
+# A shared job trains several layouts one after the other: the test that starts it waits for all.
+pytestmark = pytest.mark.timeout(900)
 
 
 @dataclass
@@ -98,22 +103,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(tmp: Path, nproc: int, layout: list[str], runs: dict[str, dict], timeout: int) -> dict[str, Run]:
-    """Train every run of `runs` (name -> {"perseus": None | "observe" | "optimize", "env",
-    "misplan", "cpu_graphs", "iterations", "argv"}) in one torchrun job of `nproc` CPU processes."""
+def launch(tmp: Path, nproc: int, layouts: dict[str, tuple[list[str], dict[str, dict]]],
+           timeout: int) -> dict[str, dict]:
+    """Train every layout's runs (layout name -> (parallel flags, runs); a run: name ->
+    {"perseus": None | "observe" | "optimize", "env", "misplan", "cpu_graphs", "iterations",
+    "argv"}) in one torchrun job of `nproc` CPU processes, layout after layout. Per layout: its
+    runs (`Run`), its part of the job's output ("output") and its directory `tmp / layout`
+    ("dir"), which holds its runs' files."""
+    from megatron_layouts import split_output
+
     config = tmp / "perseus.json"
     config.write_text(json.dumps(PERSEUS))
     entries = []
-    for name, run in runs.items():
-        argv = TINY + layout + run.get("argv", []) + [
-            "--train-iters", str(run.get("iterations", ITERATIONS)),
-            "--metrics-file", str(tmp / f"{name}.json"),
-        ]
-        if run["perseus"] is not None:
-            argv += ["--perseus", "--perseus-config", str(config), "--perseus-mode",
-                     run["perseus"], "--perseus-log-path", str(tmp / f"{name}-{{rank}}.jsonl")]
-        entries.append({"argv": argv, "env": run.get("env", {}), "misplan": run.get("misplan", False),
-                        "cpu_graphs": run.get("cpu_graphs", False)})
+    for layout_name, (layout, runs) in layouts.items():
+        directory = tmp / layout_name
+        directory.mkdir(exist_ok=True)
+        for name, run in runs.items():
+            argv = TINY + layout + run.get("argv", []) + [
+                "--train-iters", str(run.get("iterations", ITERATIONS)),
+                "--metrics-file", str(directory / f"{name}.json"),
+            ]
+            if run["perseus"] is not None:
+                argv += ["--perseus", "--perseus-config", str(config), "--perseus-mode",
+                         run["perseus"], "--perseus-log-path", str(directory / f"{name}-{{rank}}.jsonl")]
+            entries.append({"group": layout_name, "argv": argv, "env": run.get("env", {}),
+                            "misplan": run.get("misplan", False), "cpu_graphs": run.get("cpu_graphs", False)})
     runs_file = tmp / "runs.json"
     runs_file.write_text(json.dumps(entries))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -121,24 +135,26 @@ def launch(tmp: Path, nproc: int, layout: list[str], runs: dict[str, dict], time
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(LAUNCHER), "--runs", str(runs_file), str(SCRIPT),
+        str(LAUNCHER), str(runs_file), str(SCRIPT),
     ]
     try:
         result = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True,
                                 timeout=timeout)
     except subprocess.TimeoutExpired as expired:
         pytest.fail(f"megatron run timed out after {timeout} s:\n{(expired.stdout or '')[-4000:]}")
-    output = result.stdout + result.stderr
-    (tmp / "output.log").write_text(output)
-    assert result.returncode == 0, output[-6000:]
+    (tmp / "output.log").write_text(result.stdout + result.stderr)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    names = list(layouts)
+    stdout, stderr = split_output(result.stdout, names), split_output(result.stderr, names)
     done = {}
-    for name in runs:
-        log = []
-        for path in sorted(tmp.glob(f"{name}-*.jsonl")):
-            log += [json.loads(line) for line in path.read_text().splitlines()]
-        done[name] = Run(name, json.loads((tmp / f"{name}.json").read_text()), log, nproc)
-    done["output"] = output
-    done["dir"] = tmp
+    for layout_name, (_, runs) in layouts.items():
+        directory = tmp / layout_name
+        done[layout_name] = {"output": stdout[layout_name] + stderr[layout_name], "dir": directory}
+        for name in runs:
+            log = []
+            for path in sorted(directory.glob(f"{name}-*.jsonl")):
+                log += [json.loads(line) for line in path.read_text().splitlines()]
+            done[layout_name][name] = Run(name, json.loads((directory / f"{name}.json").read_text()), log, nproc)
     return done
 
 
@@ -182,11 +198,25 @@ def check_energy_drops_time_holds_losses_equal(runs: dict[str, Run]) -> dict[str
     return figures
 
 
-# ----------------------------------------------------------------------------- PP=2
+# ----------------------------------------------------------------------------- the jobs
 @pytest.fixture(scope="module")
-def pp2(tmp_path_factory) -> dict[str, Run]:
-    tmp = tmp_path_factory.mktemp("megatron_pp2")
-    return launch(tmp, 2, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"], {
+def two_process_job(tmp_path_factory) -> dict[str, dict]:
+    """PP=2, PP=2 with a batch-size ramp-up, interleaved PP=2 x VPP=2 and PP=1 (DP=2)."""
+    tmp = tmp_path_factory.mktemp("megatron_2_processes")
+    return launch(tmp, 2, {"pp2": pp2_layout(tmp / "pp2"), "rampup": RAMPUP, "interleaved": INTERLEAVED,
+                           "no_pipeline": no_pipeline_layout()}, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def four_process_job(tmp_path_factory) -> dict[str, dict]:
+    """PP=2 x DP=2 and interleaved PP=2 x VPP=2 x DP=2."""
+    tmp = tmp_path_factory.mktemp("megatron_4_processes")
+    return launch(tmp, 4, {"pp2_dp2": PP2_DP2, "interleaved_dp2": INTERLEAVED_DP2}, timeout=500)
+
+
+# ----------------------------------------------------------------------------- PP=2
+def pp2_layout(directory: Path) -> tuple[list[str], dict[str, dict]]:
+    return ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"], {
         "off": {"perseus": None},
         "observe": {"perseus": "observe", "iterations": 10},
         "optimize": {"perseus": "optimize"},
@@ -194,8 +224,13 @@ def pp2(tmp_path_factory) -> dict[str, Run]:
         # As a Megatron user watches a run: the example's --tensorboard-dir (the last rank's
         # SummaryWriter), with baseline probes for a measured saving.
         "monitored": {"perseus": "optimize", "iterations": 24,
-                      "argv": ["--tensorboard-dir", str(tmp / "tensorboard"), "--perseus-baseline-fraction", "0.25"]},
-    }, timeout=330)
+                      "argv": ["--tensorboard-dir", str(directory / "tensorboard"), "--perseus-baseline-fraction", "0.25"]},
+    }
+
+
+@pytest.fixture(scope="module")
+def pp2(two_process_job) -> dict[str, Run]:
+    return two_process_job["pp2"]
 
 
 def test_pp2_perseus_saves_energy_at_the_same_speed(pp2):
@@ -259,17 +294,19 @@ def test_pp2_tensorboard_gets_the_perseus_metrics_and_the_job_figure_is_the_repo
 
 
 # ----------------------------------------------------------------------------- PP=2 x DP=2
+# Megatron's rank order is tp-cp-ep-dp-pp: ranks 0,1 are stage 0 of pipelines 0,1 and ranks
+# 2,3 their stage 1, so pipeline 1 = ranks 1 and 3.
+PP2_DP2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"], {
+    "off": {"perseus": None},
+    "observe": {"perseus": "observe", "iterations": 10},
+    "optimize": {"perseus": "optimize"},
+    "straggler": {"perseus": "optimize", "argv": STRAGGLER_GPU, "iterations": 17},
+}
+
+
 @pytest.fixture(scope="module")
-def pp2_dp2(tmp_path_factory) -> dict[str, Run]:
-    tmp = tmp_path_factory.mktemp("megatron_pp2_dp2")
-    # Megatron's rank order is tp-cp-ep-dp-pp: ranks 0,1 are stage 0 of pipelines 0,1 and ranks
-    # 2,3 their stage 1, so pipeline 1 = ranks 1 and 3.
-    return launch(tmp, 4, ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"], {
-        "off": {"perseus": None},
-        "observe": {"perseus": "observe", "iterations": 10},
-        "optimize": {"perseus": "optimize"},
-        "straggler": {"perseus": "optimize", "argv": STRAGGLER_GPU, "iterations": 17},
-    }, timeout=420)
+def pp2_dp2(four_process_job) -> dict[str, Run]:
+    return four_process_job["pp2_dp2"]
 
 
 def test_pp2_dp2_perseus_saves_energy_at_the_same_speed(pp2_dp2):
@@ -307,16 +344,17 @@ def test_pp2_dp2_straggler_slows_the_other_pipeline_to_match(pp2_dp2):
 
 
 # ----------------------------------------------------------------------------- interleaved
+INTERLEAVED = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+               "--global-batch-size", "4"], {
+    "off": {"perseus": None},
+    "observe": {"perseus": "observe", "iterations": 10},
+    "optimize": {"perseus": "optimize"},
+}
+
+
 @pytest.fixture(scope="module")
-def interleaved(tmp_path_factory) -> dict[str, Run]:
-    tmp = tmp_path_factory.mktemp("megatron_vpp")
-    layout = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
-              "2", "--global-batch-size", "4"]
-    return launch(tmp, 2, layout, {
-        "off": {"perseus": None},
-        "observe": {"perseus": "observe", "iterations": 10},
-        "optimize": {"perseus": "optimize"},
-    }, timeout=240)
+def interleaved(two_process_job) -> dict[str, Run]:
+    return two_process_job["interleaved"]
 
 
 def test_interleaved_perseus_saves_energy_at_the_same_speed(interleaved):
@@ -342,13 +380,13 @@ def pipeline_compute_s(run: Run, pipeline: int, keep) -> float:
 
 
 # ----------------------------------------------------------------------------- interleaved x DP=2
+INTERLEAVED_DP2 = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+                   "--global-batch-size", "8"], {"straggler": {"perseus": "optimize", "argv": STRAGGLER_GPU}}
+
+
 @pytest.fixture(scope="module")
-def interleaved_dp2(tmp_path_factory) -> dict[str, Run]:
-    tmp = tmp_path_factory.mktemp("megatron_vpp_dp2")
-    layout = ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size",
-              "2", "--global-batch-size", "8"]
-    return launch(tmp, 4, layout, {"straggler": {"perseus": "optimize", "argv": STRAGGLER_GPU}},
-                  timeout=280)
+def interleaved_dp2(four_process_job) -> dict[str, Run]:
+    return four_process_job["interleaved_dp2"]
 
 
 def test_interleaved_model_matches_the_measured_iteration(interleaved_dp2):
@@ -379,16 +417,16 @@ def test_interleaved_straggler_slows_the_healthy_pipeline_just_enough(interleave
 
 
 # ----------------------------------------------------------------------------- batch-size ramp-up
+# PP=2, 2 microbatches for 12 iterations (deployed by then), then 4.
+RAMPUP = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--rampup-batch-size", "2", "2", "24"], {
+    "off": {"perseus": None, "iterations": 20},
+    "optimize": {"perseus": "optimize", "iterations": 20},
+}
+
+
 @pytest.fixture(scope="module")
-def rampup(tmp_path_factory) -> dict[str, Run]:
-    """PP=2, 2 microbatches for 12 iterations (deployed by then), then 4."""
-    tmp = tmp_path_factory.mktemp("megatron_rampup")
-    layout = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
-              "--rampup-batch-size", "2", "2", "24"]
-    return launch(tmp, 2, layout, {
-        "off": {"perseus": None, "iterations": 20},
-        "optimize": {"perseus": "optimize", "iterations": 20},
-    }, timeout=240)
+def rampup(two_process_job) -> dict[str, Run]:
+    return two_process_job["rampup"]
 
 
 def test_a_new_number_of_microbatches_is_planned_anew(rampup):
@@ -407,17 +445,20 @@ def test_a_new_number_of_microbatches_is_planned_anew(rampup):
 
 
 # ----------------------------------------------------------------------------- PP=1
-@pytest.fixture(scope="module")
-def no_pipeline(tmp_path_factory) -> dict[str, Run]:
-    tmp = tmp_path_factory.mktemp("megatron_pp1")
+def no_pipeline_layout() -> tuple[list[str], dict[str, dict]]:
     power_limit = {"type": "zeus", "mode": "power_limit",
                    "power_limit": {"warmup_iters": 0, "profile_iters": 1, "step_w": 100}}
     one_stage = ["--perseus-simulated-workload", '{"forward_seconds": 0.02, "backward_seconds": 0.04}']
-    return launch(tmp, 2, ["--pipeline-model-parallel-size", "1", "--global-batch-size", "4"], {
+    return ["--pipeline-model-parallel-size", "1", "--global-batch-size", "4"], {
         "observe": {"perseus": "observe", "iterations": 6, "argv": one_stage},
         "power_limit": {"perseus": "optimize", "iterations": 12,
                         "argv": one_stage + ["--perseus-policy", json.dumps(power_limit)]},
-    }, timeout=240)
+    }
+
+
+@pytest.fixture(scope="module")
+def no_pipeline(two_process_job) -> dict[str, Run]:
+    return two_process_job["no_pipeline"]
 
 
 def test_no_pipeline_observe_and_power_limit_modes_run(no_pipeline):

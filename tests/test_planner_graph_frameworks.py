@@ -356,11 +356,16 @@ def _solver_against_milp(orders, placement, profile: Profile) -> float:
 
 MILP_TIME_LIMIT_S, MILP_GAP = 20.0, 2e-3
 MILP_SIZES = [(2, 4), (2, 8)]  # (ranks, microbatches): 35 to 100 computations, 6 clocks each
+# Every torch schedule class at 2 ranks x 4 microbatches, and DualPipeV, whose MILP HiGHS solves
+# in seconds, at 8 as well. At 6 or 8 microbatches the interleaved and zero-bubble graphs keep the
+# MILP busy for 20 to 60 s a graph on two cores, at some deadlines up to its time limit, where it
+# yields its best plan rather than the optimum (tests/test_milp_new_shapes.py holds the
+# zero-bubble graphs at 4 ranks x 8 microbatches to the MILP on a three-clock profile).
+TORCH_MILP_CASES = [(2, 4, name) for name in sorted(MULTI_STAGE)] + [(2, 8, "ScheduleDualPipeV")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MULTI_STAGE))
-@pytest.mark.parametrize("ranks, microbatches", MILP_SIZES)
+@pytest.mark.parametrize("ranks, microbatches, name", TORCH_MILP_CASES)
 def test_solver_within_0_1_percent_of_the_milp_on_torch_graphs(stage_profiles, name, ranks, microbatches) -> None:
     order, rank_of = torch_pipeline_order(name, ranks, microbatches)
     orders, placement = convert(order, rank_of)

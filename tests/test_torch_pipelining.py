@@ -136,15 +136,28 @@ def _check_deployed(done: Job, results: list[dict], ranks: int, chunks: int, exi
         assert [sum(a.startswith("R") for a in order) for order in orders] == [chunks] * len(orders)
 
 
-def test_1f1b_deploys_and_an_exception_exit_restores_the_clocks(tmp_path):
+@pytest.fixture(scope="module")
+def deploying_jobs(tmp_path_factory) -> dict[str, Job]:
+    """The two-rank Schedule1F1B job that dies at step 15 and the ScheduleInterleaved1F1B job,
+    launched side by side. The 1F1B job's simulated GPUs keep their state in its directory's
+    gpu-state/gpu<rank>.json."""
+    root = tmp_path_factory.mktemp("deploying")
+    states = root / "1f1b" / "gpu-state"
+    states.mkdir(parents=True)
+    gpu = f"sim:a100_sxm?state_file={states}/gpu{{rank}}.json"
+    launches = {
+        "1f1b": _start(root / "1f1b", "Schedule1F1B", iterations=16, extra=("--raise-at", "15"), perseus={"gpu": gpu}),
+        "interleaved": _start(root / "interleaved", "ScheduleInterleaved1F1B", iterations=INTERLEAVED_ITERATIONS),
+    }
+    return {name: _finish(*launch) for name, launch in launches.items()}
+
+
+def test_1f1b_deploys_and_an_exception_exit_restores_the_clocks(deploying_jobs):
     """Schedule1F1B profiles, solves and deploys; the script then dies with an exception in its
     training loop, and interpreter exit restores the clocks (read back from the simulated GPUs'
     state files once the processes are gone)."""
-    states = tmp_path / "gpu-state"
-    states.mkdir()
-    gpu = f"sim:a100_sxm?state_file={states}/gpu{{rank}}.json"
-    done, results = _launch(tmp_path, "Schedule1F1B", iterations=16, extra=("--raise-at", "15"),
-                            perseus={"gpu": gpu})
+    done = deploying_jobs["1f1b"]
+    results, states = done.results, done.directory / "gpu-state"
     assert done.returncode != 0 and "InjectedFailure: injected failure before step 15" in done.stderr
     assert [r["failed_at"] for r in results] == [15, 15]
     _check_deployed(done, results, ranks=2, chunks=1, exited=False)
@@ -156,8 +169,9 @@ def test_1f1b_deploys_and_an_exception_exit_restores_the_clocks(tmp_path):
         assert state["locked_sm_clock"] is None, state
 
 
-def test_interleaved_1f1b_deploys_per_chunk_clocks_and_trains_the_same_model(tmp_path, short_jobs):
-    done, results = _launch(tmp_path, "ScheduleInterleaved1F1B", iterations=INTERLEAVED_ITERATIONS)
+def test_interleaved_1f1b_deploys_per_chunk_clocks_and_trains_the_same_model(deploying_jobs, short_jobs):
+    done = deploying_jobs["interleaved"]
+    results = done.results
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     _check_deployed(done, results, ranks=2, chunks=2, exited=True)
     assert [r["summary"]["torch_pipelining"]["actions"] for r in results] == [4 * MICROBATCHES + 2] * 2
