@@ -104,17 +104,25 @@ def run_many(script: str, runs_file: str) -> None:
         runs = json.load(handle)
     module = runpy.run_path(script, run_name="megatron_cpu_script")
     for run in runs:
-        saved_env = dict(os.environ)
-        os.environ.update(run.get("env", {}))
+        run_one(module, run)
+    module["shutdown"]()
+
+
+def run_one(module: dict, run: dict) -> None:
+    """One run's `main(argv)` of a script loaded with `runpy.run_path`, under the run's
+    environment variables and, on request, a misplanned order or CPU CUDA graphs."""
+    saved_env = dict(os.environ)
+    os.environ.update(run.get("env", {}))
+    try:
         with contextlib.ExitStack() as stack:
             if run.get("misplan"):
                 stack.enter_context(misplanned_schedules())
             if run.get("cpu_graphs"):
                 stack.enter_context(cpu_cuda_graphs())
             module["main"](run["argv"])
+    finally:
         os.environ.clear()
         os.environ.update(saved_env)
-    module["shutdown"]()
 
 
 def main() -> None:

@@ -15,7 +15,6 @@ the first of its markers and the first of the next group's, on either stream.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import runpy
@@ -54,7 +53,7 @@ def _start_group(group: str) -> None:
 
 
 def run_groups(script: str, runs_file: str) -> None:
-    from megatron_cpu import cpu_cuda_graphs, misplanned_schedules
+    from megatron_cpu import run_one
 
     with open(runs_file, encoding="utf-8") as handle:
         runs = json.load(handle)
@@ -64,16 +63,7 @@ def run_groups(script: str, runs_file: str) -> None:
         if run["group"] != group:
             group = run["group"]
             _start_group(group)
-        saved_env = dict(os.environ)
-        os.environ.update(run.get("env", {}))
-        with contextlib.ExitStack() as stack:
-            if run.get("misplan"):
-                stack.enter_context(misplanned_schedules())
-            if run.get("cpu_graphs"):
-                stack.enter_context(cpu_cuda_graphs())
-            module["main"](run["argv"])
-        os.environ.clear()
-        os.environ.update(saved_env)
+        run_one(module, run)
     sys.stdout.flush()
     sys.stderr.flush()
     module["shutdown"]()
