@@ -204,6 +204,52 @@ def test_sigterm_while_blocked_in_a_collective_restores_clocks_and_ends_the_proc
             process.wait()
 
 
+HELD_LOCK_TRAINER = textwrap.dedent(
+    """
+    import os, signal, sys, threading
+    from perseus_ext.actuation import exit_guard
+
+    lock = threading.Lock()  # e.g. a controller's change queue, taken by the training thread
+
+    class Controller:
+        restore_error = None
+        closed = False
+
+        def close(self):  # idempotent, as a controller's (atexit closes again)
+            with lock:  # the restore needs what the interrupted main thread holds
+                if not self.closed:
+                    self.closed = True
+                    print("restored", flush=True)
+
+    class Runtime:
+        def interrupted(self, signal_name, clocks_restored):
+            print(f"summary: {signal_name} {clocks_restored}", flush=True)
+
+    controller, runtime = Controller(), Runtime()
+    exit_guard.register(controller, handle_signals=True)
+    exit_guard.on_interrupt(runtime)
+    with lock:
+        os.kill(os.getpid(), int(sys.argv[1]))  # the handler runs before the lock is released
+        for _ in range(1000):
+            pass
+    """
+)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT])
+def test_a_signal_while_the_main_thread_holds_a_lock_the_restore_needs_restores_once_it_is_released(signum):
+    """Python runs the handler in the main thread between two bytecodes, possibly inside a
+    locked region; a restore run right there waited for ever (a hang at Ctrl-C). The restore
+    runs on its own thread: the handler waits a bounded time, KeyboardInterrupt unwinds and
+    releases the lock, and the restore and the summary follow before the process ends."""
+    started = time.monotonic()
+    process = subprocess.run([sys.executable, "-c", HELD_LOCK_TRAINER, str(int(signum))], capture_output=True,
+                             text=True, env=ENV, timeout=30)
+    assert time.monotonic() - started < 30
+    assert process.returncode != 0 and "KeyboardInterrupt" in process.stderr, process.stderr[-2000:]
+    assert process.stdout.splitlines() == ["restored", f"summary: {signal.Signals(signum).name} True"], process.stdout
+
+
 # --------------------------------------------------------------------------- the orders across the boundary
 @pytest.mark.parametrize("target", [
     SimRestoreSpec(preset="a100_sxm", state_file="/tmp/gpu.json"),

@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 MAIN_THREAD_GRACE_S = 0.5  # how long the main thread gets to run the handler itself
+# How long the main thread's handler waits for the restore it started on its own thread before
+# the signal goes on: the restore may need a lock the interrupted main thread holds.
+RESTORE_WAIT_S = 5.0
 
 
 class Closable(Protocol):
@@ -116,10 +119,19 @@ def unregister(controller: Closable) -> None:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    """Restore clocks first, then let the signal do what it did before (usually: end us)."""
+    """Restore clocks first, then let the signal do what it did before (usually: end us).
+
+    The handler runs between two bytecodes of the main thread, which may hold a lock at that
+    moment (a controller's change queue, the simulated device's): a restore that needs it would
+    wait for ever on the thread that holds it. So the restore runs on a thread of its own, which
+    the handler waits for at most `RESTORE_WAIT_S`; past that the signal goes on, the main
+    thread's unwinding (KeyboardInterrupt) releases the lock, and the restore finishes then (a
+    non-daemon thread: the interpreter waits for it, and every wait inside it is bounded)."""
     _handled[signum] = _handled.get(signum, 0) + 1
     previous = _previous_handlers.get(signum, signal.SIG_DFL)
-    _restore_and_report(signum)
+    restoring = threading.Thread(target=_restore_and_report, args=(signum,), name="perseus-signal-restore")
+    restoring.start()
+    restoring.join(RESTORE_WAIT_S)
     if callable(previous):
         previous(signum, frame)
     else:  # SIG_DFL: re-deliver with the default action
