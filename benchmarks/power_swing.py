@@ -1,11 +1,12 @@
 """Energy of swing-capped plans against the cap, side by side with all-max clocks plus a
 dummy-work power floor at the same cap (docs/power.md).
 
-For each case: the uncapped frontier (the default solver options), then the capped frontier at
-each cap; the cheapest plan within 1.05 x the all-max-clock time T, its energy against the
-uncapped cheapest plan at that deadline, and all-max clocks with the least dummy work that
-meets the same cap (every waiting GPU lifted to the floor, energy counted). The "why" figures:
-the fastest and the 1.05 x T plan's swing against all-max clocks.
+For each case: the uncapped frontier (the default solver options, or the clock budget asked),
+then the capped frontier at each cap under the same options; the cheapest plan within 1.05 x
+the all-max-clock time T, its energy against the uncapped cheapest plan at that deadline (same
+options, clock budget included: what a user gets without the cap), and all-max clocks with the
+least dummy work that meets the same cap (every waiting GPU lifted to the floor, energy
+counted). The "why" figures: the fastest and the 1.05 x T plan's swing against all-max clocks.
 
     python benchmarks/power_swing.py                       # the three cases, caps 0.5 and 0.25
     python benchmarks/power_swing.py --cases gpt3-175b-a100_sxm:12 --caps 0.25

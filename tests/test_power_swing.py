@@ -19,6 +19,7 @@ from perseus_ext.planning.profile import load_profile
 from perseus_ext.planning.schedule import build_schedule
 from perseus_ext.planning.solver import SolverOptions, solve_frontier
 from perseus_ext.planning.swing_cap import capped_frontier
+from tests.planning_profiles import P_BLOCK_A100, profile_path
 
 BLOCK_W = 50.0
 # stage, kind: (clock MHz, seconds, watts) -- powers and times chosen to add up by hand
@@ -81,11 +82,13 @@ def test_bad_traces_are_refused_by_name(bad):
         swing_figures(bad, 1e-3)
 
 
-def _replay(schedule, profile, plan, filler):
+def _replay(schedule, profile, plan, filler, points=None, block_w=BLOCK_W):
     """Independent replay of a 1F1B plan: starts from the 1F1B rules (a stage's order; F(s, m)
     after F(s-1, m); B(s, m) after B(s+1, m)), then the pipeline's exact power by event sweep
-    and its 1 ms averages, filler added."""
-    points = {key: {mhz: (t, w) for mhz, t, w in pts} for key, pts in POINTS.items()}
+    and its 1 ms averages, filler added. `points`: {(stage, kind): {MHz: (s, W)}}, by default
+    the hand-made `POINTS`."""
+    if points is None:
+        points = {key: {mhz: (t, w) for mhz, t, w in pts} for key, pts in POINTS.items()}
     finish, start, power = {}, {}, {}
     pending = [(s, k) for s in range(schedule.num_stages) for k in range(len(schedule.orders[s]))]
     while pending:
@@ -102,12 +105,12 @@ def _replay(schedule, profile, plan, filler):
                 finish[c], power[c] = start[c] + t, w
                 pending.remove((s, k))
     period = max(finish.values())
-    energy = sum((finish[c] - start[c]) * (power[c] - BLOCK_W) for c in finish) + BLOCK_W * schedule.num_stages * period
+    energy = sum((finish[c] - start[c]) * (power[c] - block_w) for c in finish) + block_w * schedule.num_stages * period
     edges = np.linspace(0, period, round(period / 1e-3) + 1)
-    binned = np.full(len(edges) - 1, BLOCK_W * schedule.num_stages)
+    binned = np.full(len(edges) - 1, block_w * schedule.num_stages)
     for c in finish:
         overlap = np.clip(np.minimum(edges[1:], finish[c]) - np.maximum(edges[:-1], start[c]), 0, None)
-        binned += overlap / np.diff(edges) * (power[c] - BLOCK_W)
+        binned += overlap / np.diff(edges) * (power[c] - block_w)
     for a, b, w in zip(filler.breakpoints_s[:-1], filler.breakpoints_s[1:], filler.power_w):
         binned += np.clip(np.minimum(edges[1:], b) - np.maximum(edges[:-1], a), 0, None) / np.diff(edges) * w
     return period, energy + filler.energy_j, binned.max() - binned.min(), binned
@@ -136,6 +139,17 @@ def test_capped_plans_replayed_independently_meet_cap_time_and_energy(profile, c
     # The cap costs energy only where it binds: the cheapest capped plan is no cheaper than the
     # uncapped frontier's cheapest plan.
     assert min(p.plan.energy for p in capped.plans) >= frontier.min_energy.energy - 1e-6
+
+
+class _AllMaxClocks:
+    """A plan of every computation at its stage's highest profiled clock (`Plan.for_stage`)."""
+
+    def __init__(self, schedule, points):
+        self._clocks = [np.array([max(points[(s, c.kind.value)]) for c in order])
+                        for s, order in enumerate(schedule.orders)]
+
+    def for_stage(self, stage):
+        return self._clocks[stage]
 
 
 def _no_filler(frontier):
@@ -200,3 +214,67 @@ def test_the_solver_option_caps_every_plan(profile):
         _, energy, swing, _ = _replay(schedule, profile, item.plan, item.filler)
         assert swing <= 0.3 * all_max_swing + 1e-6
         assert item.plan.energy == pytest.approx(energy, rel=1e-9)
+
+
+@pytest.mark.parametrize("cap, met", [(0.05, False), (0.6, True)])
+def test_clocks_only_plans_carry_their_true_swing(profile, cap, met):
+    """`filler_max_w` at the blocking power (GPUs that cannot run dummy work): no filler is
+    drawn; a cap the clocks cannot meet comes back as the plan of least swing, flagged, not
+    as an error; every plan's swing and flag agree with the independent replay."""
+    schedule = build_schedule("1f1b", 2, 3)
+    frontier = solve_frontier(schedule, profile, BLOCK_W, SolverOptions(max_clock_changes_per_s=0.0))
+    _, _, all_max_swing, _ = _replay(schedule, profile, frontier.baseline, _no_filler(frontier))
+    capped = capped_frontier(frontier, schedule, profile, cap, filler_max_w=BLOCK_W)
+    assert capped.meets_cap is met
+    assert len(capped.plans) >= 1 if met else len(capped.plans) == 1
+    swings = []
+    for item in capped.plans:
+        assert item.filler.energy_j == 0.0
+        period, energy, swing, _ = _replay(schedule, profile, item.plan, item.filler)
+        assert item.plan.time == pytest.approx(period, abs=1e-9)
+        assert item.plan.energy == pytest.approx(energy, rel=1e-9)
+        assert item.swing.peak_to_trough_w == pytest.approx(swing, abs=1e-6)
+        assert item.meets_cap == bool(swing <= cap * all_max_swing + 1e-6)
+        swings.append(swing)
+    if not met:  # the least swing of any plan the uncapped frontier holds, or less
+        uncapped_swings = [_replay(schedule, profile, p, _no_filler(frontier))[2] for p in frontier.plans]
+        assert swings[0] <= min(uncapped_swings) + 1e-6
+
+
+@pytest.fixture(scope="module")
+def gpt3_8x4():
+    """GPT-3 on A100, 8 stages x 4 microbatches, the default solver options (with their clock
+    budget): its uncapped frontier, and the profile's points for the independent replay."""
+    real = load_profile(profile_path("gpt3-175b-a100_sxm"))
+    schedule = build_schedule("1f1b", real.num_stages, 4)
+    block_w = P_BLOCK_A100
+    options = SolverOptions()
+    assert options.clock_budget.active
+    frontier = solve_frontier(schedule, real, block_w, options)
+    points = {key: {int(f): (float(t), float(e / t)) for f, t, e in zip(op.frequencies, op.times, op.energies)}
+              for key, op in real.points.items()}
+    return real, schedule, block_w, options, frontier, points
+
+
+@pytest.mark.parametrize("cap, most_extra", [(0.5, 0.002), (0.25, 0.035)])
+def test_capped_plan_within_1_05_t_costs_at_most_the_targets(gpt3_8x4, cap, most_extra):
+    """The cheapest capped plan within 1.05 x the all-max-clock time costs at most +0.2 % (cap
+    0.5) / +3.5 % (cap 0.25) over the uncapped cheapest plan at that deadline, same solver
+    options, and meets its cap, its time, its energy and the clock budget in the replay."""
+    real, schedule, block_w, options, frontier, points = gpt3_8x4
+    # The cap's reference is every computation at its highest measured clock (the solver's own
+    # baseline may leave out a top clock that is no faster), replayed here as well.
+    all_max = _AllMaxClocks(schedule, points)
+    _, _, all_max_swing, _ = _replay(schedule, real, all_max, _no_filler(frontier), points, block_w)
+    deadline = 1.05 * frontier.baseline.time
+    uncapped = frontier.plan_for_deadline(deadline)
+    capped = capped_frontier(frontier, schedule, real, cap, deadlines_s=(deadline,), clock_budget=options.clock_budget)
+    assert capped.meets_cap
+    plan = capped.frontier.plan_for_deadline(deadline)
+    item = capped.plans[capped.frontier.plans.index(plan)]
+    period, energy, swing, _ = _replay(schedule, real, plan, item.filler, points, block_w)
+    assert period == pytest.approx(plan.time, abs=1e-9) and period <= deadline + 1e-9
+    assert energy == pytest.approx(plan.energy, rel=1e-9)
+    assert swing <= cap * all_max_swing + 1e-6
+    assert options.clock_budget.allows(plan.clock.changes_per_s, plan.clock.shortest_hold_s)
+    assert plan.energy <= (1 + most_extra) * uncapped.energy

@@ -153,6 +153,10 @@ def print_swing(swing, uncapped, all_max_time_s: float, capped) -> None:
         print(f"swing cap      {capped.cap_fraction:g} x {reference.peak_to_trough_w:,.0f} W = {capped.cap_w:,.0f} W: "
               f"{len(capped.plans)} plans; dummy work at 1.05 x T {capped.plans[k].filler.energy_j:,.1f} J "
               f"(counted), {plan.energy / at.energy - 1:+.2%} energy over the uncapped plan")
+        if not capped.meets_cap:
+            least = capped.plans[0].swing.peak_to_trough_w
+            print(f"swing cap      NOT met: no plan within the filler's power reaches it; the plan of least swing "
+                  f"found swings {least:,.0f} W ({least / reference.peak_to_trough_w:.2f} of all-max)")
     for name, figures, energy in rows:
         print(f"swing {name:<12} {figures.peak_to_trough_w / reference.peak_to_trough_w - 1:+.0%} peak to trough, "
               f"{figures.max_ramp_w_per_s / reference.max_ramp_w_per_s - 1:+.0%} ramp vs all-max "

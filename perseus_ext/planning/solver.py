@@ -114,8 +114,13 @@ def solve_frontier(
 
         uncapped = solve_frontier(schedule, profile, blocking_power, replace(options, power_swing_cap=0.0),
                                   switch_latency_s, wait_aware=wait_aware)
-        return capped_frontier(uncapped, schedule, profile, options.power_swing_cap, switch_latency_s,
-                               clock_budget=options.clock_budget).frontier
+        capped = capped_frontier(uncapped, schedule, profile, options.power_swing_cap, switch_latency_s,
+                                 clock_budget=options.clock_budget)
+        if not capped.meets_cap:
+            logger.warning("perseus-ext: no plan meets solver option power_swing_cap %g; the frontier is the one "
+                           "plan of least swing found (%.0f W, %.0f W allowed)", options.power_swing_cap,
+                           capped.plans[0].swing.peak_to_trough_w, capped.cap_w)
+        return capped.frontier
     num_nodes = sum(len(order) for order in schedule.orders)
     check_problem_size(options, num_nodes, options.min_grid_points, _anchor_count(options, num_nodes))
     model = planning_model(schedule, profile, blocking_power, switch_latency_s, wait_aware=wait_aware)

@@ -9,6 +9,12 @@ schedule (a `reschedule` back to one re-uses it), ships every other rank its own
 once per solving iteration: it returns None until every leader of the job has a result (one
 all-reduce), then this rank's view of it, a `StageSolve` (the leader's holds the whole frontier).
 Leader-only work never raises past `collect()`, so no rank skips a collective.
+
+Under `perseus.solver.power_swing_cap` the leader plans fillers (dummy work while GPUs wait) only
+where its device can draw a stated power (`GPU.supports_power_floor`, the simulated GPU), and
+clock-only plans elsewhere; each rank receives its stage's filler programs with its plans and
+draws the deployed plan's (`actuation/filler.py`, `play_filler`), so a deployed plan's model
+energy and swing are what runs.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from perseus_ext.actuation.filler import FillerPlayer
 from perseus_ext.config import PerseusConfig
-from perseus_ext.measurement.gpu.timeline import SwitchLatency
+from perseus_ext.measurement.gpu.common import GPU
+from perseus_ext.measurement.gpu.timeline import DeviceMarker, SwitchLatency
 from perseus_ext.planning.frontier import Frontier
 from perseus_ext.planning.schedule import PipelineSchedule
 from perseus_ext.runtime.comm import ControlPlane
@@ -33,10 +41,13 @@ class PipelineSolve:
     """One rank's part of solving its pipeline's frontier (see the module docstring)."""
 
     def __init__(self, config: PerseusConfig, comm: ControlPlane, latency: SwitchLatency, store: ProfileStore,
-                 schedule: PipelineSchedule, *, stage_constant: bool = False) -> None:
+                 schedule: PipelineSchedule, *, stage_constant: bool = False, gpu: GPU | None = None) -> None:
         """Loads the saved profile for `schedule` (a ConfigError when it does not fit the job).
-        `stage_constant`: plan one clock per stage (whole-iteration mode)."""
+        `stage_constant`: plan one clock per stage (whole-iteration mode); `gpu`: this rank's
+        device, which draws a swing-capped plan's filler where it can."""
         self.stage_constant = stage_constant
+        self.gpu = gpu
+        self.filler: FillerPlayer | None = None  # the deployed capped plans' fillers (a swing cap)
         self.config = config
         self.comm = comm
         self.latency = latency
@@ -63,7 +74,7 @@ class PipelineSolve:
             ramp_s = self.latency.transition_s
             problem = SolveProblem(schedule, measured, self.config.solver, ramp_s / 2,
                                    switch_cost_j=ramp_s * measured.blocking_power_per_stage_w,
-                                   stage_constant=self.stage_constant)
+                                   stage_constant=self.stage_constant, power_floor=self._power_floor())
             if self.config.solve_in_background:
                 self._solver = BackgroundSolve(problem)
             else:
@@ -91,7 +102,29 @@ class PipelineSolve:
             if shipment.frontier is not None:
                 self._report(shipment.frontier, shipment, shipments)
         self.outcome = shipment
+        self.filler = None if shipment.capped is None else FillerPlayer(
+            self.gpu, shipment.capped, shipment.stage, self.comm.gpus_per_stage,
+            speaks_for_pipeline="pipeline 0" if leader and self.comm.pipeline == 0 else None)
         return shipment
+
+    def play_filler(self, plan: int | None, position: int, marker: DeviceMarker) -> None:
+        """A deployed iteration at plan `plan`: computation `position` ends at `marker` (a device
+        marker; position -1: the iteration starts there). The device draws the plan's filler of
+        the wait that follows from there (nothing without a swing cap)."""
+        if self.filler is None:
+            return
+        if position < 0:
+            self.filler.iteration_started(plan, marker)
+        else:
+            self.filler.computation_launched(plan, position, marker)
+
+    def _power_floor(self) -> bool:
+        """Whether this (the leader's) device draws a stated filler power; the pipeline's devices
+        are of one kind (a rank whose device cannot says so when it deploys)."""
+        try:
+            return self.gpu is not None and self.gpu.supports_power_floor()
+        except Exception:  # a device that cannot answer: plan clock-only
+            return False
 
     def _report(self, frontier: Frontier, shipment: StageSolve, shipments: dict[int, StageSolve]) -> None:
         how = "in a background process while training went on" if shipment.in_background else "inline"
@@ -99,14 +132,13 @@ class PipelineSolve:
                     "plan saves %.1f%% energy at no slowdown (model); %.3f MB shipped per rank",
                     self.comm.pipeline, len(frontier.plans), shipment.solve_s, how,
                     100 * frontier.intrinsic_saving(), max(map(shipped_bytes, shipments.values())) / 1e6)
-        cap = self.config.solver.power_swing_cap if self.config.solver is not None else 0.0
-        if cap > 0 and self.comm.pipeline == 0 and self.comm.is_pipeline_leader:
-            # The capped plans count the dummy work that lifts the power trough to the cap
-            # (docs/power.md); perseus-ext sets the plans' clocks but runs no dummy work itself.
-            logger.warning("perseus-ext: perseus.solver.power_swing_cap %g: the plans' clocks are chosen for the "
-                           "cap, and their model energy counts the dummy work that lifts the trough to it, which "
-                           "perseus-ext does not run; the measured swing (summary, report) is what the clocks "
-                           "alone leave -- pair the cap with the GPU's or the site's power floor", cap)
+        capped = shipment.capped
+        if capped is not None and self.comm.pipeline == 0:
+            met = sum(capped.meets_cap(k) for k in range(len(capped.plans)))
+            logger.info("perseus-ext: perseus.solver.power_swing_cap %g (%.0f W of the all-max-clock swing %.0f W): "
+                        "%d of %d plans meet it, %s", capped.cap_fraction, capped.cap_w, capped.reference_swing_w,
+                        met, len(capped.plans), "with fillers the devices draw while they wait" if capped.filler
+                        else "clock-only (the devices cannot draw a stated filler power)")
         if self.comm.pipeline == 0 and self.config.frontier_path:
             try:
                 frontier.save(self.config.frontier_path)
@@ -134,6 +166,7 @@ class PipelineSolve:
         saved profile; the new one is not saved (`profile_path` keeps describing the job as
         configured)."""
         self.cancel()
+        self.filler = None
         self._leader_result = self._measured = self.saved_profile = None
         self._solved.clear()
         self.store.path = None

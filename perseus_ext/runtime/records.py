@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from perseus_ext.planning.filler_program import CappedPlans
 from perseus_ext.planning.frontier import Frontier, StagePlanTable
 from perseus_ext.planning.options import SolverOptions
 from perseus_ext.planning.profile import Profile
@@ -55,6 +56,7 @@ class SolveProblem:
     switch_latency_s: float
     switch_cost_j: float = 0.0  # what a clock change must save to be kept (planning/switching.py)
     stage_constant: bool = False  # one clock per stage (full-iteration CUDA graphs: planning/stage_constant.py)
+    power_floor: bool = False  # the devices draw a swing-capped plan's filler (GPU.supports_power_floor)
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,13 @@ class SolveResult:
     solve_s: float
     in_background: bool
     measured: MeasuredProfile | None = None  # what the frontier was solved from (planned durations)
+    capped: CappedPlans | None = None  # a swing-capped frontier's fillers and swings (planning/filler_program.py)
 
     def for_stage(self, stage: int) -> StageSolve:
         """The view of the rank that runs `stage`, as it travels (no whole frontier)."""
         table = None if self.frontier is None else self.frontier.stage_table(stage)
-        return StageSolve(stage, table, self.error, self.solve_s, self.in_background, self.measured)
+        capped = None if self.capped is None else self.capped.for_stage(stage)
+        return StageSolve(stage, table, self.error, self.solve_s, self.in_background, self.measured, capped=capped)
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class StageSolve:
     in_background: bool
     measured: MeasuredProfile | None
     whole_frontier: Frontier | None = None
+    capped: CappedPlans | None = None  # every plan's swing and this stage's filler program (a swing cap)
 
     @cached_property
     def frontier(self) -> Frontier | None:

@@ -145,6 +145,7 @@ class PerseusRuntime:
         self._clock_before_iteration = (previous[-1] or self.recorder.default_clock_mhz) if previous else None
         start = self.sequencer.start_iteration(self.iteration, clocks, durations, recovery)
         self.recorder.begin(setting, start)
+        self.parts.solve.play_filler(setting.plan, -1, start)  # a swing cap's filler: the wait into this iteration
         if self.whole_iterations:  # the whole iteration is the one span the stage's clock covers
             self.sequencer.computation_started()
 
@@ -177,6 +178,8 @@ class PerseusRuntime:
             self.profiling.after_computation(Kind(kind).value, self.sequencer.planned_clock())
         position = self.sequencer.position
         end = self.sequencer.computation_finished()
+        if self._setting.plan is not None and self.fallback_reason is None:
+            self.parts.solve.play_filler(self._setting.plan, position, end)  # a swing cap's filler, where planned
         if self.recovery_signal.watching and self._setting.plan is not None:
             self._watch_span(position, end)
 

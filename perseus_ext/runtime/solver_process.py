@@ -50,6 +50,12 @@ def solve(problem: SolveProblem, *, in_background: bool = False) -> SolveResult:
             frontier = solve_stage_constant(problem.schedule, profile, measured.blocking_power_per_stage_w,
                                             problem.switch_latency_s, wait_aware=True)
             return SolveResult(frontier, None, time.perf_counter() - started, in_background, measured)
+        if problem.options is not None and problem.options.power_swing_cap > 0:  # clocks and fillers, not thinned
+            from perseus_ext.planning.filler_program import solve_capped
+
+            frontier, capped = solve_capped(problem.schedule, profile, measured.blocking_power_per_stage_w,
+                                            problem.options, problem.switch_latency_s, power_floor=problem.power_floor)
+            return SolveResult(frontier, None, time.perf_counter() - started, in_background, measured, capped)
         frontier = solve_frontier(
             problem.schedule, profile, measured.blocking_power_per_stage_w,
             problem.options, switch_latency_s=problem.switch_latency_s, wait_aware=True,

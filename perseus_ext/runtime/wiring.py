@@ -86,7 +86,7 @@ class RankParts:
         # Hooks that fall silent never leave a clock held; hooks during a CUDA graph capture do nothing.
         hooks = HookWatch(lambda: controller.current_clock, lambda episode: controller.release_silent(), fall_back)
         solve = PipelineSolve(config, comm, setup.latency, ProfileStore.for_job(config, comm.gpus_per_stage, setup.gpu),
-                              schedule, stage_constant=whole_iterations)
+                              schedule, stage_constant=whole_iterations, gpu=setup.gpu)
         emissions = EmissionsAccount(setup.policy)
         probes = BaselineProbes(config.baseline_fraction, config.straggler_check_interval)
         feed = RankFeed(RankIdentity(job_id, comm.rank, local_rank, comm.pipeline, stage), config.prometheus,

@@ -7,7 +7,9 @@ the interface this small is what lets the simulated GPU stand in for a real one 
 from __future__ import annotations
 
 import abc
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from perseus_ext.errors import ConfigError, PerseusError
@@ -58,6 +60,23 @@ def normalise_pci_bus_id(text: str) -> str:
     domain, bus, rest = text.strip().split(":")
     device, function = rest.split(".")
     return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(device, 16):02x}.{int(function, 16):x}"
+
+
+@dataclass(frozen=True)
+class PowerFloor:
+    """From `start_s` to `end_s` seconds of device time after an anchor, the device draws at
+    least its idle power + `above_idle_w` (`GPU.hold_power_floor`): a waiting device draws
+    exactly that, a computing one its own power when that is higher."""
+
+    start_s: float
+    end_s: float
+    above_idle_w: float
+
+    def __post_init__(self) -> None:
+        if not all(math.isfinite(v) for v in (self.start_s, self.end_s, self.above_idle_w)) \
+                or not (0 <= self.start_s <= self.end_s) or self.above_idle_w < 0:
+            raise GPUError(f"PowerFloor({self.start_s!r}, {self.end_s!r}, {self.above_idle_w!r}): it needs "
+                           "0 <= start_s <= end_s seconds and above_idle_w >= 0 watts, all finite")
 
 
 PERMISSION_HELP = (
@@ -140,6 +159,24 @@ class GPU(abc.ABC):
     def address(self) -> DeviceAddress:
         """PCI bus id and NVML index of this GPU (None where the backend has none)."""
         return DeviceAddress(None, None)
+
+    def supports_power_floor(self) -> bool:
+        """Whether the device can be made to draw a stated power exactly while it waits, as a
+        swing-capped plan's filler asks (`hold_power_floor`). Only the simulated GPU can: a real
+        GPU's power under dummy work depends on its clock, temperature and the work itself, so
+        no backend promises a stated number of watts, and the planner plans clock-only there."""
+        return False
+
+    def hold_power_floor(self, anchor: object, floors: Sequence[PowerFloor], hold_until_work_s: float = 0.0) -> None:
+        """Fill one wait: hold each floor from `anchor`'s device time + its start to + its end,
+        once the device reaches `anchor` (a `timeline.DeviceMarker` of this GPU's timeline; not
+        named here, as the timeline module imports this one), and end them all when
+        the device starts work launched after `anchor` (the wait is over); the latest-ending
+        floor holds on while the device still waits, at most `hold_until_work_s` past its end
+        (a wait longer than planned stays filled, a long pause does not burn). Never blocks the
+        caller on the device: the device anchors the floors on its own progress."""
+        raise GPUNotSupportedError(f"{self.name}: cannot be made to draw a stated power "
+                                   "(supports_power_floor() is False); plan without a filler")
 
     def follow_external_change(self) -> None:
         """Another process (zeusd, on this process's behalf) has just changed this GPU's clock or

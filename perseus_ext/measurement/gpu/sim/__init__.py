@@ -2,7 +2,8 @@
 
 `SimulatedGPU` (`simulated_gpu.py`) is a `GPU` whose time, power and energy counter follow a
 preset's curves (`presets.py`); its work runs on an asynchronous in-order device (`device.py`,
-which logs the power it draws: `power_log.py`) through a compute stream (`stream.py`) that waits
+which logs the power it draws: `power_log.py`, and holds the power floors it is asked to:
+`power_floor.py`) through a compute stream (`stream.py`) that waits
 for other ranks' results on a cross-rank board (`board.py`); `workload.py` launches a simulated
 job's computations onto that stream. Outside this package only the GPU door (`open_gpu`,
 `open_restore_target`) and the runtime's pacer choice import it, inside the function a `sim:` spec

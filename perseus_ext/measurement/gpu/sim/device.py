@@ -14,7 +14,10 @@ exactly reproducible).
 
 Per computation: progress rate 1 / (time_factor(f(t)) * slowdown) and power P(f(t)) at the
 effective clock f(t) = min(locked clock trajectory, power-limit cap), integrated piecewise; idle
-time (no work, or waiting for a dependency) draws the idle power.
+time (no work, or waiting for a dependency) draws the idle power. A power floor it was asked to
+hold (`hold_power_floor`: a swing-capped plan's filler) raises its power to at least idle + the
+floor's watts, in windows anchored on the device time a marker is reached, so it lands where the
+device is, not where the host was; the power log and the energy counter include it.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ import numpy as np
 
 from perseus_ext.background import start_background
 from perseus_ext.measurement.gpu.clock_ramp import ClockTrajectory
-from perseus_ext.measurement.gpu.common import GPUError
+from perseus_ext.measurement.gpu.common import GPUError, PowerFloor
 from perseus_ext.measurement.gpu.sim.board import POLL_S, Board
+from perseus_ext.measurement.gpu.sim.power_floor import PowerFloors
 from perseus_ext.measurement.gpu.sim.power_log import PowerLog
 from perseus_ext.measurement.gpu.timeline import CoverageTally, DeviceMarker, SwitchLatency
 
@@ -107,6 +111,7 @@ class SimDevice:
         self._counter_j = 0.0
         self._counter_true_j = 0.0
         self._power_log = PowerLog()  # the power drawn, piece by piece: fine samples (power_bins)
+        self._floors = PowerFloors(preset.idle_power_w)  # what `hold_power_floor` asked for
 
     # ------------------------------------------------------------------ host-side calls
     def now(self) -> float:
@@ -149,6 +154,17 @@ class SimDevice:
             self._queue.append(work)
             self._kick()
             return work
+
+    def hold_power_floor(self, anchor: SimMarker, floors: Sequence[PowerFloor], hold_until_work_s: float = 0.0) -> None:
+        """Hold the floors of one wait (at least idle + each one's watts) from the device time
+        `anchor` is reached + its start to + its end, ending all of them when the device starts
+        work launched after `anchor`; the latest-ending one holds on while the device still
+        waits, at most `hold_until_work_s` past its end. Never waits for the device. Floors that
+        overlap add up."""
+        if anchor.device is not self:
+            raise GPUError("hold_power_floor: the anchor is a marker of another device's timeline")
+        with self.cond:
+            self._floors.add(anchor, floors, hold_until_work_s)
 
     def record_marker(self) -> SimMarker:
         with self.cond:
@@ -209,8 +225,8 @@ class SimDevice:
             now = self._sync()
             head = self._queue[0] if self._queue else None
             if head is not None and head.start is not None and head.start <= now:
-                return self.preset.compute_power_w(self.effective_clock())
-            return self.preset.idle_power_w
+                return self._floors.floored(self.preset.compute_power_w(self.effective_clock()), now, now)
+            return self._floors.floored(self.preset.idle_power_w, now, now)
 
     def power_bins(self, start_s: float, end_s: float, period_s: float) -> tuple[int, np.ndarray] | None:
         """Mean power of each `period_s` bin of device time in [start_s, end_s) (`PowerLog.bins`)."""
@@ -336,6 +352,7 @@ class SimDevice:
                     break
                 self._idle_until(start)
                 head.start = start
+                self._floors.work_started(head.seq, start)
             end = self._run(head, self._pos, t, commit=True)
             if end is None:
                 self._pos = t
@@ -419,6 +436,11 @@ class SimDevice:
         self.cond.notify_all()
 
     def _account(self, start: float, end: float, watts: float) -> None:
+        """Integrate `watts`, raised to the power floors held over it, over [start, end)."""
+        for low, high, floored in self._floors.pieces(start, end, watts):
+            self._integrate(low, high, floored)
+
+    def _integrate(self, start: float, end: float, watts: float) -> None:
         """Integrate `watts` over [start, end), updating the counter at each tick crossed."""
         self._power_log.add(start, end, watts)
         period = self.energy_update_period_s

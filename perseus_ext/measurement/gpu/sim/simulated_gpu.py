@@ -28,12 +28,14 @@ import os
 import random
 import time
 import uuid as uuid_lib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from perseus_ext.measurement.gpu.common import (
     GPU,
     DeviceAddress,
+    PowerFloor,
     GPUError,
     GPUPermissionError,
     PERMISSION_HELP,
@@ -41,10 +43,10 @@ from perseus_ext.measurement.gpu.common import (
 )
 from perseus_ext.measurement.gpu.restore_spec import SimRestoreSpec
 from perseus_ext.measurement.gpu.sim.board import DEFAULT_TRANSFER_S, Board
-from perseus_ext.measurement.gpu.sim.device import SimDevice
+from perseus_ext.measurement.gpu.sim.device import SimDevice, SimMarker
 from perseus_ext.measurement.gpu.sim.presets import PRESETS, find_preset
 from perseus_ext.measurement.gpu.sim.stream import SimulatedTimeline
-from perseus_ext.measurement.gpu.timeline import OwnTimeline, SwitchLatency
+from perseus_ext.measurement.gpu.timeline import DeviceMarker, OwnTimeline, SwitchLatency
 
 
 class SimulatedGPU(GPU, OwnTimeline):
@@ -185,6 +187,19 @@ class SimulatedGPU(GPU, OwnTimeline):
         clock = self.device.effective_clock() if mhz is None else mhz
         duration = seconds_at_max_clock * self.preset.time_factor(clock) * self._slowdown
         return duration, duration * self.preset.compute_power_w(clock)
+
+    def supports_power_floor(self) -> bool:
+        """The simulated device draws a stated power exactly (its power is a model)."""
+        return True
+
+    def hold_power_floor(self, anchor: DeviceMarker, floors: Sequence[PowerFloor], hold_until_work_s: float = 0.0) -> None:
+        """Hold the floors after `anchor` (a marker of this GPU's timeline) on the device, as
+        the ABC says; its power, power log and energy counter include them."""
+        self._maybe_fail("hold_power_floor")
+        if not isinstance(anchor, SimMarker):
+            raise GPUError(f"{self.name}: hold_power_floor needs a marker of this GPU's own timeline, "
+                           f"not {type(anchor).__name__}")
+        self.device.hold_power_floor(anchor, floors, hold_until_work_s)
 
     @property
     def true_energy_j(self) -> float:
