@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from scipy import stats
 
 CONFIDENCE = 0.95
 # The interval's half-width, in points of saving, below which the evidence is enough to act on:
@@ -72,7 +73,7 @@ class Ratio:
         if a + b == 0.0:
             return cls(value, value, value)
         dof = (a + b) ** 2 / (a * a / (numerator.count - 1) + b * b / (denominator.count - 1))
-        half = _t_quantile(0.5 + confidence / 2, dof) * value * math.sqrt(a + b)
+        half = stats.t.ppf(0.5 + confidence / 2, dof) * value * math.sqrt(a + b)
         return cls(value, value - half, value + half)
 
 
@@ -181,15 +182,6 @@ def probes_needed(default_energy: Moments, deployed_energy: Moments, confidence:
     per_probe = probe_spread + deployed_spread * probes / deployed
     needed = 2.0
     for _ in range(PROJECTION_ROUNDS):
-        quantile = _t_quantile(0.5 + confidence / 2, max(needed - 1.0, 1.0))
+        quantile = stats.t.ppf(0.5 + confidence / 2, max(needed - 1.0, 1.0))
         needed = max(2.0, (quantile * ratio / target) ** 2 * per_probe)
     return max(math.ceil(needed), probes + 1)
-
-
-def _t_quantile(probability: float, dof: float) -> float:
-    """Student's t quantile. scipy.stats is imported here, at the first interval: importing it
-    costs about a second of CPU, which every rank would pay at start-up for figures only the
-    summary and the periodic lines read."""
-    from scipy import stats
-
-    return float(stats.t.ppf(probability, dof))
