@@ -126,7 +126,7 @@ def hook_cost(plan: tuple[int, ...], iterations: int = 300, device_lag_s: float 
 
 
 def main() -> int:
-    from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_float, bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--durations-ms", type=bounded_float(0.0, 1e9, inclusive_min=False), nargs="+", default=[10.0, 25.0, 50.0, 100.0])
     parser.add_argument("--iterations", type=bounded_int(1, 10**9), default=6)

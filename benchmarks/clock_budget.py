@@ -28,7 +28,7 @@ PROFILE = "gpt3-175b-a100_sxm"
 
 
 def main() -> None:
-    from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_float, bounded_int  # the CLI's flag types
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)

@@ -44,7 +44,7 @@ def run(tree: str, args: list[str], env: dict[str, str]) -> tuple[float, float]:
 
 
 def main() -> None:
-    from perseus_ext.commands.options import bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--runs", type=bounded_int(1, 10**9), default=10)
     parser.add_argument("trees", nargs=2, help="two source trees (checkouts) of perseus-ext")

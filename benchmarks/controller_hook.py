@@ -57,7 +57,7 @@ def timer_overhead(calls: int) -> list[int]:
 
 
 def main() -> int:
-    from perseus_ext.commands.options import bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--calls", type=bounded_int(1, 10**9), default=20000)
     parser.add_argument("--gpu", default="sim:a100_sxm?pace=0", help="open_gpu spec")

@@ -85,7 +85,7 @@ def print_summaries(out: Path) -> None:
 
 
 def main() -> int:
-    from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_float, bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--example", default=os.environ.get("DSE_PIPELINE_DIR"),
                         help="DeepSpeedExamples' training/pipeline_parallelism directory")

@@ -32,7 +32,7 @@ def _start(checkout: Path, out: Path) -> tuple[subprocess.Popen, float]:
 
 
 def main() -> int:
-    from perseus_ext.commands.options import bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--reference", default="8ca3278",
                         help="commit whose demo is the reference (default: %(default)s, the last 64-iteration demo)")

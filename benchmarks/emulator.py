@@ -22,7 +22,7 @@ SWEEP = [1.0 + 0.05 * k for k in range(11)]
 
 
 def main() -> None:
-    from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_float, bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--profile", default=str(ROOT / "examples/profiles/gpt3-175b-a100_sxm.csv"))
     parser.add_argument("--blocking-power", type=bounded_float(0.0, 1e9, inclusive_min=False), default=83.64)

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from perseus_ext.adapters.torch_pipelining_orders import torch_schedule
-from perseus_ext.commands.options import bounded_float, bounded_int, resolve_profile
+from perseus_ext.commands.arguments import bounded_float, bounded_int, resolve_profile
 from perseus_ext.emulator import Emulator, JobLayout
 from perseus_ext.emulator.core import MAX_CLOCK
 from perseus_ext.planning.profile import OperatingPoints, Profile, load_profile

@@ -52,7 +52,7 @@ def one_run(variant: str) -> tuple[int, int]:
 
 
 def main() -> None:
-    from perseus_ext.commands.options import bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--runs", type=bounded_int(1, 10**9), default=100, help="two-rank jobs per variant")
     args = parser.parse_args()

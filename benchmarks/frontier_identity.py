@@ -117,7 +117,7 @@ def _max_rel(a: list[float], b: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from perseus_ext.commands.options import bounded_float  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_float  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--save", type=Path, help="write this checkout's figures here")

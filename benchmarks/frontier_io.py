@@ -27,7 +27,7 @@ DEFAULT_PROFILE = Path(__file__).resolve().parents[1] / "examples/profiles/gpt3-
 
 
 def main() -> None:
-    from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_float, bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--profile", default=str(DEFAULT_PROFILE))
     parser.add_argument("--stages", type=bounded_int(1, 10**9), default=8)

@@ -236,7 +236,7 @@ def measure_actuation(machine: Machine, gpu: Any, *, layers: int, hidden: int, s
 
 
 def main() -> int:
-    from perseus_ext.commands.options import bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--layers", type=bounded_int(1, 10**9), default=4, help="transformer blocks (one computation each)")
     parser.add_argument("--hidden", type=bounded_int(1, 10**9), default=4096)

@@ -409,7 +409,7 @@ def section_end_to_end(machine: Machine, gpu: Any, args: argparse.Namespace, dea
 
 # ----------------------------------------------------------------------------- driver
 def main(argv: list[str] | None = None) -> int:
-    from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_float, bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--output", "--json", dest="json", help="write the figures here (rewritten after every section)")
     parser.add_argument("--cpu", action="store_true", help="fakes instead of a GPU (the test suite runs this)")

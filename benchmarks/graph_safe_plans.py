@@ -35,7 +35,7 @@ def blocking_power(stem: str) -> float:
 
 
 def main() -> None:
-    from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_float, bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--microbatches", type=bounded_int(1, 10**9), default=24)
     parser.add_argument("--factors", type=bounded_float(1.0, 100.0), nargs="+", default=[1.1, 1.2, 1.5])

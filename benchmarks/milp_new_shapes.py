@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from perseus_ext.adapters.torch_pipelining_orders import torch_schedule
-from perseus_ext.commands.options import bounded_float
+from perseus_ext.commands.arguments import bounded_float
 from perseus_ext.data import shipped_profile
 from perseus_ext.errors import ConfigError
 from perseus_ext.planning.derived import DerivationRule, derive_kinds

@@ -81,7 +81,7 @@ def measure(plan: list[tuple[int, ...]], *, ahead: bool, iterations: int) -> dic
 
 
 def main() -> int:
-    from perseus_ext.commands.options import bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--iterations", type=bounded_int(1, 10**9), default=12, help="iterations per run (default 12)")
     parser.add_argument("--plan", default=DEFAULT_PLAN,

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from perseus_ext.commands.options import bounded_float, resolve_profile
+from perseus_ext.commands.arguments import bounded_float, resolve_profile
 from perseus_ext.planning.energy import CostModel, resolve_blocking_power
 from perseus_ext.planning.power_swing import plan_power_traces
 from perseus_ext.planning.profile import load_profile

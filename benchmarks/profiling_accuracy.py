@@ -116,7 +116,7 @@ def run_seed(seed: int) -> dict:
 
 
 def main() -> None:
-    from perseus_ext.commands.options import bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--seeds", type=bounded_int(1, 10**9), default=4)
     args = parser.parse_args()

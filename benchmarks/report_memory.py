@@ -46,7 +46,7 @@ def peak_rss_mb(code: Path, logs: list[Path]) -> tuple[float, float, int]:
 
 
 def main() -> None:
-    from perseus_ext.commands.options import bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--rows", type=bounded_int(1, 10**9), nargs="+", default=[20_000, 250_000], help="iterations per rank's log")
     parser.add_argument("--reference", type=Path, help="a checkout of the code to compare with (its repo root)")

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from perseus_ext.commands.options import bounded_int
+from perseus_ext.commands.arguments import bounded_int
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "torch_pipelining_twin_worker.py"

@@ -50,7 +50,7 @@ def wait_optimal_clocks(profile: Profile, blocking_power_w: float) -> set[int]:
 
 
 def main() -> None:
-    from perseus_ext.commands.options import bounded_float, bounded_int  # the CLI's flag types
+    from perseus_ext.commands.arguments import bounded_float, bounded_int  # the CLI's flag types
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--profiles", nargs="+", default=list(PROFILES))
     parser.add_argument("--microbatches", nargs="+", type=bounded_int(1, 10**9), default=[48, 96])

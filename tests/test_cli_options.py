@@ -161,7 +161,7 @@ def test_emulate_checks_outputs_before_emulating(tmp_path, monkeypatch, capsys) 
 
 
 def test_check_leaves_no_file_behind_and_keeps_existing_ones(tmp_path) -> None:
-    from perseus_ext.commands.options import check_writable_file
+    from perseus_ext.commands.arguments import check_writable_file
 
     check_writable_file(tmp_path / "new" / "f.json", "--out")
     assert not (tmp_path / "new" / "f.json").exists()

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from perseus_ext.commands.options import bounded_float
+from perseus_ext.commands.arguments import bounded_float
 
 if TYPE_CHECKING:
     from perseus_ext.policies.batch_size import ArmState, JobState

@@ -22,7 +22,7 @@ import json
 import time
 from pathlib import Path
 
-from perseus_ext.commands.options import add_output_argument, bounded_float, bounded_int
+from perseus_ext.commands.arguments import add_output_argument, bounded_float, bounded_int
 
 MAX_RANKS = 32  # processes the demo starts on one machine (stages x pipelines)
 DEFAULT_OUTPUT = "perseus-demo"  # run from a checkout, README's command writes there: .gitignore lists it
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from perseus_ext.demo.report import finish_line, launch_line
     from perseus_ext.errors import ConfigError
 
-    from perseus_ext.commands.options import check_writable_dir
+    from perseus_ext.commands.arguments import check_writable_dir
 
     if args.stages * args.pipelines > MAX_RANKS:
         raise ConfigError(f"--stages {args.stages} x --pipelines {args.pipelines} is {args.stages * args.pipelines} "

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from perseus_ext.commands.options import add_output_argument, bounded_int, check_writable_file
+from perseus_ext.commands.arguments import add_output_argument, bounded_int, check_writable_file
 
 PACKAGES = ("torch", "deepspeed", "megatron-core", "nvidia-ml-py", "matplotlib", "lowtime")
 AUTOLOAD_PTH = "perseus_ext_autoload.pth"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from perseus_ext.commands.options import (
+from perseus_ext.commands.arguments import (
     add_blocking_power_argument,
     add_profile_argument,
     bounded_float,
@@ -176,7 +176,7 @@ def check_schedule_choice(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from perseus_ext.commands.options import blocking_power_w, check_pipeline_size, resolve_profile
+    from perseus_ext.commands.arguments import blocking_power_w, check_pipeline_size, resolve_profile
     from perseus_ext.emulator import Emulator, JobLayout, StragglerScenario, report
     from perseus_ext.errors import ConfigError, PerseusError
     from perseus_ext.planning.derived import DerivationRule

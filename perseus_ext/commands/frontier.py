@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from perseus_ext.commands.options import (
+from perseus_ext.commands.arguments import (
     add_blocking_power_argument,
     add_output_argument,
     add_profile_argument,

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from perseus_ext.commands.options import add_output_argument
+from perseus_ext.commands.arguments import add_output_argument
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from perseus_ext.commands.options import check_plotting, check_writable_file
+    from perseus_ext.commands.arguments import check_plotting, check_writable_file
     from perseus_ext.errors import ConfigError, PerseusError
     from perseus_ext.observability.reporting import analyse, format_report, plot, read_logs
 
