@@ -32,12 +32,13 @@ def graphed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("megatron_full_iteration")
     profile = str(tmp / "profile.csv")
     layout = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
-    return launch(tmp, 2, layout, {
+    runs = {
         "profiled": {"perseus": "optimize", "iterations": 10, "argv": ["--perseus-profile-path", profile]},
         "graphed": {"perseus": "optimize", "iterations": ITERATIONS, "cpu_graphs": True, "argv": [
             "--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", str(WARMUP_STEPS),
-            "--perseus-profile-path", profile, "--perseus-frontier-path", str(tmp / "frontier.json")]},
-    }, timeout=330)
+            "--perseus-profile-path", profile, "--perseus-frontier-path", str(tmp / "pp2" / "frontier.json")]},
+    }
+    return launch(tmp, 2, {"pp2": (layout, runs)}, timeout=330)["pp2"]
 
 
 @pytest.mark.slow
