@@ -77,8 +77,10 @@ def test_an_interrupted_run_writes_its_summary_and_says_the_clocks_were_restored
     """SIGTERM (or Ctrl-C) during profiling: the clocks were restored but there was no summary
     and no line saying the run was interrupted."""
     summary = tmp_path / "summary-{rank}.json"
+    # A suite started in the background by a shell inherits SIGINT ignored: the trainer must not.
     trainer = subprocess.Popen([sys.executable, "-c", INTERRUPTED_TRAINER, str(summary), str(tmp_path / "log.jsonl")],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert trainer.stdout.readline().strip() == "profiling", trainer.stderr.read()[-3000:]
         trainer.send_signal(signum)

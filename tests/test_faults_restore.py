@@ -244,7 +244,8 @@ def test_a_signal_while_the_main_thread_holds_a_lock_the_restore_needs_restores_
     releases the lock, and the restore and the summary follow before the process ends."""
     started = time.monotonic()
     process = subprocess.run([sys.executable, "-c", HELD_LOCK_TRAINER, str(int(signum))], capture_output=True,
-                             text=True, env=ENV, timeout=30)
+                             text=True, env=ENV, timeout=30,  # SIGINT not inherited ignored (a background shell's)
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert time.monotonic() - started < 30
     assert process.returncode != 0 and "KeyboardInterrupt" in process.stderr, process.stderr[-2000:]
     assert process.stdout.splitlines() == ["restored", f"summary: {signal.Signals(signum).name} True"], process.stdout
