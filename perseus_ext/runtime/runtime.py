@@ -141,8 +141,8 @@ class PerseusRuntime:
                 durations = self.deployment.stage_durations(self.stage)
         elif setting.profiled_clock_mhz is not None:
             clocks = (setting.profiled_clock_mhz,) * len(self.order)
-        previous = self.sequencer.trace.planned_clocks  # default clocks (None): what they run at
-        self._clock_before_iteration = (previous[-1] or self.recorder.default_clock_mhz) if previous else None
+        last = self.sequencer.trace.planned_clocks[-1:]  # the iteration before's (None: default clocks)
+        self._clock_before_iteration = (last[0] or self.recorder.default_clock_mhz) if last else None
         start = self.sequencer.start_iteration(self.iteration, clocks, durations, recovery)
         self.recorder.begin(setting, start)
         self.parts.solve.play_filler(setting.plan, -1, start)  # a swing cap's filler: the wait into this iteration
@@ -178,14 +178,12 @@ class PerseusRuntime:
             self.profiling.after_computation(Kind(kind).value, self.sequencer.planned_clock())
         position = self.sequencer.position
         end = self.sequencer.computation_finished()
-        if self._setting.plan is not None and self.fallback_reason is None:
-            self.parts.solve.play_filler(self._setting.plan, position, end)  # a swing cap's filler, where planned
+        self.parts.solve.play_filler(None if self.fallback_reason else self._setting.plan, position, end)  # swing cap
         if self.recovery_signal.watching and self._setting.plan is not None:
             self._watch_span(position, end)
 
     def _watch_span(self, position: int, end: DeviceMarker) -> None:
-        """The straggler pipeline's computation, handed to the recovery signal's thread (which
-        posts when the straggler runs at model speed again); a queue put."""
+        """The straggler pipeline's computation, handed to the recovery signal's thread: a queue put."""
         durations = self.deployment.stage_durations(self.stage) if self.deployment is not None else None
         spans = self.sequencer.trace.spans
         if durations is None or position >= len(durations) or not spans:
@@ -323,8 +321,7 @@ class PerseusRuntime:
     plan = property(lambda self: self.deployment.plan if self.deployment is not None else None)
     frontier = property(lambda self: self.deployment.frontier if self.deployment is not None else None)
     history = property(lambda self: self.recorder.history)
-    saved_profile = property(lambda self: self.parts.solve.saved_profile,
-                             doc="The profile saved beside the job, if any.")
+    saved_profile = property(lambda self: self.parts.solve.saved_profile, doc="The profile saved beside the job, if any.")
     solve_outcome = property(lambda self: self.parts.solve.outcome,
                              doc="This rank's view of its pipeline's solve result (a StageSolve; None before).")
     silence = property(lambda self: self.parts.hooks.silence)
