@@ -188,15 +188,11 @@ def solve_capped(schedule, profile, blocking_power: float, options, switch_laten
     Where they can, a waiting stage may draw up to `swing_cap`'s default (the highest profiled
     power); where they cannot, up to its blocking power, i.e. no filler: the plans are clock-only,
     and their energy is what the devices run (their swing may then miss the cap; `CappedPlans`
-    says). The uncapped frontier is solved first without a wait-aware extension (a capped frontier
-    has none), as `solver.solve_frontier` does for a cap."""
-    from dataclasses import replace
-
-    from perseus_ext.planning.solver import solve_frontier
-    from perseus_ext.planning.swing_cap import capped_frontier, highest_power_w
+    says). Solved without a wait-aware extension: a capped frontier has none."""
+    from perseus_ext.planning.solver import solve_capped_frontier
+    from perseus_ext.planning.swing_cap import highest_power_w
 
     filler_max_w = highest_power_w(profile) if power_floor else blocking_power
-    uncapped = solve_frontier(schedule, profile, blocking_power, replace(options, power_swing_cap=0.0), switch_latency_s)
-    capped = capped_frontier(uncapped, schedule, profile, options.power_swing_cap, switch_latency_s,
-                             filler_max_w=filler_max_w, clock_budget=options.clock_budget)
+    capped = solve_capped_frontier(schedule, profile, blocking_power, options, switch_latency_s,
+                                   filler_max_w=filler_max_w)
     return capped.frontier, capped_plans(capped, schedule, profile, switch_latency_s, filler_max_w)

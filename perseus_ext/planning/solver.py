@@ -108,14 +108,8 @@ def solve_frontier(
     options = options or SolverOptions()
     options.validate()  # also catches options changed with object.__setattr__ or pickled
     if options.power_swing_cap > 0:  # swing-capped plans (swing_cap.py) from the uncapped frontier
-        from dataclasses import replace
-
-        from perseus_ext.planning.swing_cap import capped_frontier
-
-        uncapped = solve_frontier(schedule, profile, blocking_power, replace(options, power_swing_cap=0.0),
-                                  switch_latency_s, wait_aware=wait_aware)
-        capped = capped_frontier(uncapped, schedule, profile, options.power_swing_cap, switch_latency_s,
-                                 clock_budget=options.clock_budget)
+        capped = solve_capped_frontier(schedule, profile, blocking_power, options, switch_latency_s,
+                                       wait_aware=wait_aware)
         if not capped.meets_cap:
             logger.warning("perseus-ext: no plan meets solver option power_swing_cap %g; the frontier is the one "
                            "plan of least swing found (%.0f W, %.0f W allowed)", options.power_swing_cap,
@@ -361,3 +355,17 @@ def _anchor_count(options: SolverOptions, num_nodes: int) -> int:
     return max(options.anchors, options.anchor_budget // max(num_nodes, 1), 2)
 
 
+def solve_capped_frontier(schedule: PipelineSchedule, profile: Profile, blocking_power: float, options: SolverOptions,
+                          switch_latency_s: float = 0.0, *, filler_max_w: float | None = None,
+                          wait_aware: bool = False):
+    """The capped solve (`swing_cap.CappedFrontier`): the frontier solved with `options` less its
+    `power_swing_cap`, then its plans under that cap and the options' clock budget. Capped
+    `solve_frontier` calls and the runtime's capped solve (`filler_program.solve_capped`) run it."""
+    from dataclasses import replace
+
+    from perseus_ext.planning.swing_cap import capped_frontier
+
+    uncapped = solve_frontier(schedule, profile, blocking_power, replace(options, power_swing_cap=0.0),
+                              switch_latency_s, wait_aware=wait_aware)
+    return capped_frontier(uncapped, schedule, profile, options.power_swing_cap, switch_latency_s,
+                           filler_max_w=filler_max_w, clock_budget=options.clock_budget)
