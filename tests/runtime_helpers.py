@@ -150,12 +150,20 @@ STAGE_BACKWARD_S = (0.008, 0.012)
 
 def stage_profile(path: Path, gpu, stages: int) -> str:
     """A profile of the simulated GPU's own model for `stages` stages (every 6th clock)."""
+    return profile_of_model(path, gpu, STAGE_FORWARD_S[:stages], STAGE_BACKWARD_S[:stages],
+                            gpu.supported_sm_clocks()[::6])
+
+
+def profile_of_model(path: Path, gpu, forward_s, backward_s, clocks) -> str:
+    """Stage s's forward and backward (`forward_s[s]`, `backward_s[s]` seconds at the maximum
+    clock) at each of `clocks`, from the simulated GPU's own model (exact times and energies),
+    saved at `path`."""
     from perseus_ext.planning.profile import Profile
 
     rows = [{"stage": stage, "instruction": kind, "frequency": clock,
              "time": gpu.expected(seconds[stage], clock)[0], "energy": gpu.expected(seconds[stage], clock)[1]}
-            for stage in range(stages)
-            for kind, seconds in (("forward", STAGE_FORWARD_S), ("backward", STAGE_BACKWARD_S))
-            for clock in gpu.supported_sm_clocks()[::6]]
+            for stage in range(len(forward_s))
+            for kind, seconds in (("forward", forward_s), ("backward", backward_s))
+            for clock in clocks]
     Profile.from_rows(rows).save(path)
     return str(path)

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from runtime_helpers import profile_of_model
+
 from perseus_ext.measurement.gpu import open_gpu
 from perseus_ext.planning.energy import BLOCKING_POWER_W
-from perseus_ext.planning.profile import Profile, load_profile
+from perseus_ext.planning.profile import load_profile
 from perseus_ext.planning.schedule import one_f_one_b
 from perseus_ext.planning.solver import SolverOptions, solve_frontier
 
@@ -43,14 +45,7 @@ BUDGET = {"max_clock_changes_per_s": 4, "min_clock_hold_s": 0.25}
 
 
 def model_profile(path: Path) -> str:
-    gpu = open_gpu("sim:a100_sxm?pace=0")
-    rows = [{"stage": stage, "instruction": kind, "frequency": clock,
-             "time": gpu.expected(seconds, clock)[0], "energy": gpu.expected(seconds, clock)[1]}
-            for stage in (0, 1)
-            for kind, seconds in (("forward", FORWARD_S[stage]), ("backward", BACKWARD_S[stage]))
-            for clock in CLOCKS_MHZ]
-    Profile.from_rows(rows).save(path)
-    return str(path)
+    return profile_of_model(path, open_gpu("sim:a100_sxm?pace=0"), FORWARD_S, BACKWARD_S, CLOCKS_MHZ)
 
 
 def _free_port() -> int:

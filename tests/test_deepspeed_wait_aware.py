@@ -26,9 +26,10 @@ from pathlib import Path
 
 import pytest
 
+from runtime_helpers import profile_of_model
+
 from perseus_ext.measurement.gpu import open_gpu
 from perseus_ext.planning.energy import BLOCKING_POWER_W
-from perseus_ext.planning.profile import Profile
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is an optional dependency"
@@ -55,14 +56,7 @@ PERSEUS = {
 
 def model_profile(path: Path) -> str:
     """Both stages' forward and backward at CLOCKS_MHZ, from the simulated A100's own model."""
-    gpu = open_gpu("sim:a100_sxm?pace=0")
-    rows = [{"stage": stage, "instruction": kind, "frequency": clock,
-             "time": gpu.expected(seconds, clock)[0], "energy": gpu.expected(seconds, clock)[1]}
-            for stage in (0, 1)
-            for kind, seconds in (("forward", FORWARD_S[stage]), ("backward", BACKWARD_S[stage]))
-            for clock in CLOCKS_MHZ]
-    Profile.from_rows(rows).save(path)
-    return str(path)
+    return profile_of_model(path, open_gpu("sim:a100_sxm?pace=0"), FORWARD_S, BACKWARD_S, CLOCKS_MHZ)
 
 
 @pytest.fixture(scope="module")
