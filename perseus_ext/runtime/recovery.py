@@ -130,8 +130,8 @@ class RecoveryJudge:
         threshold = watch.threshold_s(extra)
         if threshold is None or not watch.became_slowest(wait_s, extra):
             return None
-        if self._straggler_slow_in is not None and self._straggler_slow_in >= launched.iteration:
-            return None  # the straggler said it still ran slow then: the dip was this host's (lock held)
+        if self._said_slow_in(launched.iteration):
+            return None  # the straggler said it still ran slow then: the dip was this host's
         held_wait = watch.free_wait_s + (threshold - watch.free_wait_s) / VERDICT_LEAD_SHARE  # the predicted wait
         return Verdict(launched.episode, launched.iteration,
                        f"this pipeline became the slowest: it waited {1000 * wait_s:.1f} ms at the gradient sync "
@@ -157,7 +157,11 @@ class RecoveryJudge:
     def straggler_slow_in(self, iteration: int) -> bool:
         """Whether the straggler said it still ran slow in `iteration` or later."""
         with self._lock:
-            return self._straggler_slow_in is not None and self._straggler_slow_in >= iteration
+            return self._said_slow_in(iteration)
+
+    def _said_slow_in(self, iteration: int) -> bool:
+        """`straggler_slow_in` with the lock held."""
+        return self._straggler_slow_in is not None and self._straggler_slow_in >= iteration
 
     def take(self, episode: int) -> Verdict | None:
         """The verdict on `episode`, if one came (never blocks); verdicts on other episodes
