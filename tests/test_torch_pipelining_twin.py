@@ -27,6 +27,7 @@ LAUNCH_TIMEOUT_S = 360  # the jobs run together: the slowest one's limit
 # The twin must lie within the measured interval; checked at 99.9 % so that these paced
 # (wall-clock) jobs on a shared machine fail by chance about once in a thousand per class.
 CHECK_CONFIDENCE = 0.999
+JOBS_AT_ONCE = 3  # more at once on two cores: the paced jobs' waits, and so their energy, turn noisy
 
 
 @pytest.fixture(scope="module")
@@ -34,21 +35,23 @@ def twin_jobs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, 
     """Every class's side-by-side job, launched together; (the finished launcher, its directory)."""
     root = tmp_path_factory.mktemp("twins")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    launches = {}
-    for name in SCHEDULE_CLASSES:
-        directory = root / name
-        process = subprocess.Popen(command(directory, name, free_port()), cwd=directory, env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        launches[name] = process, directory
     done = {}
-    for name, (process, directory) in launches.items():
-        try:
-            stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # the launcher and its ranks, started in their own session
-            stdout, stderr = process.communicate()
-            stderr += f"\n(killed after {LAUNCH_TIMEOUT_S} s)"
-        done[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), directory
+    for wave in range(0, len(SCHEDULE_CLASSES), JOBS_AT_ONCE):
+        launches = {}
+        for name in SCHEDULE_CLASSES[wave:wave + JOBS_AT_ONCE]:
+            directory = root / name
+            process = subprocess.Popen(command(directory, name, free_port()), cwd=directory, env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       start_new_session=True)
+            launches[name] = process, directory
+        for name, (process, directory) in launches.items():
+            try:
+                stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)  # the launcher and its ranks, started in their own session
+                stdout, stderr = process.communicate()
+                stderr += f"\n(killed after {LAUNCH_TIMEOUT_S} s)"
+            done[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), directory
     return done
 
 
@@ -71,8 +74,8 @@ def test_measured_saving_agrees_with_the_side_by_side_twin(twin_jobs, schedule_c
     assert figures.saving_low is not None and figures.saving_high is not None, figures
     assert figures.probes >= 5 and figures.deployed >= 20, figures
     # An interval that says something: about ±2 points with the jobs run one at a time
-    # (docs/torch-pipelining.md), wider here with all five sharing the machine at once.
-    assert figures.saving_high - figures.saving_low < 0.25, figures
+    # (docs/torch-pipelining.md), a little wider with `JOBS_AT_ONCE` sharing the machine.
+    assert figures.saving_high - figures.saving_low < 0.15, figures
     wide = twin_figures(directory / "result", CHECK_CONFIDENCE)
     assert wide.agrees, (figures, wide)
     # The job measured its saving from its own records: the summary's job figures say the same.

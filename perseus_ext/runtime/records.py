@@ -39,10 +39,10 @@ class MeasuredProfile:
         virtual stage instead, each holding its GPU's measured computations."""
         if schedule.num_chunks == 1:
             return self.profile
-        stages = self.profile.num_stages
-        points = {(chunk * stages + stage, instruction): measured
-                  for (stage, instruction), measured in self.profile.points.items()
-                  for chunk in range(schedule.num_chunks)}
+        points = {(virtual, instruction): measured
+                  for virtual, (stage, _) in enumerate(schedule.placement)  # looped, V-shaped or other
+                  for (measured_stage, instruction), measured in self.profile.points.items()
+                  if measured_stage == stage}
         return Profile(points, f"{self.profile.source} (per virtual stage)")
 
 
