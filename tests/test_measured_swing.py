@@ -70,6 +70,20 @@ def test_the_log_forgets_the_distant_past_and_says_so():
     assert first == 95 and watts == pytest.approx([101.0, 100.0, 101.0, 100.0, 101.0])
 
 
+def test_the_log_s_energy_over_any_window_is_the_hand_integrated_trace():
+    """The exact energy between two device times (what the demo compares per step), against the
+    overlap of every piece with the window summed by hand."""
+    pieces = [(10.0, 10.25, 80.0), (10.25, 10.3, 400.0), (10.3, 10.4, 250.0), (10.4, 11.0, 80.0)]
+    log = PowerLog()
+    for piece in pieces:
+        log.add(*piece)
+    for start, end in [(10.0, 11.0), (10.1, 10.33), (10.27, 10.29), (10.3, 10.3), (10.35, 10.95)]:
+        by_hand = sum(w * max(0.0, min(e, end) - max(s, start)) for s, e, w in pieces)
+        assert log.energy_j(start, end) == pytest.approx(by_hand, rel=1e-12, abs=1e-12), (start, end)
+    assert log.energy_j(9.0, 10.5) is None and log.energy_j(10.5, 11.5) is None  # not all in the log
+    assert log.energy_j(10.6, 10.5) is None
+
+
 def samples(first_bin: int, watts: list[float]) -> PowerSamples:
     return PowerSamples(BIN_S, first_bin, np.array(watts, dtype=float))
 

@@ -20,7 +20,6 @@ pytestmark = [
 ]
 WORKLOAD = {"forward_seconds": [0.025, 0.035], "backward_seconds": [0.050, 0.070]}  # as tests/test_deepspeed.py
 SAVING_FLOOR = 0.7  # the measured saving is at least this share of the model's (tests/test_deepspeed.py)
-SPAN_SAVING_FLOOR = 0.55  # the same for the exact energy read around each host step (see the test)
 DEVICE_TIME_TOLERANCE = 0.02  # device-measured compute time of the plan vs its twin's
 
 
@@ -62,10 +61,7 @@ def test_non_root_deepspeed_job_sets_clocks_through_zeusd_and_saves_energy(tmp_p
     assert window["iterations"][1] - window["iterations"][0] >= 8
     model = perseus[0]["summary"]["frontier"]["intrinsic_saving"]  # what the model predicts for this job
     assert window["measured_energy_saving"] >= SAVING_FLOOR * model, (window, model)  # the runtime's, device-aligned
-    # The simulated GPUs' exact energy, read around each host step: with one pipeline the host
-    # returns from a step well before its device finishes it, and that reading misses part of
-    # both variants' work (measured 0.66 of the model's saving against 1.1 for the counter's).
-    assert window["energy_saving"] >= SPAN_SAVING_FLOOR * model, (window, model)
+    assert window["energy_saving"] >= SAVING_FLOOR * model, (window, model)  # the simulated GPUs' exact energy
     # The planned time equals all-max-clock; on the devices (markers, not the crowded host's wall
     # clock) the plan's compute time equals the observing twin's.
     observe = demo.by_variant(results, "observe")

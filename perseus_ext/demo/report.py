@@ -34,8 +34,8 @@ def print_report(scenario: Scenario, comparison: dict[str, Any], results: list[l
               f"{frontier['fastest']['energy_j']:.1f} J vs all-max-clock {frontier['all_max_clock']['energy_j']:.1f} J "
               f"(model: {100 * frontier['intrinsic_saving']:.1f}% intrinsic bloat)")
     print()
-    print("per iteration over each window: mean job time (slowest rank) and the change of the median, "
-          "mean job energy (all GPUs); recovery: the first iterations after the straggler recovered")
+    print("per iteration over each window: mean job time (its step on the devices) and the change of the "
+          "median, mean job energy (all GPUs); recovery: the first iterations after the straggler recovered")
     header = (f"{'window':<14}{'iters':>9}{'time/it base':>14}{'perseus':>10}{'change':>9}{'median':>8}"
               f"{'energy/it base':>16}{'perseus':>10}{'saved':>8}{'(counter)':>11}")
     print(header)
@@ -124,7 +124,7 @@ def plot(scenario: Scenario, comparison: dict[str, Any], results: list[list[dict
     baseline = comparison["series"]["baseline"]
     plot_report(
         comparison["report"], out / "timeline.png", straggler=straggler,
-        series={"baseline, side by side (measured)": {"time_s": baseline["time_s"], "energy_j": baseline["energy_j"]}},
+        series={"baseline, side by side (measured)": {"time_s": baseline["device_time_s"], "energy_j": baseline["energy_j"]}},
         title=f"perseus-ext demo ({scenario.stages} stages x {scenario.pipelines} pipelines): job time and "
               f"energy per iteration",
     )

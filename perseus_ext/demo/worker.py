@@ -17,6 +17,8 @@ from typing import Any
 
 from perseus_ext.demo.scenario import WIDTH, Scenario
 
+SPAN_WAIT_S = 120.0  # at the end of the run: the device has long ended every step by then
+
 
 class _VariantRun:
     """One variant's engine on this rank. All variants of a job train side by side, one
@@ -58,40 +60,61 @@ class _VariantRun:
         self.losses: list[str] = []
         self.iterations: list[dict[str, Any]] = []
         self._mark: tuple[float, float] | None = None  # (wall time, exact energy) at the last step's start
+        self._spans: list[tuple[int, Any, Any]] = []  # (iteration, markers around its step) not yet read
 
     def step(self, iteration: int) -> None:
-        scenario, gpu, runtime = self.scenario, self.gpu, self.runtime
+        scenario, gpu = self.scenario, self.gpu
         if gpu is not None and self.pipeline == scenario.straggler_pipeline:
             straggling = scenario.straggler_start <= iteration < scenario.straggler_end
             gpu.slowdown = scenario.slowdown if straggling else 1.0
         self._close_previous()
-        true_before = gpu.true_energy_j if gpu is not None else 0.0
+        first = gpu.device.record_marker() if gpu is not None else None
         started = time.perf_counter()
         loss = self.engine.train_batch(self.data)
-        record: dict[str, Any] = {"time_s": time.perf_counter() - started}
+        self.iterations.append({"time_s": time.perf_counter() - started})
         self.losses.append(float(loss).hex())
-        if runtime is not None:
-            record["true_energy_j"] = gpu.true_energy_j - true_before
-        self.iterations.append(record)
+        if gpu is not None:
+            self._spans.append((iteration, first, gpu.device.record_marker()))
 
     def _close_previous(self) -> None:
         """The previous step's exact energy and period from its start to this one's
-        (`tiled_energy_j`, `period_s`). `true_energy_j`, read around the step, is what the
-        side-by-side tables compare, but the device runs on after the host returns from a step
-        (while the other variants take their turn) and that reading misses the end of its work;
-        step starts tile the device's time, every joule counted once, idle turns included, which
-        the model check takes out at the blocking power."""
+        (`tiled_energy_j`, `period_s`): step starts tile the device's time, every joule counted
+        once, idle turns included, which the model check takes out at the blocking power. And
+        every step the device has ended, read without waiting for it (`_read_spans`)."""
         if self.gpu is None:
             return
+        self._read_spans(wait=False)
         now, energy = time.perf_counter(), self.gpu.true_energy_j
         if self._mark is not None and self.iterations:
             self.iterations[-1].update(tiled_energy_j=energy - self._mark[1], period_s=now - self._mark[0])
         self._mark = (now, energy)
 
+    def _read_spans(self, *, wait: bool) -> None:
+        """Each step on this device: from its start marker (reached once the device is done with
+        earlier work) to its end marker (its last work done), `device_start_s` and
+        `device_end_s`, and the exact energy drawn in between, `true_energy_j`.
+
+        The side-by-side tables compare the job's steps on the devices (`analysis.job_series`),
+        not the host's time around `train_batch`: the host runs a few computations ahead of its
+        device and returns from a step before the device ends it, so its wall time is not the
+        iteration's, and the energy read around it misses the step's last work -- by more for
+        the variant whose host is held longer (the one that changes clocks). Read only once the
+        device has ended a step, so that measuring never holds the host back."""
+        device = self.gpu.device
+        while self._spans and (self._spans[0][2].query() or (wait and self._spans[0][2].wait(SPAN_WAIT_S))):
+            iteration, first, last = self._spans.pop(0)
+            start_s, end_s = first.device_time_s(), last.device_time_s()
+            self.iterations[iteration].update(device_start_s=start_s, device_end_s=end_s,
+                                              true_energy_j=device.exact_energy_j(start_s, end_s))
+        if wait and self._spans:
+            raise RuntimeError(f"rank {self.engine.global_rank}: the {self.variant} variant's device did not "
+                               f"end step {self._spans[0][0]} within {SPAN_WAIT_S:g} s")
+
     def finish(self) -> dict[str, Any]:
         runtime = self.runtime
         if self.gpu is not None:
             self.gpu.device.synchronize()  # the last step's work done: its energy is all in
+            self._read_spans(wait=True)
         self._close_previous()
         self.engine.destroy()  # closes the runtime: clocks restored, last device records taken
         summary = runtime.summary() if runtime is not None else None
@@ -108,6 +131,7 @@ class _VariantRun:
             "summary": summary, "clocks_restored": self.gpu is None or self.gpu.locked_clock is None,
             "power_limit_w": self.gpu.power_limit_w() if self.gpu is not None else None,
             "controller_errors": runtime.controller.error_count if runtime is not None else 0,
+            "idle_power_w": self.gpu.preset.idle_power_w if self.gpu is not None else None,
         }
 
 

@@ -234,6 +234,12 @@ class SimDevice:
             self._sync()
             return self._power_log.bins(start_s, end_s, period_s)
 
+    def exact_energy_j(self, start_s: float, end_s: float) -> float | None:
+        """The exact energy drawn over device time [start_s, end_s) (`PowerLog.energy_j`)."""
+        with self.cond:
+            self._sync()
+            return self._power_log.energy_j(start_s, end_s)
+
     def tally(self) -> CoverageTally:
         with self.cond:
             self._sync()

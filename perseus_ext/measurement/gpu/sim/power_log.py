@@ -73,3 +73,15 @@ class PowerLog:
         starts, ends = np.array(self._starts[low:high]), np.array(self._ends[low:high])
         energy = np.concatenate([[0.0], np.cumsum((ends - starts) * np.array(self._watts[low:high]))])
         return first, np.diff(np.interp(edges, np.append(starts, ends[-1]), energy)) / period_s
+
+    def energy_j(self, start_s: float, end_s: float) -> float | None:
+        """The exact energy drawn over device time [start_s, end_s); None when part of that
+        window is not in the log (before the oldest piece kept, or past what the device has run)."""
+        head = self._head
+        if not (math.isfinite(start_s) and math.isfinite(end_s) and end_s >= start_s) or len(self._ends) <= head:
+            return None
+        if start_s < self._starts[head] - EDGE_SLACK_S or end_s > self._ends[-1] + EDGE_SLACK_S:
+            return None
+        low, high = bisect_right(self._ends, start_s, lo=head), bisect_left(self._starts, end_s, lo=head)
+        return sum(self._watts[i] * (min(self._ends[i], end_s) - max(self._starts[i], start_s))
+                   for i in range(low, high))
