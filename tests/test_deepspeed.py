@@ -8,6 +8,7 @@ fails the test instead of blocking CI.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -57,15 +58,44 @@ def _demo():
     return demo
 
 
+def _two_stage_scenario(out_dir: Path, iterations: int, variants: list[str]):
+    return _demo().Scenario(
+        out_dir=str(out_dir), stages=2, pipelines=1, iterations=iterations, straggler_pipeline=None,
+        variants=variants, fault_rank=1, perseus={"straggler_check_interval": CHECK_INTERVAL, **FAST_PROFILING},
+        **WORKLOAD,
+    )
+
+
 @pytest.fixture(scope="module")
 def two_stage_job(tmp_path_factory):
-    demo = _demo()
-    scenario = demo.Scenario(
-        out_dir=str(tmp_path_factory.mktemp("two-stage")), stages=2, pipelines=1, iterations=40,
-        straggler_pipeline=None, variants=["disabled", "observe", "perseus", "faulty"], fault_rank=1,
-        perseus={"straggler_check_interval": CHECK_INTERVAL, **FAST_PROFILING}, **WORKLOAD,
-    )
-    return scenario, demo.launch(scenario, timeout_s=LAUNCH_TIMEOUT_S)
+    scenario = _two_stage_scenario(tmp_path_factory.mktemp("two-stage"), 40, ["disabled", "observe", "perseus"])
+    return scenario, _demo().launch(scenario, timeout_s=LAUNCH_TIMEOUT_S)
+
+
+# The failing GPU falls back when the plan is deployed (its first locked clock, iteration ~10):
+# FAULTY_ITERATIONS leave its rank three straggler checks and baseline probes in fallback next to
+# a healthy rank that runs the plan.
+FAULTY_ITERATIONS = 24
+
+
+@pytest.fixture(scope="module")
+def side_jobs(tmp_path_factory):
+    """The failing-GPU job (the two-stage job's scenario, `faulty` next to `disabled`) and the
+    example script under torchrun, side by side: neither claims a time or an energy, only what
+    ran, what fell back and what was saved, so each may run under the other's load."""
+    scenario = _two_stage_scenario(tmp_path_factory.mktemp("faulty"), FAULTY_ITERATIONS, ["disabled", "faulty"])
+    example_dir = tmp_path_factory.mktemp("example")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # both finished when it closes
+        faulty = pool.submit(_demo().launch, scenario, timeout_s=LAUNCH_TIMEOUT_S)
+        example = pool.submit(_run_example_script, example_dir)
+    # Futures: a job that fails or times out fails only the tests of that job.
+    return {"faulty": (scenario, faulty), "example": (example_dir, example)}
+
+
+@pytest.fixture(scope="module")
+def faulty_job(side_jobs):
+    scenario, launched = side_jobs["faulty"]
+    return scenario, launched.result()
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +110,16 @@ def straggler_job(tmp_path_factory):
 
 
 # --------------------------------------------------------------------------- 2 stages x 1 pipeline
-def test_losses_are_bit_identical_with_and_without_perseus(two_stage_job):
+def test_losses_are_bit_identical_with_and_without_perseus(two_stage_job, faulty_job):
     _, results = two_stage_job
     for rank_results in results:
         losses = {r["variant"]: r["losses"] for r in rank_results}
         assert losses["perseus"] == losses["disabled"]
         assert losses["observe"] == losses["disabled"]
+    _, results = faulty_job
+    for rank_results in results:
+        losses = {r["variant"]: r["losses"] for r in rank_results}
+        assert len(losses["faulty"]) == FAULTY_ITERATIONS
         assert losses["faulty"] == losses["disabled"]
 
 
@@ -141,9 +175,9 @@ def test_energy_drops_at_unchanged_iteration_time(two_stage_job):
     assert check is not None and check["within_tolerance"], check
 
 
-def test_failing_gpu_on_one_rank_neither_hangs_nor_breaks_training(two_stage_job):
+def test_failing_gpu_on_one_rank_neither_hangs_nor_breaks_training(faulty_job):
     demo = _demo()
-    scenario, results = two_stage_job
+    scenario, results = faulty_job
     faulty = demo.by_variant(results, "faulty")
     broken = faulty[scenario.fault_rank]
     assert broken["controller_errors"] >= 1
@@ -151,8 +185,8 @@ def test_failing_gpu_on_one_rank_neither_hangs_nor_breaks_training(two_stage_job
     assert all(len(r["iterations"]) == scenario.iterations for r in faulty)
 
 
-def test_clocks_are_restored_in_every_variant(two_stage_job, straggler_job):
-    for _, results in (two_stage_job, straggler_job):
+def test_clocks_are_restored_in_every_variant(two_stage_job, faulty_job, straggler_job):
+    for _, results in (two_stage_job, faulty_job, straggler_job):
         for rank_results in results:
             assert all(r["clocks_restored"] for r in rank_results)
 
@@ -227,7 +261,7 @@ def test_losses_identical_with_data_parallel_pipelines(straggler_job):
 
 
 # --------------------------------------------------------------------------- the example script
-def test_example_script_under_torchrun_saves_a_profile(tmp_path):
+def _run_example_script(tmp_path: Path) -> subprocess.CompletedProcess:
     config = json.loads((REPO / "examples/deepspeed/ds_config.json").read_text())
     config["perseus"].update(
         profile_path=str(tmp_path / "profile.csv"), summary_path=str(tmp_path / "summary-{rank}.json"),
@@ -236,11 +270,16 @@ def test_example_script_under_torchrun_saves_a_profile(tmp_path):
     config_path = tmp_path / "ds_config.json"
     config_path.write_text(json.dumps(config))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    completed = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
          str(REPO / "examples/deepspeed/train.py"), "--deepspeed_config", str(config_path), "--iterations", "50"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
     )
+
+
+def test_example_script_under_torchrun_saves_a_profile(side_jobs):
+    tmp_path, launched = side_jobs["example"]
+    completed = launched.result()
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     assert (tmp_path / "profile.csv").is_file() and (tmp_path / "profile.csv.json").is_file()
     for rank in (0, 1):

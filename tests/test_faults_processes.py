@@ -185,7 +185,7 @@ def _kill_during_the_solve(tmp_path, trial: int, timeout_s: float, delay_s: floa
 def test_a_rank_killed_during_the_solve_never_stalls_its_peer_past_the_control_timeout(tmp_path):
     """A 2-rank job started without torchrun (nobody signals the survivor): one rank is killed
     at a random moment of the background solve, alternately the leader and the other stage,
-    with balanced stages and with a slow first stage (six jobs, two at a time). The survivor's
+    with balanced stages and with a slow first stage (six jobs, three at a time). The survivor's
     simulated device waited for the dead rank's output for ever (1 in 10 tries balanced, 4 in
     5 with a slow first stage); now no iteration of the survivor takes past control_timeout_s
     (plus scheduling slack), it falls back and finishes."""
@@ -194,7 +194,7 @@ def test_a_rank_killed_during_the_solve_never_stalls_its_peer_past_the_control_t
 
     timeout_s, rng = 3.0, random.Random(31)
     delays = [rng.uniform(0.0, 0.2) for _ in range(6)]
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:  # each job waits out a timeout: a third one fills that idle time
         outcomes = list(pool.map(lambda trial: _kill_during_the_solve(tmp_path, trial, timeout_s, delays[trial]),
                                  range(6)))
     for trial, (result, took_s, err) in enumerate(outcomes):

@@ -1,15 +1,15 @@
 """Megatron end to end: the tiny GPT of examples/megatron_gpt3 on megatron-core's real pipeline
 schedules, CPU processes over gloo, one simulated A100 per rank.
 
-The layouts that use the same number of processes share one torchrun job (module-scoped
-fixture, `tests/megatron_layouts.py`: megatron's import and the process group's start-up are
-paid once; each layout starts on a fresh model-parallel state and keeps its own directory and
-output), and each layout trains several times in the same processes: `--perseus` off,
-`--perseus --perseus-mode observe` (default clocks, measured: the energy baseline, since nothing
-measures energy without the runtime) and `--perseus` (profile, solve, deploy), plus a straggler
-or misplanned run. Energy per iteration is summed over all ranks; iteration time is the slowest
-rank's. Medians over the steady iterations keep the 2-core machine's scheduling noise out of the
-comparison.
+The layouts that use the same number of processes share one torchrun job (`tests/megatron_layouts.py`:
+megatron's import and the process group's start-up are paid once; each layout starts on a fresh
+model-parallel state and keeps its own directory and output; the two-process job also trains
+test_megatron_full_iteration.py's graphed run), and each layout trains several times in the
+same processes: `--perseus` off, `--perseus --perseus-mode observe` (default clocks, measured:
+the energy baseline, since nothing measures energy without the runtime) and `--perseus`
+(profile, solve, deploy), plus a straggler or misplanned run. Energy per iteration is summed
+over all ranks; iteration time is the slowest rank's. Medians over the steady iterations keep the
+2-core machine's scheduling noise out of the comparison.
 """
 
 from __future__ import annotations
@@ -199,12 +199,25 @@ def check_energy_drops_time_holds_losses_equal(runs: dict[str, Run]) -> dict[str
 
 
 # ----------------------------------------------------------------------------- the jobs
+_SHARED_JOBS: dict[Path, dict[str, dict]] = {}  # the session's base temporary directory -> its job
+
+
+def shared_two_process_job(tmp_path_factory) -> dict[str, dict]:
+    """PP=2 (with test_megatron_full_iteration.py's full-iteration CUDA graph run), PP=2 with a
+    batch-size ramp-up, interleaved PP=2 x VPP=2 and PP=1 (DP=2): one job per test session,
+    whichever of the two files asks first."""
+    session = tmp_path_factory.getbasetemp()
+    if session not in _SHARED_JOBS:
+        tmp = tmp_path_factory.mktemp("megatron_2_processes")
+        _SHARED_JOBS[session] = launch(tmp, 2, {"pp2": pp2_layout(tmp / "pp2"), "rampup": RAMPUP,
+                                                "interleaved": INTERLEAVED, "no_pipeline": no_pipeline_layout()},
+                                       timeout=600)
+    return _SHARED_JOBS[session]
+
+
 @pytest.fixture(scope="module")
 def two_process_job(tmp_path_factory) -> dict[str, dict]:
-    """PP=2, PP=2 with a batch-size ramp-up, interleaved PP=2 x VPP=2 and PP=1 (DP=2)."""
-    tmp = tmp_path_factory.mktemp("megatron_2_processes")
-    return launch(tmp, 2, {"pp2": pp2_layout(tmp / "pp2"), "rampup": RAMPUP, "interleaved": INTERLEAVED,
-                           "no_pipeline": no_pipeline_layout()}, timeout=600)
+    return shared_two_process_job(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -216,16 +229,26 @@ def four_process_job(tmp_path_factory) -> dict[str, dict]:
 
 # ----------------------------------------------------------------------------- PP=2
 def pp2_layout(directory: Path) -> tuple[list[str], dict[str, dict]]:
+    profile = str(directory / "profile.csv")
     return ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"], {
         "off": {"perseus": None},
         "observe": {"perseus": "observe", "iterations": 10},
-        "optimize": {"perseus": "optimize"},
+        # Also saves its measured profile: the full-iteration graphed run below solves from it.
+        "optimize": {"perseus": "optimize", "argv": ["--perseus-profile-path", profile]},
         "misplanned": {"perseus": "optimize", "misplan": True, "iterations": 4},
         # As a Megatron user watches a run: the example's --tensorboard-dir (the last rank's
         # SummaryWriter), with baseline probes for a measured saving.
         "monitored": {"perseus": "optimize", "iterations": 24,
                       "argv": ["--tensorboard-dir", str(directory / "tensorboard"), "--perseus-baseline-fraction", "0.25"]},
+        # test_megatron_full_iteration.py's claims.
+        "graphed": {"perseus": "optimize", "iterations": GRAPHED_ITERATIONS, "cpu_graphs": True, "argv": [
+            "--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", str(GRAPHED_WARMUP_STEPS),
+            "--perseus-profile-path", profile, "--perseus-frontier-path", str(directory / "frontier.json")]},
     }
+
+
+GRAPHED_ITERATIONS = 12
+GRAPHED_WARMUP_STEPS = 2
 
 
 @pytest.fixture(scope="module")
@@ -417,10 +440,13 @@ def test_interleaved_straggler_slows_the_healthy_pipeline_just_enough(interleave
 
 
 # ----------------------------------------------------------------------------- batch-size ramp-up
-# PP=2, 2 microbatches for 12 iterations (deployed by then), then 4.
-RAMPUP = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--rampup-batch-size", "2", "2", "24"], {
-    "off": {"perseus": None, "iterations": 20},
-    "optimize": {"perseus": "optimize", "iterations": 20},
+# PP=2, 2 microbatches for 11 iterations (deployed from iteration 8 on: warm-up, 3 clocks x 2
+# profiling iterations, the solve), then 4.
+RAMPUP_ITERATIONS, RAMPED_AT = 15, 11
+RAMPUP = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
+          "--rampup-batch-size", "2", "2", str(2 * RAMPED_AT)], {
+    "off": {"perseus": None, "iterations": RAMPUP_ITERATIONS},
+    "optimize": {"perseus": "optimize", "iterations": RAMPUP_ITERATIONS},
 }
 
 
@@ -432,15 +458,15 @@ def rampup(two_process_job) -> dict[str, Run]:
 def test_a_new_number_of_microbatches_is_planned_anew(rampup):
     run = rampup["optimize"]
     microbatches = [entry["microbatches"] for entry in run.metrics["iterations"]]
-    assert microbatches == [2] * 12 + [4] * 8
+    assert microbatches == [2] * RAMPED_AT + [4] * (RAMPUP_ITERATIONS - RAMPED_AT)
     assert run.losses == rampup["off"].losses
     for summary in run.summaries:
         assert summary["fallback_reason"] is None
         assert summary["final_phase"] == "deployed"
         assert summary["megatron"]["schedule"]["microbatches"] == 4
     phases = {r["iteration"]: r["phase"] for r in run.log if r["stage"] == 0}
-    assert phases[11] == "deployed" and phases[12] == "solving"  # re-solved for 4 microbatches
-    assert all(phases[i] == "deployed" for i in range(13, 20))
+    assert phases[RAMPED_AT - 1] == "deployed" and phases[RAMPED_AT] == "solving"  # re-solved for 4 microbatches
+    assert all(phases[i] == "deployed" for i in range(RAMPED_AT + 1, RAMPUP_ITERATIONS))
     assert "re-planning" in rampup["output"]
 
 

@@ -7,7 +7,9 @@ the wrapper's CUDA calls are stood in for by tests/megatron_cpu.py's `cpu_cuda_g
 warm-up iterations and the capture run megatron's schedule for real, a replay launches nothing
 (on a GPU the replay's kernels run without any Python, which is all perseus-ext sees of it); the
 simulated GPUs run each iteration's work. A first run profiles the job without graphs and saves
-the profile; the graphed run solves from it, since a replay cannot be profiled per computation."""
+the profile; the graphed run solves from it, since a replay cannot be profiled per computation.
+Both are runs of test_megatron.py's two-process job (its PP=2 layout: `optimize` saves the
+profile, `graphed` is this file's run), so megatron's start-up is paid once for both files."""
 
 from __future__ import annotations
 
@@ -18,27 +20,19 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core is the optional 'megatron' extra")
 
-from test_megatron import launch  # noqa: E402
+from test_megatron import GRAPHED_ITERATIONS as ITERATIONS  # noqa: E402
+from test_megatron import GRAPHED_WARMUP_STEPS as WARMUP_STEPS  # noqa: E402
+from test_megatron import shared_two_process_job  # noqa: E402
 
 from perseus_ext.planning.frontier import Frontier  # noqa: E402
 from perseus_ext.planning.stage_constant import is_stage_constant  # noqa: E402
 
-ITERATIONS = 12
-WARMUP_STEPS = 2
+pytestmark = pytest.mark.timeout(900)  # run alone, this file starts the whole shared job
 
 
 @pytest.fixture(scope="module")
 def graphed(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("megatron_full_iteration")
-    profile = str(tmp / "profile.csv")
-    layout = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
-    runs = {
-        "profiled": {"perseus": "optimize", "iterations": 10, "argv": ["--perseus-profile-path", profile]},
-        "graphed": {"perseus": "optimize", "iterations": ITERATIONS, "cpu_graphs": True, "argv": [
-            "--cuda-graph-impl", "full_iteration", "--cuda-graph-warmup-steps", str(WARMUP_STEPS),
-            "--perseus-profile-path", profile, "--perseus-frontier-path", str(tmp / "pp2" / "frontier.json")]},
-    }
-    return launch(tmp, 2, {"pp2": (layout, runs)}, timeout=330)["pp2"]
+    return shared_two_process_job(tmp_path_factory)["pp2"]
 
 
 @pytest.mark.slow

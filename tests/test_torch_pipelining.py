@@ -100,7 +100,9 @@ def short_jobs(tmp_path_factory) -> dict[str, Job]:
     launches = {name: _start(root / name, name, iterations=SPLIT_BACKWARD_ITERATIONS,
                              perseus={"profile_path": str(root / name / "profile.csv")})
                 for name in SPLIT_BACKWARD}
-    launches["unsupported"] = _start(root / "unsupported", "ScheduleGPipe", iterations=1)
+    # One rank is enough to be refused (the class is checked before anything runs): the job
+    # costs a process's start-up less.
+    launches["unsupported"] = _start(root / "unsupported", "ScheduleGPipe", ranks=1, iterations=1)
     launches["disabled"] = _start(root / "disabled", "ScheduleInterleaved1F1B", iterations=INTERLEAVED_ITERATIONS,
                                   perseus={"enabled": False})
     launches["forged"] = _start(root / "forged", "ScheduleInterleaved1F1B", iterations=2,
