@@ -115,9 +115,17 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def start_pushgateway(directory: Path) -> Iterator[Pushgateway]:
+def free_port_outside(reserved: range) -> int:
+    """A free port outside `reserved` (ports chosen earlier that their servers bind later: the
+    OS may hand a just-released port out again)."""
+    while (port := free_port()) in reserved:
+        continue
+    return port
+
+
+def start_pushgateway(directory: Path, reserved: range = range(0)) -> Iterator[Pushgateway]:
     executable = binary("prometheus-pushgateway")
-    port = free_port()
+    port = free_port_outside(reserved)
     log = directory / "pushgateway.log"
     process = _run([executable, f"--web.listen-address=127.0.0.1:{port}"], log)
     try:
@@ -127,10 +135,11 @@ def start_pushgateway(directory: Path) -> Iterator[Pushgateway]:
         _stop(process)
 
 
-def start_prometheus(directory: Path, targets: list[str], scrape_interval: str = "250ms") -> Iterator[PrometheusServer]:
+def start_prometheus(directory: Path, targets: list[str], scrape_interval: str = "250ms",
+                     reserved: range = range(0)) -> Iterator[PrometheusServer]:
     """Prometheus scraping `targets` (host:port) with honor_labels (the exporters' `job`)."""
     executable = binary("prometheus")
-    port = free_port()
+    port = free_port_outside(reserved)
     config = directory / "prometheus.yml"
     config.write_text(json.dumps({  # JSON is YAML
         "global": {"scrape_interval": scrape_interval, "scrape_timeout": scrape_interval},

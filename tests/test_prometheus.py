@@ -48,10 +48,11 @@ def test_a_real_prometheus_scrapes_a_deepspeed_job_and_a_pushgateway_keeps_its_e
     from perseus_ext import demo
 
     base_port = prometheus_server.free_ports(2)
-    gateway_run = prometheus_server.start_pushgateway(tmp_path)
+    ranks_ports = range(base_port, base_port + 2)  # bound by the job's ranks later: no server may take them
+    gateway_run = prometheus_server.start_pushgateway(tmp_path, reserved=ranks_ports)
     gateway = next(gateway_run)
     targets = [f"127.0.0.1:{base_port}", f"127.0.0.1:{base_port + 1}", gateway.address]
-    server_run = prometheus_server.start_prometheus(tmp_path, targets)
+    server_run = prometheus_server.start_prometheus(tmp_path, targets, reserved=ranks_ports)
     server = next(server_run)
     try:
         job_dir = tmp_path / "job"
