@@ -15,15 +15,12 @@ def by_variant(results: list[list[dict[str, Any]]], variant: str) -> list[dict[s
 
 
 def job_series(ranks: list[dict[str, Any]], key: str) -> list[float]:
-    """Per-iteration job figure: the slowest rank's host step (`time_s`), the job's step on the
-    devices (`device_time_s`: from the first device starting it to the last one ending it; the
-    devices share one clock), or the sum of every rank's energy. `true_energy_j` is the exact
-    energy of the devices over the job's step: each device's over its own step, plus its idle
-    power for the rest of the job's (the variants take turns, so a device is idle between its
-    own steps)."""
+    """Per-iteration job figure: the job's step on the devices (`device_time_s`: from the first
+    device starting it to the last one ending it; the devices share one clock), or the sum of
+    every rank's energy. `true_energy_j` is the exact energy of the devices over the job's step:
+    each device's over its own step, plus its idle power for the rest of the job's (the variants
+    take turns, so a device is idle between its own steps)."""
     rows = list(zip(*(r["iterations"] for r in ranks)))
-    if key == "time_s":
-        return [max(item["time_s"] for item in row) for row in rows]
     if key not in ("device_time_s", "true_energy_j"):
         return [sum(item[key] for item in row) for row in rows]
     spans = [max(item["device_end_s"] for item in row) - min(item["device_start_s"] for item in row) for row in rows]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections
 import json
 import os
 import sys
@@ -16,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from perseus_ext.demo.scenario import WIDTH, Scenario
-
-SPAN_WAIT_S = 120.0  # at the end of the run: the device has long ended every step by then
 
 
 class _VariantRun:
@@ -60,7 +59,7 @@ class _VariantRun:
         self.losses: list[str] = []
         self.iterations: list[dict[str, Any]] = []
         self._mark: tuple[float, float] | None = None  # (wall time, exact energy) at the last step's start
-        self._spans: list[tuple[int, Any, Any]] = []  # (iteration, markers around its step) not yet read
+        self._spans: collections.deque[tuple[int, Any, Any]] = collections.deque()  # (iteration, markers around its step) not yet read
 
     def step(self, iteration: int) -> None:
         scenario, gpu = self.scenario, self.gpu
@@ -83,13 +82,13 @@ class _VariantRun:
         every step the device has ended, read without waiting for it (`_read_spans`)."""
         if self.gpu is None:
             return
-        self._read_spans(wait=False)
+        self._read_spans()
         now, energy = time.perf_counter(), self.gpu.true_energy_j
         if self._mark is not None and self.iterations:
             self.iterations[-1].update(tiled_energy_j=energy - self._mark[1], period_s=now - self._mark[0])
         self._mark = (now, energy)
 
-    def _read_spans(self, *, wait: bool) -> None:
+    def _read_spans(self) -> None:
         """Each step on this device: from its start marker (reached once the device is done with
         earlier work) to its end marker (its last work done), `device_start_s` and
         `device_end_s`, and the exact energy drawn in between, `true_energy_j`.
@@ -101,20 +100,16 @@ class _VariantRun:
         the variant whose host is held longer (the one that changes clocks). Read only once the
         device has ended a step, so that measuring never holds the host back."""
         device = self.gpu.device
-        while self._spans and (self._spans[0][2].query() or (wait and self._spans[0][2].wait(SPAN_WAIT_S))):
-            iteration, first, last = self._spans.pop(0)
+        while self._spans and self._spans[0][2].query():
+            iteration, first, last = self._spans.popleft()
             start_s, end_s = first.device_time_s(), last.device_time_s()
             self.iterations[iteration].update(device_start_s=start_s, device_end_s=end_s,
                                               true_energy_j=device.exact_energy_j(start_s, end_s))
-        if wait and self._spans:
-            raise RuntimeError(f"rank {self.engine.global_rank}: the {self.variant} variant's device did not "
-                               f"end step {self._spans[0][0]} within {SPAN_WAIT_S:g} s")
 
     def finish(self) -> dict[str, Any]:
         runtime = self.runtime
         if self.gpu is not None:
-            self.gpu.device.synchronize()  # the last step's work done: its energy is all in
-            self._read_spans(wait=True)
+            self.gpu.device.synchronize()  # every step's work done: its energy is all in, its span is read next
         self._close_previous()
         self.engine.destroy()  # closes the runtime: clocks restored, last device records taken
         summary = runtime.summary() if runtime is not None else None
