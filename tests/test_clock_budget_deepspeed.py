@@ -82,6 +82,7 @@ def budgeted_job(tmp_path_factory):
     return out, profile
 
 
+@pytest.mark.distributed
 def test_the_planner_needs_the_budget_here(budgeted_job) -> None:
     _, profile = budgeted_job
     unbudgeted = solve_frontier(one_f_one_b(2, MICROBATCHES), load_profile(profile), BLOCKING_POWER_W["a100"],
@@ -90,6 +91,7 @@ def test_the_planner_needs_the_budget_here(budgeted_job) -> None:
     assert not budget.allows(unbudgeted.fastest.clock.changes_per_s, unbudgeted.fastest.clock.shortest_hold_s)
 
 
+@pytest.mark.distributed
 def test_every_deployed_iteration_keeps_the_budget(budgeted_job) -> None:
     out, _ = budgeted_job
     judged = 0

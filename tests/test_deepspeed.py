@@ -110,6 +110,7 @@ def straggler_job(tmp_path_factory):
 
 
 # --------------------------------------------------------------------------- 2 stages x 1 pipeline
+@pytest.mark.distributed
 def test_losses_are_bit_identical_with_and_without_perseus(two_stage_job, faulty_job):
     _, results = two_stage_job
     for rank_results in results:
@@ -123,6 +124,7 @@ def test_losses_are_bit_identical_with_and_without_perseus(two_stage_job, faulty
         assert losses["faulty"] == losses["disabled"]
 
 
+@pytest.mark.distributed
 def test_profiling_completes_and_every_rank_deploys_the_fastest_plan(two_stage_job):
     demo = _demo()
     scenario, results = two_stage_job
@@ -158,6 +160,7 @@ def _model_saving(results) -> float:
     return demo.by_variant(results, "perseus")[0]["summary"]["frontier"]["intrinsic_saving"]
 
 
+@pytest.mark.distributed
 def test_energy_drops_at_unchanged_iteration_time(two_stage_job):
     demo = _demo()
     scenario, results = two_stage_job
@@ -175,6 +178,7 @@ def test_energy_drops_at_unchanged_iteration_time(two_stage_job):
     assert check is not None and check["within_tolerance"], check
 
 
+@pytest.mark.distributed
 def test_failing_gpu_on_one_rank_neither_hangs_nor_breaks_training(faulty_job):
     demo = _demo()
     scenario, results = faulty_job
@@ -185,6 +189,7 @@ def test_failing_gpu_on_one_rank_neither_hangs_nor_breaks_training(faulty_job):
     assert all(len(r["iterations"]) == scenario.iterations for r in faulty)
 
 
+@pytest.mark.distributed
 def test_clocks_are_restored_in_every_variant(two_stage_job, faulty_job, straggler_job):
     for _, results in (two_stage_job, faulty_job, straggler_job):
         for rank_results in results:
@@ -192,6 +197,7 @@ def test_clocks_are_restored_in_every_variant(two_stage_job, faulty_job, straggl
 
 
 # --------------------------------------------------------------------------- 2 stages x 2 pipelines
+@pytest.mark.distributed
 def test_straggler_slows_the_other_pipeline_and_plans_return(straggler_job):
     demo = _demo()
     scenario, results = straggler_job
@@ -224,6 +230,7 @@ def test_straggler_slows_the_other_pipeline_and_plans_return(straggler_job):
         assert len(set(plans)) == 1
 
 
+@pytest.mark.distributed
 def test_straggler_energy_drops_further_without_slowing_the_job(straggler_job):
     demo = _demo()
     scenario, results = straggler_job
@@ -253,6 +260,7 @@ def test_straggler_energy_drops_further_without_slowing_the_job(straggler_job):
     assert check is not None and check["within_tolerance"], check
 
 
+@pytest.mark.distributed
 def test_losses_identical_with_data_parallel_pipelines(straggler_job):
     _, results = straggler_job
     for rank_results in results:
@@ -277,6 +285,7 @@ def _run_example_script(tmp_path: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.distributed
 def test_example_script_under_torchrun_saves_a_profile(side_jobs):
     tmp_path, launched = side_jobs["example"]
     completed = launched.result()
@@ -358,6 +367,7 @@ print("scheduler calls with the engine:", len(calls))
 """
 
 
+@pytest.mark.distributed
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed")
 def test_a_misspelt_key_fails_before_deepspeed_builds_the_engine(tmp_path):
     """The section is parsed at the door: DeepSpeed never starts building (it would call the
@@ -373,6 +383,7 @@ def test_a_misspelt_key_fails_before_deepspeed_builds_the_engine(tmp_path):
     assert "scheduler calls with the engine: 1" in completed.stdout
 
 
+@pytest.mark.distributed
 def test_install_is_idempotent_and_autoload_hooks_the_import():
     from perseus_ext.adapters.deepspeed import install
 
@@ -423,6 +434,7 @@ def _report_fields(lines: list[str]) -> list[str]:
     return fields
 
 
+@pytest.mark.distributed
 def test_readmes_demo_block_is_the_demos_own_output(straggler_job, capsys):
     """README shows the demo's whole output, line for line in the demo's report format (it used
     to be abridged and presented as verbatim)."""

@@ -45,6 +45,7 @@ FAST_PROFILING = {
 
 
 # --------------------------------------------------------------------------- runtime
+@pytest.mark.distributed
 def test_reschedule_resolves_for_a_new_schedule_and_reuses_a_cached_frontier():
     four, six = build_schedule("1f1b", 1, 4), build_schedule("1f1b", 1, 6)
     runtime = PerseusRuntime(make_config(), schedule=four, stage=0, gpu=sim_gpu())
@@ -73,6 +74,7 @@ def test_reschedule_resolves_for_a_new_schedule_and_reuses_a_cached_frontier():
         runtime.close()
 
 
+@pytest.mark.distributed
 def test_reschedule_while_profiling_keeps_the_measurements():
     runtime = PerseusRuntime(make_config(), schedule=build_schedule("1f1b", 1, 4), stage=0, gpu=sim_gpu())
     try:
@@ -96,6 +98,7 @@ def train_until_deployed(runtime: PerseusRuntime, max_iterations: int = 40) -> N
     raise AssertionError(f"not deployed after {max_iterations} iterations: {runtime.phase}")
 
 
+@pytest.mark.distributed
 def test_reprofile_measures_the_new_work_and_deploys_its_frontier(tmp_path):
     path = tmp_path / "profile.csv"
     runtime = PerseusRuntime(make_config(profile_path=str(path)), schedule=build_schedule("1f1b", 1, 4),
@@ -148,6 +151,7 @@ def train_steadily(runtime: PerseusRuntime, iterations: int) -> None:
         runtime.iteration_end()
 
 
+@pytest.mark.distributed
 def test_a_model_that_misjudges_the_measured_iteration_is_warned_about(tmp_path, caplog):
     """A saved profile that halves every computation (as the per-chunk bug did for V = 2) makes
     the frontier model half the measured compute time: one warning says so. The profile the job
@@ -267,6 +271,7 @@ def batch_size_jobs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedPro
     return {name: (launch.finish(), launch.directory) for name, launch in launches.items()}
 
 
+@pytest.mark.distributed
 @needs_deepspeed
 def test_set_train_batch_size_replans_instead_of_falling_back(batch_size_jobs):
     completed, directory = batch_size_jobs["train_batch"]
@@ -282,6 +287,7 @@ def test_set_train_batch_size_replans_instead_of_falling_back(batch_size_jobs):
     assert "microbatches': 6" in output  # gradient accumulation 4 -> 6
 
 
+@pytest.mark.distributed
 @needs_deepspeed
 def test_set_train_micro_batch_size_profiles_again_instead_of_keeping_a_stale_profile(batch_size_jobs):
     """Micro batch 4 -> 8 before iteration 10 (the simulated work per computation doubles with
@@ -320,6 +326,7 @@ def plain_engine_jobs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedP
     return {name: (launch.finish(), launch.directory) for name, launch in launches.items()}
 
 
+@pytest.mark.distributed
 @needs_deepspeed
 def test_plain_engine_observe_mode_measures_every_iteration(plain_engine_jobs):
     completed, directory = plain_engine_jobs["observe"]
@@ -331,6 +338,7 @@ def test_plain_engine_observe_mode_measures_every_iteration(plain_engine_jobs):
         assert len(log_phases(directory, rank)) == 6
 
 
+@pytest.mark.distributed
 @needs_deepspeed
 def test_plain_engine_power_limit_mode_settles_on_a_limit(plain_engine_jobs):
     completed, directory = plain_engine_jobs["power_limit"]
@@ -340,6 +348,7 @@ def test_plain_engine_power_limit_mode_settles_on_a_limit(plain_engine_jobs):
         assert summary["policy"]["limit_w"] is not None and len(summary["policy"]["measurements"]) >= 2
 
 
+@pytest.mark.distributed
 @needs_deepspeed
 def test_plain_engine_optimize_mode_is_a_clear_error(plain_engine_jobs):
     completed, _ = plain_engine_jobs["optimize"]

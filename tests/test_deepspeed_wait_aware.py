@@ -93,6 +93,7 @@ def _pipeline_energy(ranks: list[dict], iterations: list[int], key: str) -> list
     return [sum(r["iterations"][i][key] for r in stages) for i in iterations]
 
 
+@pytest.mark.distributed
 def test_the_held_pipeline_runs_a_plan_slower_than_t_star(held_job):
     from perseus_ext import demo
 
@@ -113,6 +114,7 @@ def test_the_held_pipeline_runs_a_plan_slower_than_t_star(held_job):
     assert _held_iterations(demo.by_variant(results, "perseus"))[0] <= ITERATIONS - 10
 
 
+@pytest.mark.distributed
 def test_the_wait_aware_plan_spends_less_energy_per_held_iteration_than_t_star(held_job):
     from perseus_ext import demo
 

@@ -12,6 +12,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 ENV = dict(os.environ, OMP_NUM_THREADS="1",
@@ -48,6 +50,7 @@ LEADER_FAULT = textwrap.dedent(
 )
 
 
+@pytest.mark.distributed
 def test_a_leaders_local_error_never_stalls_the_other_ranks(tmp_path):
     from runtime_helpers import free_port as _free_port
 
@@ -99,6 +102,7 @@ def _alive(pid: int) -> bool:
     return "\nState:\tZ" not in status
 
 
+@pytest.mark.distributed
 def test_the_solver_child_dies_with_a_killed_leader_and_leaves_no_file(tmp_path):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -182,6 +186,7 @@ def _kill_during_the_solve(tmp_path, trial: int, timeout_s: float, delay_s: floa
     return json.loads(out.strip().splitlines()[-1]), took_s, err
 
 
+@pytest.mark.distributed
 def test_a_rank_killed_during_the_solve_never_stalls_its_peer_past_the_control_timeout(tmp_path):
     """A 2-rank job started without torchrun (nobody signals the survivor): one rank is killed
     at a random moment of the background solve, alternately the leader and the other stage,

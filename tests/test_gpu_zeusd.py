@@ -207,6 +207,7 @@ def _startup_faults(tmp_path: Path, monkeypatch) -> dict[str, str]:
     return faults
 
 
+@pytest.mark.distributed
 def test_every_startup_fault_is_a_clear_dry_run_or_a_strict_config_error(tmp_path, monkeypatch, caplog):
     for name, (words, gpu) in _startup_faults(tmp_path, monkeypatch).items():
         assert isinstance(gpu, ZeusdGPU) and not gpu.can_set_clocks(), name
@@ -229,6 +230,7 @@ def test_strict_runtime_stops_at_start_up_with_a_config_error(tmp_path, monkeypa
 
 
 # --------------------------------------------------------------------------- faults mid-run
+@pytest.mark.distributed
 @pytest.mark.parametrize("fault", ["hangs", "dies"])
 def test_daemon_failing_mid_run_never_stops_training(fault, tmp_path, monkeypatch, caplog):
     monkeypatch.setattr("perseus_ext.measurement.gpu.zeusd_client.READ_TIMEOUT_S", 0.5)  # a shorter hang
@@ -278,6 +280,7 @@ TRAINER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_killed_trainer_is_restored_through_zeusd(signum, zeusd, tmp_path):
     """SIGTERM: the trainer's own handler restores; SIGKILL: its watchdog does; both through zeusd."""

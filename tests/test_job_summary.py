@@ -73,6 +73,7 @@ def assert_the_hand_figures(job: dict, hand: dict) -> None:
         assert overall[key] == pytest.approx(hand[key], rel=1e-9), key
 
 
+@pytest.mark.distributed
 def test_a_single_rank_job_logs_the_reports_figure(tmp_path, caplog):
     caplog.set_level(logging.DEBUG, logger="perseus_ext")
     log = tmp_path / "log-{rank}.jsonl"
@@ -165,6 +166,7 @@ def run_two_ranks(tmp_path: Path, scenario: str) -> tuple[list[dict | None], str
     return results, outputs[0]
 
 
+@pytest.mark.distributed
 def test_two_ranks_agree_on_the_job_figure_and_it_is_the_reports(tmp_path):
     (first, second), output = run_two_ranks(tmp_path, "close")
     job = first["summary"]["job"]
@@ -182,6 +184,7 @@ def test_two_ranks_agree_on_the_job_figure_and_it_is_the_reports(tmp_path):
     assert "rank 0 summary" not in output and "rank 1 summary" not in output  # DEBUG now
 
 
+@pytest.mark.distributed
 def test_a_rank_whose_peer_never_closes_gives_up_after_the_bounded_wait(tmp_path):
     (first, second), output = run_two_ranks(tmp_path, "absent")
     assert second is None
@@ -191,6 +194,7 @@ def test_a_rank_whose_peer_never_closes_gives_up_after_the_bounded_wait(tmp_path
     assert "rank 0 summary" in output  # its own figures at INFO instead
 
 
+@pytest.mark.distributed
 def test_the_summary_has_the_set_calls_measured_live_and_assumed_in_dry_run():
     """A live run times its clock set calls (the figure that should replace a GPU's preset);
     a dry-run says which duration it assumed for them."""

@@ -56,7 +56,7 @@ MAX_TIME_INCREASE = 0.01  # the issue's bound on the iteration-time cost of Pers
 MEASUREMENT_NOISE = 0.02
 MODEL_TOLERANCE = 0.05  # the deployed plan's model time against the devices' (the demo's model check)
 # A shared job trains several layouts one after the other: the test that starts it waits for all.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.distributed]  # every test reads a torchrun job
 
 
 @dataclass
@@ -323,7 +323,9 @@ PP2_DP2 = ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"], {
     "off": {"perseus": None},
     "observe": {"perseus": "observe", "iterations": 10},
     "optimize": {"perseus": "optimize"},
-    "straggler": {"perseus": "optimize", "argv": STRAGGLER_GPU, "iterations": 17},
+    # Long enough for several slowed iterations even when a loaded machine delays the checks
+    # that confirm the straggler: their median is what the test compares.
+    "straggler": {"perseus": "optimize", "argv": STRAGGLER_GPU, "iterations": 21},
 }
 
 

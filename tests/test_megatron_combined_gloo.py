@@ -28,6 +28,7 @@ def job(tmp_path_factory) -> list[dict]:
     return run_gloo_job(str(WORKER), tmp_path_factory.mktemp("combined_gloo"), world_size=2, timeout_s=420)
 
 
+@pytest.mark.distributed
 def test_the_job_profiles_solves_and_deploys_one_clock_per_combined_unit(job):
     for stage, rank in enumerate(job):
         run = rank["optimize"]
@@ -49,6 +50,7 @@ def test_the_job_profiles_solves_and_deploys_one_clock_per_combined_unit(job):
         assert twin["fallback_reason"] is None and twin["final_phase"] == "observing"
 
 
+@pytest.mark.distributed
 def test_the_measured_saving_agrees_with_the_side_by_side_twin(job):
     def samples(run: str) -> list[Sample]:
         return job_samples([[Sample(**s) for s in rank[run]["samples"]] for rank in job])

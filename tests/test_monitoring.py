@@ -15,6 +15,7 @@ from perseus_ext.runtime import PerseusRuntime
 from runtime_helpers import make_config, sim_gpu, train  # noqa: E402
 
 
+@pytest.mark.distributed
 def test_metrics_reach_a_tensorboard_event_file(tmp_path):
     tensorboard = pytest.importorskip("torch.utils.tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -78,6 +79,7 @@ def test_a_failing_writer_is_dropped_without_breaking_training():
     assert metrics.sinks == [] and runtime.fallback_reason is None
 
 
+@pytest.mark.distributed
 def test_deepspeed_csv_monitor_gets_the_metrics_and_report_reproduces_the_demo(tmp_path):
     from perseus_ext import demo
     from perseus_ext.observability.reporting import analyse, read_logs

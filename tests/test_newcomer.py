@@ -132,6 +132,7 @@ def test_ci_fails_when_an_install_step_fails(tmp_path):
 
 
 # --------------------------------------------------------------------------- Megatron example
+@pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_megatron_tiny_example_runs_from_readmes_venv(tmp_path):
     """README installs into `.venv` at the checkout's root and never activates it; the script
@@ -154,6 +155,7 @@ def test_megatron_tiny_example_runs_from_readmes_venv(tmp_path):
 
 
 # --------------------------------------------------------------------------- short jobs
+@pytest.mark.distributed
 def test_a_job_of_50_deployed_iterations_measures_its_saving_by_default(caplog):
     """With the default baseline_fraction (0.01) a 60-iteration job used to end with no probe,
     no measured saving and no word on when profiling pays back."""

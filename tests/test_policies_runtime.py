@@ -52,6 +52,7 @@ def run_power_limit(eta: float) -> tuple[PerseusRuntime, list[float]]:
     return runtime, limits
 
 
+@pytest.mark.distributed
 def test_power_limit_mode_walks_the_limits_picks_one_and_restores_it():
     runtime, limits = run_power_limit(eta=0.5)
     gpu = runtime.gpu
@@ -76,6 +77,7 @@ def test_power_limit_mode_walks_the_limits_picks_one_and_restores_it():
     assert summary["energy_saving_vs_default"] is not None and summary["default_clocks"]["iterations"] == 1
 
 
+@pytest.mark.distributed
 def test_power_limit_eta_trades_time_for_energy():
     fast, _ = run_power_limit(eta=0.0)
     frugal, _ = run_power_limit(eta=1.0)
@@ -123,6 +125,7 @@ def test_power_limit_mode_rejects_a_frontier_policy_object():
 
 
 # --------------------------------------------------------------------------- Chase on the frontier
+@pytest.mark.distributed
 def test_chase_follows_a_carbon_trace_and_reports_emissions(tmp_path):
     trace = tmp_path / "grid.csv"
     # High intensity for the first 3 s of wall time, then a clean grid.
@@ -198,6 +201,7 @@ def deployed_plan(summary: dict) -> int:
     return summary["plan_switches"][-1]["plan"]
 
 
+@pytest.mark.distributed
 def test_zeus_eta1_deploys_a_slower_plan_than_eta0_on_every_rank(two_ranks):
     eta0 = [r["zeus_eta0"] for r in two_ranks]
     eta1 = [r["zeus_eta1"] for r in two_ranks]
@@ -213,6 +217,7 @@ def test_zeus_eta1_deploys_a_slower_plan_than_eta0_on_every_rank(two_ranks):
         assert summary["final_phase"] == "deployed" and summary["clocks_restored"]
 
 
+@pytest.mark.distributed
 def test_pipeline_deploys_the_leaders_choice_when_ranks_read_different_carbon(two_ranks):
     chase = [r["chase_split"] for r in two_ranks]
     assert deployed_plan(chase[0]) == deployed_plan(chase[1]) != 0  # rank 0 (leader) sees 800
@@ -220,6 +225,7 @@ def test_pipeline_deploys_the_leaders_choice_when_ranks_read_different_carbon(tw
     assert all(s["policy"]["carbon"]["kg_emitted"] > 0 for s in chase)
 
 
+@pytest.mark.distributed
 def test_power_limit_mode_agrees_across_ranks_and_restores(two_ranks):
     runs = [r["power_limit"] for r in two_ranks]
     policies = [s["policy"] for s in runs]
@@ -233,6 +239,7 @@ def test_power_limit_mode_agrees_across_ranks_and_restores(two_ranks):
 
 
 # --------------------------------------------------------------------------- DeepSpeed
+@pytest.mark.distributed
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="DeepSpeed is an optional dependency")
 def test_deepspeed_power_limit_mode_end_to_end(tmp_path):
     from perseus_ext import demo

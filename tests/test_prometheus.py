@@ -42,6 +42,7 @@ def _samples(server, metric: str, rank: int) -> dict[float, float]:
     return {float(t): float(v) for series in result for t, v in series["values"]}
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_a_real_prometheus_scrapes_a_deepspeed_job_and_a_pushgateway_keeps_its_end(tmp_path):
     pytest.importorskip("deepspeed")

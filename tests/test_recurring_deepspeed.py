@@ -130,11 +130,13 @@ def check_recurring_job(store: str, ranks: list[list[dict]]) -> None:
         f"{r['report']['energy_j']:.0f} J cost {r['report']['cost']:.0f}" for r in runs) + f"; best {state.best_batch_size}")
 
 
+@pytest.mark.distributed
 def test_recurring_job_on_sqlite(tmp_path):
     store = f"sqlite:///{tmp_path / 'state' / 'bso.db'}"
     check_recurring_job(store, launch(tmp_path / "job", store))
 
 
+@pytest.mark.distributed
 def test_recurring_job_on_postgresql(tmp_path, postgres):
     store = postgres.create_database(f"bso_{uuid.uuid4().hex[:12]}")
     check_recurring_job(store, launch(tmp_path / "job", store))

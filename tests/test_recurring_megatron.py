@@ -43,6 +43,7 @@ def _section(store: str) -> dict:
     }
 
 
+@pytest.mark.distributed
 def test_store_sets_the_global_batch_size_of_each_run(tmp_path):
     from perseus_ext.policies.batch_size import read_states
 

@@ -109,6 +109,7 @@ def job(tmp_path_factory) -> list[dict]:
     return run_gloo_job(__file__, tmp_path_factory.mktemp("recovery"), 2, WORKER_TIMEOUT_S)
 
 
+@pytest.mark.distributed
 def test_held_iterations_never_wait_for_their_device_record(job):
     held = [row for case in ("store", "no store") for row in job[0][case]["rows"] if row["held"]]
     assert len(held) >= 6, job[0]["store"]["switches"]
@@ -120,6 +121,7 @@ def test_held_iterations_never_wait_for_their_device_record(job):
     assert statistics.median(row["start_s"] for row in held) < 0.005
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", ["store", "no store"])
 def test_every_iteration_after_the_recovered_one_runs_the_fastest_plan(job, case):
     pipeline0, pipeline1 = job[0][case], job[1][case]
@@ -146,6 +148,7 @@ def test_every_iteration_after_the_recovered_one_runs_the_fastest_plan(job, case
     assert sum(compute < fastest * 1.03 for compute in after) >= 0.8 * len(after), after
 
 
+@pytest.mark.distributed
 def test_the_stragglers_post_switches_the_slowed_pipeline_within_the_recovered_iteration(job):
     pipeline0, pipeline1 = job[0]["store"], job[1]["store"]
     recovered = STRAGGLER.stop
@@ -158,6 +161,7 @@ def test_the_stragglers_post_switches_the_slowed_pipeline_within_the_recovered_i
     assert records[recovered + 1][1] < pipeline0["plan_times"][0] * 1.03  # launched slowed, ran fast
 
 
+@pytest.mark.distributed
 def test_without_a_store_the_slowed_pipelines_own_wait_tells(job):
     pipeline0, pipeline1 = job[0]["no store"], job[1]["no store"]
     assert "ConnectionError" in pipeline0["failure"] and not pipeline1["posted"]
