@@ -50,7 +50,9 @@ def _group_of(nodeid: str) -> str:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Each group (`_group_of`) runs whole on one worker, so a module's fixture, often a whole
-    training job, starts once; groups are handed out in collection order."""
+    training job, starts once; groups are handed out in collection order. The groups are the
+    scheduler's own rather than `xdist_group` marks under `--dist loadgroup`: that mode tags a
+    node id that pytest 9.2 no longer reads, and then silently spreads a group over workers."""
     from xdist.scheduler import LoadScopeScheduling
 
     class FileGroupScheduling(LoadScopeScheduling):
