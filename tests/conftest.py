@@ -70,21 +70,21 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Each group (`_group_of`) runs whole on one worker, so a module's fixture, often a whole
     training job, starts once. Groups that start jobs (a test marked `distributed`) run one at a
     time, the other workers taking short tests meanwhile: the jobs' timing claims then see at most
-    one other busy core, as when the suite ran in one process beside anything else. The groups are
+    one other busy core, as in a one-process run beside any other load. The groups are
     the scheduler's own rather than `xdist_group` marks under `--dist loadgroup`: that mode tags a
     node id that pytest 9.2 no longer reads, and then silently spreads a group over workers."""
     from xdist.scheduler import LoadScopeScheduling
 
     class FileGroupScheduling(LoadScopeScheduling):
-        job_groups: set[str] = set()
+        job_groups: frozenset[str] = frozenset()  # the workers' reports, read once all collected
 
         def _split_scope(self, nodeid: str) -> str:
             return _group_of(nodeid)
 
         def schedule(self) -> None:
             if self.collection is None and hasattr(config, "_perseus_job_groups_dir"):
-                for report in Path(config._perseus_job_groups_dir.name).glob("*.json"):
-                    self.job_groups.update(json.loads(report.read_text()))
+                reports = Path(config._perseus_job_groups_dir.name).glob("*.json")
+                self.job_groups = frozenset(g for report in reports for g in json.loads(report.read_text()))
             super().schedule()
 
         def _job_running_elsewhere(self, node) -> bool:
